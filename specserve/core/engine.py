@@ -1,0 +1,205 @@
+"""The single-process speculative decoding loop: prefill, then draft -> verify -> commit -> stop checks.
+
+One cycle, in four named phases (after EAGLE/Medusa's decomposition of a speculative step):
+
+1. **draft** — the drafter proposes up to gamma tokens after the committed text;
+2. **verify** — the target scores ``[last committed token] + draft`` in one forward and the
+   exact rules of :mod:`specserve.core.verification` pick the accepted prefix and one more
+   token (recovered or bonus);
+3. **commit** — the new tokens are cut at EOS and at ``max_new_tokens``, the target's KV cache is
+   rolled back to exactly the committed text, and the drafter is told what was committed;
+4. **stop checks** — EOS, length, stop strings; the text delta is streamed out.
+
+The target's cache always holds every committed token except the last, which is fed at the
+head of the next verify block. The engine knows nothing about where drafts come from (any
+:class:`~specserve.core.draft.Drafter`) nor about tokenisation beyond a decode function. Plain
+decoding is the same loop with the ``none`` drafter, so the two are measured like for like.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from specserve.core.detokenize import TextStream
+from specserve.core.draft import Draft, Drafter
+from specserve.core.model import CausalLM
+from specserve.core.sampling import SamplingParams, make_generators, warp_probs
+from specserve.core.stats import RequestStats
+from specserve.core.verification import verify_chain
+
+FinishReason = Literal["eos", "length", "stop"]
+MAX_GAMMA = 64
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as given; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    gamma: int = 4  # draft tokens per cycle (the drafter may return fewer)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.gamma <= MAX_GAMMA:
+            raise InvalidRequest(f"gamma must be between 1 and {MAX_GAMMA} (0 = no drafting), got {self.gamma}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty strings")
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: RequestStats = field(default_factory=RequestStats)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    text: str  # new text since the previous chunk (may be empty)
+    token_ids: list[int]  # tokens committed in this cycle
+    result: GenerationResult | None = None  # set on the last chunk only
+
+
+class SpeculativeEngine:
+    """Runs one request at a time on a target model with one drafter."""
+
+    def __init__(self, target: CausalLM, drafter: Drafter) -> None:
+        self.target = target
+        self.drafter = drafter
+
+    # -----------------------------------------------------------------------------------------
+    # Public API
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        config: GenerationConfig | None = None,
+    ) -> GenerationResult:
+        """Blocking call: the whole generation."""
+        for chunk in self.stream(prompt, params, config):
+            if chunk.result is not None:
+                return chunk.result
+        raise AssertionError("stream ended without a result")  # pragma: no cover
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        config: GenerationConfig | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Streaming call: one chunk of text per cycle; the last chunk carries the result."""
+        params = params or SamplingParams()
+        config = config or GenerationConfig()
+        prompt_ids = self.encode(prompt)
+        self.validate(prompt_ids, config)
+        return self._run(prompt_ids, params, config)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty; pass at least one character of text")
+            if self.target.tokenizer is None:
+                raise InvalidRequest("this target has no tokenizer; pass prompt token ids instead of text")
+            ids = list(self.target.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequest("the prompt is empty; pass at least one token")
+        vocab = self.target.info.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+        limit = self.target.info.max_positions
+        if len(prompt_ids) + config.max_new_tokens > limit:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
+                f"target's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
+            )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.target.tokenizer is None:
+            return ""
+        return str(self.target.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+    # -----------------------------------------------------------------------------------------
+    # The loop
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> Iterator[StreamChunk]:
+        target, drafter = self.target, self.drafter
+        device = target.device
+        stats = RequestStats()
+        text = TextStream(self.decode, config.stop)
+        eos = set() if config.ignore_eos else set(target.info.eos_token_ids)
+        generators = make_generators(params.seed, device)
+        start = time.perf_counter()
+
+        cache = target.new_cache()
+        if len(prompt_ids) > 1:
+            target.forward(cache, torch.tensor(prompt_ids[:-1], dtype=torch.long), last_only=True)
+        drafter.start(prompt_ids, params, generators.draft)
+        stats.prefill_seconds = time.perf_counter() - start
+
+        committed = list(prompt_ids)
+        output: list[int] = []
+        finish: FinishReason | None = None
+        while finish is None:
+            remaining = config.max_new_tokens - len(output)
+
+            # 1. draft
+            t0 = time.perf_counter()
+            budget = min(config.gamma, remaining - 1)
+            draft = drafter.propose(budget) if budget > 0 else Draft.empty(device)
+            if draft.gamma > budget:  # a drafter must not overrun its budget; trim defensively
+                probs = draft.draft_probs[:budget] if draft.draft_probs is not None else None
+                draft = Draft(draft.tokens[:budget], probs)
+            t1 = time.perf_counter()
+
+            # 2. verify
+            block = torch.cat([torch.tensor([committed[-1]], dtype=torch.long, device=device), draft.tokens])
+            target_logits = target.forward(cache, block)  # [gamma + 1, vocab]
+            target_probs = None if params.greedy else warp_probs(target_logits, params)
+            verdict = verify_chain(target_logits, target_probs, draft.tokens, draft.draft_probs, generators.verify)
+            t2 = time.perf_counter()
+            stats.record_cycle(draft.gamma, verdict.num_accepted, t1 - t0, t2 - t1)
+
+            # 3. commit
+            new = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+            if len(new) >= remaining:
+                new, finish = new[:remaining], "length"
+            for i, token in enumerate(new):
+                if token in eos:
+                    new, finish = new[: i + 1], "eos"
+                    break
+            delta, keep = text.push(new)
+            if text.stopped:
+                new, finish = new[:keep], "stop"
+            committed.extend(new)
+            output.extend(new)
+            cache.rollback(len(committed) - 1)
+            if finish is None:
+                drafter.accept(new)
+
+            # 4. stream out
+            if finish is not None:
+                delta += text.finish()
+            stats.new_tokens = len(output)
+            stats.total_seconds = time.perf_counter() - start
+            result = None
+            if finish is not None:
+                result = GenerationResult(list(prompt_ids), output, text.text, finish, stats)
+            yield StreamChunk(delta, new, result)

@@ -1,0 +1,158 @@
+"""Adapter over a local Hugging Face causal LM: load, forward a block of tokens with a KV cache, roll back.
+
+The adapter is the one place that knows transformers' cache API. In transformers 5.x a
+``DynamicCache`` grows on every forward and ``Cache.crop(n)`` takes a *negative* count of tokens
+to drop; :meth:`KVCache.rollback` hides that behind "keep the first ``length`` positions".
+Positions of a new block follow from the cache length, so a block of k tokens after a rollback
+is positioned exactly as a fresh forward over the kept prefix would be.
+
+No modeling code is forked: the model is whatever ``AutoModelForCausalLM`` builds from the
+directory's ``config.json``. Does not know about drafting, verification or sampling.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model directory is missing, malformed or not a causal LM; the message says which."""
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was requested but no CUDA device is available; use --device cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ModelLoadError(f"unknown device {name!r}; use cpu or cuda")
+    return torch.device(name)
+
+
+class KVCache:
+    """The KV cache of one sequence; ``length`` positions are cached."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.inner = DynamicCache(config=model.config)
+
+    @property
+    def length(self) -> int:
+        return int(self.inner.get_seq_length())
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` cached positions and drop the rest."""
+        current = self.length
+        if not 0 <= length <= current:
+            raise ValueError(f"cannot roll back a cache of length {current} to {length}")
+        if length < current:
+            self.inner.crop(length - current)  # transformers 5.x: negative = tokens to remove
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    vocab_size: int  # width of the logits
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+    architecture: str
+
+
+class CausalLM:
+    """A loaded causal LM plus its tokenizer (if the directory has one)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: Any | None = None, path: str = "<in-memory>") -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        config = model.config
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        if eos is None:
+            eos = config.eos_token_id
+        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
+        max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.info = ModelInfo(
+            path=path,
+            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+            max_positions=int(max_positions or 2048),
+            eos_token_ids=eos_ids,
+            architecture=type(model).__name__,
+        )
+        # transformers 5.x renamed ``past_key_values`` to ``cache``; older models keep the old name.
+        forward_params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu") -> CausalLM:
+        """Load a local checkpoint directory (config + weights + tokenizer) with ``local_files_only``."""
+        directory = Path(path)
+        torch_dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
+        torch_device = resolve_device(device)
+        _check_checkpoint_dir(directory)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch_dtype)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelLoadError(f"could not load a causal LM from {directory}: {first_line}") from exc
+        model.to(torch_device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"could not load the tokenizer in {directory}: {exc}") from exc
+        return cls(model, tokenizer, path=str(directory))
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.model)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor,  # [k] int64, the tokens at positions cache.length .. cache.length + k - 1
+        last_only: bool = False,
+    ) -> torch.Tensor:  # [k, vocab] (or [1, vocab] when last_only) logits, in the model's dtype
+        """Append ``input_ids`` to the cache and return their next-token logits."""
+        kwargs = {self._cache_kwarg: cache.inner, "logits_to_keep": 1 if last_only else 0}
+        out = self.model(input_ids=input_ids.to(self.device)[None], use_cache=True, **kwargs)
+        return out.logits[0]
+
+
+def _check_checkpoint_dir(directory: Path) -> None:
+    if not directory.exists():
+        raise ModelLoadError(f"model directory {directory} does not exist")
+    if not directory.is_dir():
+        raise ModelLoadError(f"{directory} is not a directory; pass a Hugging Face checkpoint directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{directory} has no config.json; it is not a Hugging Face checkpoint directory")
+    try:
+        json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
+    weights = list(directory.glob("*.safetensors")) + list(directory.glob("*.bin"))
+    if not weights:
+        raise ModelLoadError(f"{directory} has no weights (*.safetensors or *.bin)")

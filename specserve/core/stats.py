@@ -1,0 +1,80 @@
+"""Per-request speculation statistics: what was drafted, what was accepted, where the time went.
+
+Acceptance by position i is conditional on reaching it: among cycles whose draft had a token
+at position i and accepted every token before it, the fraction that accepted token i.
+"Accepted length" of a cycle counts the recovered or bonus token too, so plain decoding has
+mean accepted length 1.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestStats:
+    cycles: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # draft tokens accepted by the verifier
+    new_tokens: int = 0  # tokens delivered to the caller
+    reached: list[int] = field(default_factory=list)  # [max_gamma] cycles that reached position i
+    accepted: list[int] = field(default_factory=list)  # [max_gamma] cycles that accepted position i
+    accepted_length_histogram: Counter[int] = field(default_factory=Counter)  # accepted + 1 -> cycles
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def record_cycle(self, gamma: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        self.cycles += 1
+        self.drafted_tokens += gamma
+        self.accepted_tokens += num_accepted
+        if len(self.reached) < gamma:
+            grow = gamma - len(self.reached)
+            self.reached.extend([0] * grow)
+            self.accepted.extend([0] * grow)
+        for i in range(min(num_accepted + 1, gamma)):
+            self.reached[i] += 1
+            if i < num_accepted:
+                self.accepted[i] += 1
+        self.accepted_length_histogram[num_accepted + 1] += 1
+        self.draft_seconds += draft_seconds
+        self.verify_seconds += verify_seconds
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        return [a / r if r else None for a, r in zip(self.accepted, self.reached, strict=True)]
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / drafted tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens committed per cycle by the verifier (accepted drafts + the recovered/bonus token)."""
+        return (self.accepted_tokens + self.cycles) / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cycles": self.cycles,
+            "new_tokens": self.new_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted": self.mean_accepted,
+            "acceptance_by_position": self.acceptance_by_position,
+            "reached_by_position": list(self.reached),
+            "accepted_length_histogram": {str(k): v for k, v in sorted(self.accepted_length_histogram.items())},
+            "prefill_seconds": self.prefill_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "total_seconds": self.total_seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }

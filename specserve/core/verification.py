@@ -1,0 +1,146 @@
+"""Exact verification of a draft chain: pure tensor functions, no model, no I/O.
+
+Rules (see VERIFICATION.md, rule A; Leviathan et al. 2023, Chen et al. 2023):
+
+* greedy — accept draft tokens while each equals the target's argmax (lowest id on ties); the
+  next token is the target's argmax at the first mismatch (*recovered*) or after the last draft
+  (*bonus*).
+* stochastic — accept draft x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+  rejection emit a *recovered* token from norm(max(0, p_i - q_i)); if all are accepted emit a
+  *bonus* token from p_gamma. Every emitted token is then distributed exactly as p.
+  Drafts that carry no q (n-gram lookup) are proposals from a point mass: q_i = one-hot(x_i).
+
+Both fast functions draw their randomness in a fixed order (gamma uniforms, then one exponential
+race per candidate row) so :func:`reference_verify_chain`, a plain loop written for
+readability, reproduces them bit for bit on the same generator state. The fast path keeps all
+work on device and returns tensors; the caller syncs once per cycle.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from specserve.core.sampling import sample
+
+
+class TokenKind(enum.IntEnum):
+    """The three kinds of committed token, one name each in code, metrics and logs."""
+
+    ACCEPTED = 0  # a draft token that passed verification
+    RECOVERED = 1  # resampled from the residual after a rejection (target argmax when greedy)
+    BONUS = 2  # sampled from the target after every draft token was accepted
+
+
+@dataclass(frozen=True)
+class ChainVerdict:
+    num_accepted: int  # leading draft tokens accepted, 0..gamma
+    next_token: int  # the recovered or bonus token appended after them
+    next_kind: TokenKind  # RECOVERED or BONUS
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast paths
+
+
+def verify_chain_greedy(
+    target_logits: torch.Tensor,  # [gamma + 1, vocab]
+    draft_tokens: torch.Tensor,  # [gamma] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # (num_accepted [] int64, next_token [] int64)
+    gamma = draft_tokens.shape[0]
+    target_argmax = target_logits.argmax(-1)  # [gamma + 1]; torch.argmax picks the first maximum
+    matches = draft_tokens == target_argmax[:gamma]
+    num_accepted = matches.long().cumprod(0).sum()
+    return num_accepted, target_argmax[num_accepted]
+
+
+def residual_rows(
+    target_probs: torch.Tensor,  # [gamma + 1, vocab]
+    draft_tokens: torch.Tensor,  # [gamma] int64
+    draft_probs: torch.Tensor | None,  # [gamma, vocab], or None for point-mass drafts
+) -> torch.Tensor:  # [gamma + 1, vocab] unnormalised: rows 0..gamma-1 residuals, row gamma = p_gamma
+    gamma = draft_tokens.shape[0]
+    head = target_probs[:gamma]
+    if draft_probs is None:
+        residual = head.scatter(-1, draft_tokens[:, None], 0.0)
+    else:
+        residual = (head - draft_probs.to(head.dtype)).clamp_min(0.0)
+    # A rejection can only happen where p != q, so the residual has mass; if rounding left it
+    # empty (p == q up to float error) fall back to p itself, which is then the right law.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, head, residual)
+    return torch.cat([residual, target_probs[gamma:]], dim=0)
+
+
+def verify_chain_stochastic(
+    target_probs: torch.Tensor,  # [gamma + 1, vocab], warped target distributions
+    draft_tokens: torch.Tensor,  # [gamma] int64
+    draft_probs: torch.Tensor | None,  # [gamma, vocab] the exact q each token was drawn from; None = point mass
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (num_accepted [] int64, next_token [] int64)
+    gamma = draft_tokens.shape[0]
+    positions = torch.arange(gamma, device=draft_tokens.device)
+    target_at_draft = target_probs[positions, draft_tokens]  # [gamma]
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)
+    else:
+        draft_at_draft = draft_probs[positions, draft_tokens].to(target_at_draft.dtype)
+    uniforms = torch.rand(gamma, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
+    # u < p/q  <=>  u * q < p  (no division; p == 0 is never accepted)
+    accepted = uniforms * draft_at_draft < target_at_draft
+    num_accepted = accepted.long().cumprod(0).sum()
+    candidates = sample(residual_rows(target_probs, draft_tokens, draft_probs), generator)  # [gamma + 1]
+    return num_accepted, candidates[num_accepted]
+
+
+def verify_chain(
+    target_logits: torch.Tensor,  # [gamma + 1, vocab]
+    target_probs: torch.Tensor | None,  # [gamma + 1, vocab]; None when greedy
+    draft_tokens: torch.Tensor,  # [gamma] int64
+    draft_probs: torch.Tensor | None,  # [gamma, vocab] or None
+    generator: torch.Generator | None,
+) -> ChainVerdict:
+    """Dispatch to the greedy or stochastic rule and sync once to host."""
+    gamma = draft_tokens.shape[0]
+    if target_probs is None:
+        num, token = verify_chain_greedy(target_logits, draft_tokens)
+    else:
+        if generator is None:
+            raise ValueError("stochastic verification needs the request's generator")
+        num, token = verify_chain_stochastic(target_probs, draft_tokens, draft_probs, generator)
+    n = int(num.item())
+    return ChainVerdict(n, int(token.item()), TokenKind.BONUS if n == gamma else TokenKind.RECOVERED)
+
+
+# ---------------------------------------------------------------------------------------------
+# Slow reference: a loop that reads like the paper, for tests only.
+
+
+def reference_verify_chain(
+    target_probs: torch.Tensor,  # [gamma + 1, vocab]
+    draft_tokens: torch.Tensor,  # [gamma]
+    draft_probs: torch.Tensor | None,  # [gamma, vocab] or None
+    generator: torch.Generator,
+) -> ChainVerdict:
+    gamma, vocab = draft_tokens.shape[0], target_probs.shape[-1]
+    uniforms = torch.rand(gamma, generator=generator, device=target_probs.device, dtype=target_probs.dtype).tolist()
+    noise = torch.empty(gamma + 1, vocab, device=target_probs.device, dtype=target_probs.dtype)
+    noise.exponential_(1.0, generator=generator)
+    for i in range(gamma):
+        x = int(draft_tokens[i])
+        p_x = float(target_probs[i, x])
+        q_row = torch.zeros(vocab, dtype=target_probs.dtype) if draft_probs is None else draft_probs[i].clone()
+        if draft_probs is None:
+            q_row[x] = 1.0
+        q_x = float(q_row[x])
+        if uniforms[i] < p_x / q_x:
+            continue
+        residual = (target_probs[i] - q_row).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:
+            residual = target_probs[i].clone()
+        residual = residual / residual.sum()
+        return ChainVerdict(i, int((residual / noise[i]).argmax()), TokenKind.RECOVERED)
+    bonus = target_probs[gamma] / target_probs[gamma].sum()
+    return ChainVerdict(gamma, int((bonus / noise[gamma]).argmax()), TokenKind.BONUS)

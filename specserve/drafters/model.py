@@ -1,0 +1,101 @@
+"""Draft-model drafting: a small causal LM sharing the target's vocabulary proposes gamma tokens.
+
+At temperature 0 the drafter proposes its argmax and sends no q. Otherwise it samples each
+token from its own distribution warped with the request's temperature / top-k / top-p, and
+sends exactly that distribution as q, which is what exact rejection sampling needs.
+
+The drafter keeps its own KV cache. Before proposing it rolls the cache back to the longest
+prefix shared with the committed text and feeds the rest in one forward (usually one or two
+tokens), so rejected draft tokens never leak into later proposals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.core.draft import Draft
+from specserve.core.model import CausalLM, KVCache
+from specserve.core.sampling import SamplingParams, sample, warp_probs
+
+
+class VocabularyMismatch(ValueError):
+    """The draft model cannot propose tokens for this target: their vocabularies differ."""
+
+
+def check_same_vocabulary(target: CausalLM, draft: CausalLM) -> None:
+    """Raise :class:`VocabularyMismatch` unless both models score the same token ids."""
+    if target.info.vocab_size != draft.info.vocab_size:
+        raise VocabularyMismatch(
+            f"draft model {draft.info.path} has a vocabulary of {draft.info.vocab_size} tokens but the target "
+            f"{target.info.path} has {target.info.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise VocabularyMismatch(
+                f"draft model {draft.info.path} and target {target.info.path} have different tokenizers "
+                "(same size, different token ids); a draft model must share the target's tokenizer"
+            )
+
+
+class DraftModelDrafter:
+    name = "model"
+
+    def __init__(self, draft: CausalLM, target: CausalLM | None = None) -> None:
+        if target is not None:
+            check_same_vocabulary(target, draft)
+        self.model = draft
+        self._output_device = target.device if target is not None else draft.device
+        self._cache: KVCache | None = None
+        self._cached: list[int] = []  # tokens whose keys/values are in the cache, in order
+        self._context: list[int] = []  # committed tokens of the current request
+        self._params = SamplingParams()
+        self._generator: torch.Generator | None = None
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
+        self._cache = self.model.new_cache()
+        self._cached = []
+        self._context = list(prompt_ids)
+        self._params = params
+        self._generator = generator
+
+    def accept(self, committed: Sequence[int]) -> None:
+        self._context.extend(committed)
+
+    def _catch_up(self) -> torch.Tensor:  # [vocab] logits for the token after the context
+        assert self._cache is not None, "start() must be called before propose()"
+        keep = 0
+        limit = min(len(self._cached), len(self._context) - 1)
+        while keep < limit and self._cached[keep] == self._context[keep]:
+            keep += 1
+        self._cache.rollback(keep)
+        new = self._context[keep:]
+        logits = self.model.forward(self._cache, torch.tensor(new, dtype=torch.long), last_only=True)[-1]
+        self._cached = self._context[:]
+        return logits
+
+    def propose(self, budget: int) -> Draft:
+        budget = min(budget, self.model.info.max_positions - len(self._context))
+        if budget <= 0:
+            return Draft.empty(self._output_device)
+        logits = self._catch_up()
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        greedy = self._params.greedy
+        for i in range(budget):
+            if greedy:
+                token = logits.argmax(-1)
+            else:
+                assert self._generator is not None
+                row = warp_probs(logits, self._params)
+                token = sample(row, self._generator)
+                probs.append(row)
+            tokens.append(token)
+            if i + 1 < budget:
+                assert self._cache is not None
+                logits = self.model.forward(self._cache, token.reshape(1), last_only=True)[-1]
+        token_tensor = torch.stack(tokens).to(self._output_device)
+        self._cached.extend(int(t) for t in token_tensor[:-1].tolist())
+        draft_probs = torch.stack(probs).to(self._output_device) if probs else None
+        return Draft(token_tensor, draft_probs)

@@ -1,0 +1,26 @@
+"""The ``none`` drafter: proposes nothing, so the engine loop runs plain autoregressive decoding."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.core.draft import Draft
+from specserve.core.sampling import SamplingParams
+
+
+class NoDrafter:
+    name = "none"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._device = device
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
+        return None
+
+    def propose(self, budget: int) -> Draft:
+        return Draft.empty(self._device)
+
+    def accept(self, committed: Sequence[int]) -> None:
+        return None

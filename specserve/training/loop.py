@@ -1,0 +1,125 @@
+"""One training loop for both default models: random windows, AdamW, warmup + cosine, bf16 autocast.
+
+The loop knows nothing about what it trains; the caller passes a ``loss_fn(model, batch)``.
+Pre-training uses next-token cross-entropy, distillation uses KL to the target's distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    batch_size: int = 16
+    seq_len: int = 256
+    peak_lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    bf16_autocast: bool = True
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``peak_lr`` then cosine decay to ``min_lr_ratio * peak_lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.peak_lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.peak_lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+def sample_windows(
+    stream: torch.Tensor,  # [num_tokens]
+    batch_size: int,
+    seq_len: int,
+    generator: torch.Generator,
+) -> torch.Tensor:  # [batch_size, seq_len + 1]
+    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=generator)
+    offsets = torch.arange(seq_len + 1)
+    return stream[starts[:, None] + offsets[None, :]]
+
+
+def train(
+    model: torch.nn.Module,
+    stream: torch.Tensor,  # [num_tokens] training token ids
+    loss_fn: LossFn,
+    cfg: TrainConfig,
+    desc: str,
+) -> dict[str, float]:
+    """Train in place; return {"final_loss", "seconds", "tokens"}."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.peak_lr,
+        betas=(0.9, 0.95),
+    )
+    model.train()
+    start = time.perf_counter()
+    ema_loss = float("nan")
+    bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        batch = sample_windows(stream, cfg.batch_size, cfg.seq_len, generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            loss = loss_fn(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss.item()
+        ema_loss = value if math.isnan(ema_loss) else 0.95 * ema_loss + 0.05 * value
+        bar.set_postfix(loss=f"{ema_loss:.3f}", lr=f"{lr_at(step, cfg):.2e}")
+    model.eval()
+    seconds = time.perf_counter() - start
+    return {
+        "final_loss": ema_loss,
+        "seconds": seconds,
+        "tokens": float(cfg.steps * cfg.batch_size * cfg.seq_len),
+    }
+
+
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1]).logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def distillation_loss(teacher: torch.nn.Module) -> LossFn:
+    """KL(teacher || student) per position, averaged: the student learns the teacher's whole distribution."""
+
+    def loss_fn(student: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        inputs = batch[:, :-1]
+        with torch.no_grad():
+            teacher_logp = torch.log_softmax(teacher(input_ids=inputs).logits.float(), dim=-1)
+        student_logp = torch.log_softmax(student(input_ids=inputs).logits.float(), dim=-1)
+        kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+        return kl.mean()
+
+    return loss_fn
+
+
+@torch.inference_mode()
+def heldout_loss(model: torch.nn.Module, stream: torch.Tensor, seq_len: int = 256, max_windows: int = 64) -> float:
+    """Mean next-token cross-entropy (nats) over consecutive held-out windows, in float32."""
+    model.eval()
+    n = min(max_windows, (stream.numel() - 1) // seq_len)
+    total = 0.0
+    for i in range(n):
+        window = stream[i * seq_len : (i + 1) * seq_len + 1][None]
+        logits = model(input_ids=window[:, :-1]).logits.float()
+        total += torch.nn.functional.cross_entropy(logits[0], window[0, 1:]).item()
+    return total / n
