@@ -178,7 +178,7 @@ class SpeculativeEngine:
             stats.record_cycle(draft.gamma, verdict.num_accepted, t1 - t0, t2 - t1)
 
             # 3. commit
-            new = draft.tokens[: verdict.num_accepted].tolist() + [verdict.next_token]
+            new = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
             if len(new) >= remaining:
                 new, finish = new[:remaining], "length"
             for i, token in enumerate(new):

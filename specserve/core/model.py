@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 DTYPES: dict[str, torch.dtype] = {
@@ -115,10 +117,11 @@ class CausalLM:
         _check_checkpoint_dir(directory)
         try:
             model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch_dtype)
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        # SafetensorError / UnpicklingError: a truncated or corrupt weights file (neither is an OSError).
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError, pickle.UnpicklingError) as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelLoadError(f"could not load a causal LM from {directory}: {first_line}") from exc
-        model.to(torch_device)
+        model = model.to(torch_device)  # type: ignore[arg-type]  # transformers wraps .to
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:

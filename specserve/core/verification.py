@@ -87,9 +87,9 @@ def verify_chain_stochastic(
         draft_at_draft = torch.ones_like(target_at_draft)
     else:
         draft_at_draft = draft_probs[positions, draft_tokens].to(target_at_draft.dtype)
-    uniforms = torch.rand(gamma, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
-    # u < p/q  <=>  u * q < p  (no division; p == 0 is never accepted)
-    accepted = uniforms * draft_at_draft < target_at_draft
+    uniforms = torch.rand(gamma, generator=generator, device=target_probs.device, dtype=torch.float64)
+    # u < p/q  <=>  u * q < p, in float64 (no division; p == 0 is never accepted)
+    accepted = uniforms * draft_at_draft.double() < target_at_draft.double()
     num_accepted = accepted.long().cumprod(0).sum()
     candidates = sample(residual_rows(target_probs, draft_tokens, draft_probs), generator)  # [gamma + 1]
     return num_accepted, candidates[num_accepted]
@@ -125,7 +125,7 @@ def reference_verify_chain(
     generator: torch.Generator,
 ) -> ChainVerdict:
     gamma, vocab = draft_tokens.shape[0], target_probs.shape[-1]
-    uniforms = torch.rand(gamma, generator=generator, device=target_probs.device, dtype=target_probs.dtype).tolist()
+    uniforms = torch.rand(gamma, generator=generator, device=target_probs.device, dtype=torch.float64).tolist()
     noise = torch.empty(gamma + 1, vocab, device=target_probs.device, dtype=target_probs.dtype)
     noise.exponential_(1.0, generator=generator)
     for i in range(gamma):
@@ -135,12 +135,12 @@ def reference_verify_chain(
         if draft_probs is None:
             q_row[x] = 1.0
         q_x = float(q_row[x])
-        if uniforms[i] < p_x / q_x:
+        if uniforms[i] * q_x < p_x:  # accept with probability min(1, p_x / q_x)
             continue
         residual = (target_probs[i] - q_row).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:
             residual = target_probs[i].clone()
-        residual = residual / residual.sum()
+        # Exponential race: argmax(w / E) draws index j with probability w_j / sum(w), so the
+        # residual needs no explicit normalisation.
         return ChainVerdict(i, int((residual / noise[i]).argmax()), TokenKind.RECOVERED)
-    bonus = target_probs[gamma] / target_probs[gamma].sum()
-    return ChainVerdict(gamma, int((bonus / noise[gamma]).argmax()), TokenKind.BONUS)
+    return ChainVerdict(gamma, int((target_probs[gamma] / noise[gamma]).argmax()), TokenKind.BONUS)

@@ -31,12 +31,13 @@ def check_same_vocabulary(target: CausalLM, draft: CausalLM) -> None:
             f"draft model {draft.info.path} has a vocabulary of {draft.info.vocab_size} tokens but the target "
             f"{target.info.path} has {target.info.vocab_size}; a draft model must share the target's tokenizer"
         )
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-            raise VocabularyMismatch(
-                f"draft model {draft.info.path} and target {target.info.path} have different tokenizers "
-                "(same size, different token ids); a draft model must share the target's tokenizer"
-            )
+    if target.tokenizer is None or draft.tokenizer is None:
+        return
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise VocabularyMismatch(
+            f"draft model {draft.info.path} and target {target.info.path} have different tokenizers "
+            "(same size, different token ids); a draft model must share the target's tokenizer"
+        )
 
 
 class DraftModelDrafter:

@@ -34,9 +34,15 @@ class RecipeConfig:
     seed: int = 0
 
 
+def eos_id(tokenizer: PreTrainedTokenizerFast) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    assert isinstance(token_id, int)
+    return token_id
+
+
 def encode_stream(tokenizer: PreTrainedTokenizerFast, files: list[corpus.SourceFile]) -> torch.Tensor:
     """Concatenate all files as token ids, each followed by EOS."""
-    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    eos = eos_id(tokenizer)
     ids: list[int] = []
     batch = 256
     for i in tqdm(range(0, len(files), batch), desc="tokenize", unit="batch"):
@@ -64,8 +70,8 @@ def teacher_forced_alpha(
 
 def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float16).save_pretrained(str(out), safe_serialization=True)
-    model.to(torch.float32)
+    model.half().save_pretrained(str(out), safe_serialization=True)
+    model.float()
     save_tokenizer(tokenizer, out)
 
 
@@ -77,16 +83,14 @@ def run(cfg: RecipeConfig) -> dict[str, object]:
     print(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files")
 
     tokenizer = train_tokenizer((f.text for f in train_files), vocab_size=cfg.vocab_size)
-    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    eos = eos_id(tokenizer)
     train_stream = encode_stream(tokenizer, train_files)
     heldout_stream = encode_stream(tokenizer, heldout_files)
     print(f"tokens: {train_stream.numel():,} train, {heldout_stream.numel():,} held-out")
 
     vocab = len(tokenizer)
     target = LlamaForCausalLM(model_configs.target_config(vocab, eos))
-    target_cfg = loop.TrainConfig(
-        steps=cfg.target_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed
-    )
+    target_cfg = loop.TrainConfig(steps=cfg.target_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
     target_run = loop.train(target, train_stream, loop.next_token_loss, target_cfg, desc="target")
     for p in target.parameters():
         p.requires_grad_(False)
@@ -140,10 +144,3 @@ def run(cfg: RecipeConfig) -> dict[str, object]:
     (cfg.out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: summary[k] for k in ("teacher_forced_alpha", "total_seconds")}))
     return summary
-
-
-if __name__ == "__main__":
-    import sys
-
-    steps = [int(a) for a in sys.argv[1:3]] if len(sys.argv) > 2 else [1000, 500]
-    run(RecipeConfig(target_steps=steps[0], draft_steps=steps[1], out_dir=Path(sys.argv[3]) if len(sys.argv) > 3 else Path("models")))

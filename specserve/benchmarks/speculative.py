@@ -1,0 +1,438 @@
+"""`specserve bench`: speculative decoding against plain decoding and transformers, in one process.
+
+One question: how much faster is exact speculative decoding than plain decoding on these models,
+and how close does it come to what its measured acceptance and costs predict? Methods, each
+over the same prompts and the same ``max_new_tokens``, greedy and sampled:
+
+* ``specserve/plain`` — our engine with the ``none`` drafter (the baseline for speedups);
+* ``specserve/draft`` at every gamma, ``specserve/ngram`` at a few gammas;
+* ``hf/generate`` — transformers' plain ``generate``;
+* ``hf/assisted`` — transformers' assisted generation with the same draft model (its default
+  heuristic schedule and constant gammas);
+* ``hf/prompt_lookup`` — transformers' prompt lookup decoding.
+
+For our speculative runs two predictions sit beside the measured speedup:
+
+* ``predicted_formula`` — (1 - a^(g+1)) / ((1 - a)(c g + 1)) with a the pooled acceptance rate and
+  c = draft time per token / plain decode time per token (assumes a flat verify cost);
+* ``predicted_measured`` — E[tokens per cycle] from the measured per-position acceptance, divided
+  by the measured draft + verify time per cycle, over plain tokens/s. ``measured / predicted``
+  then shows what the loop itself costs beyond drafting and verifying.
+
+Results: ``speculative.json``, ``speculative.png`` (speedup against gamma, one line per method)
+and ``speculative.md`` (the table for BENCHMARKS.md) under ``--out``; the last stdout line is
+one JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specserve.benchmarks.prompts import heldout_prompts, load_prompts
+from specserve.core.draft import Drafter
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.model import CausalLM
+from specserve.core.sampling import SamplingParams
+from specserve.core.stats import RequestStats
+from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+
+NGRAM_GAMMAS = (2, 4, 8)
+HF_ASSISTED_GAMMAS = (2, 4, 6)
+HF_LOOKUP_TOKENS = (4, 10)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    prompts_file: str | None = None
+    num_prompts: int = 20
+    max_new_tokens: int = 128
+    gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    out_dir: Path = Path("bench/results")
+    quick: bool = False
+    max_ngram: int = 3
+    min_ngram: int = 1
+    seed: int = 0
+
+
+@dataclass
+class MethodResult:
+    method: str
+    temperature: float
+    gamma: int | None
+    new_tokens: int = 0
+    seconds: float = 0.0
+    stats: RequestStats | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Runners
+
+
+def merge_stats(total: RequestStats, one: RequestStats) -> None:
+    """Pool one request's counters into ``total`` (times and counts add up)."""
+    total.cycles += one.cycles
+    total.drafted_tokens += one.drafted_tokens
+    total.accepted_tokens += one.accepted_tokens
+    total.new_tokens += one.new_tokens
+    for i, (r, a) in enumerate(zip(one.reached, one.accepted, strict=True)):
+        if i >= len(total.reached):
+            total.reached.append(0)
+            total.accepted.append(0)
+        total.reached[i] += r
+        total.accepted[i] += a
+    total.accepted_length_histogram.update(one.accepted_length_histogram)
+    total.prefill_seconds += one.prefill_seconds
+    total.draft_seconds += one.draft_seconds
+    total.verify_seconds += one.verify_seconds
+    total.total_seconds += one.total_seconds
+
+
+def run_engine(
+    target: CausalLM,
+    drafter: Drafter,
+    prompt_ids: list[list[int]],
+    temperature: float,
+    gamma: int,
+    cfg: BenchConfig,
+    method: str,
+) -> MethodResult:
+    engine = SpeculativeEngine(target, drafter)
+    generation = GenerationConfig(max_new_tokens=cfg.max_new_tokens, gamma=gamma)
+    warmup = GenerationConfig(max_new_tokens=8, gamma=gamma)
+    engine.generate(prompt_ids[0], SamplingParams(temperature=temperature, seed=cfg.seed), warmup)
+    result = MethodResult(method, temperature, gamma if drafter.name != "none" else None, stats=RequestStats())
+    assert result.stats is not None
+    for i, ids in enumerate(prompt_ids):
+        params = SamplingParams(temperature=temperature, seed=cfg.seed + i)
+        start = time.perf_counter()
+        out = engine.generate(ids, params, generation)
+        result.seconds += time.perf_counter() - start
+        result.new_tokens += len(out.output_ids)
+        merge_stats(result.stats, out.stats)
+    return result
+
+
+def run_hf(
+    target: CausalLM,
+    prompt_ids: list[list[int]],
+    temperature: float,
+    cfg: BenchConfig,
+    method: str,
+    gamma: int | None,
+    **generate_kwargs: Any,
+) -> MethodResult:
+    model = target.model
+    eos = list(target.info.eos_token_ids)
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+
+    def call(ids: list[int], max_new: int, seed: int) -> int:
+        torch.manual_seed(seed)
+        input_ids = torch.tensor([ids], device=target.device)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new,
+                eos_token_id=eos,
+                pad_token_id=eos[0] if eos else 0,
+                **sampling,
+                **generate_kwargs,
+            )
+        return int(out.shape[1] - input_ids.shape[1])
+
+    call(prompt_ids[0], 8, cfg.seed)
+    result = MethodResult(method, temperature, gamma)
+    for i, ids in enumerate(prompt_ids):
+        start = time.perf_counter()
+        result.new_tokens += call(ids, cfg.max_new_tokens, cfg.seed + i)
+        result.seconds += time.perf_counter() - start
+    return result
+
+
+def run_hf_assisted(
+    target: CausalLM,
+    draft: CausalLM,
+    prompt_ids: list[list[int]],
+    temperature: float,
+    cfg: BenchConfig,
+    gamma: int | None,
+) -> MethodResult:
+    configure_assistant(draft, gamma)
+    name = "hf/assisted" if gamma is not None else "hf/assisted(heuristic)"
+    return run_hf(target, prompt_ids, temperature, cfg, name, gamma, assistant_model=draft.model)
+
+
+def configure_assistant(draft: CausalLM, gamma: int | None) -> None:
+    """transformers reads the assisted schedule from the assistant's generation config."""
+    gen = draft.model.generation_config
+    if gamma is None:  # transformers' defaults: heuristic schedule starting at 20, confidence stop 0.4
+        gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = 20, "heuristic"
+        gen.assistant_confidence_threshold = 0.4
+    else:
+        gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = gamma, "constant"
+        gen.assistant_confidence_threshold = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Predictions
+
+
+def decode_step_seconds(target: CausalLM, prompt_ids: list[int], repeats: int = 20) -> float:
+    """Median time of one single-token decode step of ``model`` after ``prompt_ids``."""
+    cache = target.new_cache()
+    target.forward(cache, torch.tensor(prompt_ids[:-1]), last_only=True)
+    times = []
+    token = torch.tensor([prompt_ids[-1]])
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.forward(cache, token)
+        times.append(time.perf_counter() - start)
+        cache.rollback(len(prompt_ids) - 1)
+    return sorted(times)[len(times) // 2]
+
+
+def predictions(result: MethodResult, plain_tps: float, plain_step_seconds: float) -> dict[str, float | None]:
+    stats, gamma = result.stats, result.gamma
+    if stats is None or not gamma or not stats.cycles or not plain_tps:
+        return {}
+    by_position = [a / r if r else 0.0 for a, r in zip(stats.accepted, stats.reached, strict=True)][:gamma]
+    expected, survive = 1.0, 1.0
+    for alpha_i in by_position:
+        survive *= alpha_i
+        expected += survive
+    cycle_seconds = (stats.draft_seconds + stats.verify_seconds) / stats.cycles
+    predicted_measured = expected / cycle_seconds / plain_tps
+    pooled = sum(stats.accepted) / max(1, sum(stats.reached))
+    c = (stats.draft_seconds / max(1, stats.drafted_tokens)) / plain_step_seconds
+    if pooled >= 1.0:
+        formula = (gamma + 1) / (c * gamma + 1)
+    else:
+        formula = (1 - pooled ** (gamma + 1)) / ((1 - pooled) * (c * gamma + 1))
+    measured = result.tokens_per_second / plain_tps
+    return {
+        "alpha_pooled": pooled,
+        "c": c,
+        "expected_tokens_per_cycle": expected,
+        "cycle_seconds": cycle_seconds,
+        "predicted_formula": formula,
+        "predicted_measured": predicted_measured,
+        "measured_over_predicted": measured / predicted_measured if predicted_measured else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def run(cfg: BenchConfig) -> dict[str, Any]:
+    target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    draft = CausalLM.load(cfg.draft, dtype=cfg.dtype, device=cfg.device) if cfg.draft not in ("ngram", "none") else None
+    if draft is not None:
+        DraftModelDrafter(draft, target)  # vocabulary check up front
+    texts = load_prompts(cfg.prompts_file) if cfg.prompts_file else heldout_prompts(cfg.num_prompts)
+    assert target.tokenizer is not None
+    prompt_ids = [list(target.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    limit = target.info.max_positions - cfg.max_new_tokens
+    prompt_ids = [ids[-limit:] for ids in prompt_ids if ids]
+    gammas = cfg.gammas if not cfg.quick else tuple(g for g in cfg.gammas if g in (1, 4))[:2] or cfg.gammas[:1]
+
+    plan: list[tuple[str, float, int | None, Callable[[], MethodResult]]] = []
+    for temp in cfg.temperatures:
+        plain = partial(run_engine, target, NoDrafter(target.device), prompt_ids, temp, 0, cfg, "specserve/plain")
+        plan.append(("specserve/plain", temp, None, plain))
+        if draft is not None:
+            for g in gammas:
+                drafter = DraftModelDrafter(draft, target)
+                plan.append(
+                    (
+                        "specserve/draft",
+                        temp,
+                        g,
+                        partial(run_engine, target, drafter, prompt_ids, temp, g, cfg, "specserve/draft"),
+                    )
+                )
+        for g in NGRAM_GAMMAS if not cfg.quick else NGRAM_GAMMAS[1:2]:
+            ngram = NgramDrafter(cfg.max_ngram, cfg.min_ngram, target.device)
+            plan.append(
+                (
+                    "specserve/ngram",
+                    temp,
+                    g,
+                    partial(run_engine, target, ngram, prompt_ids, temp, g, cfg, "specserve/ngram"),
+                )
+            )
+        plan.append(("hf/generate", temp, None, partial(run_hf, target, prompt_ids, temp, cfg, "hf/generate", None)))
+        if draft is not None:
+            assisted: tuple[int | None, ...] = (None,) + (HF_ASSISTED_GAMMAS if temp == 0 and not cfg.quick else ())
+            for ga in assisted:
+                plan.append(
+                    ("hf/assisted", temp, ga, partial(run_hf_assisted, target, draft, prompt_ids, temp, cfg, ga))
+                )
+        for n in HF_LOOKUP_TOKENS if not cfg.quick else HF_LOOKUP_TOKENS[:1]:
+            lookup = partial(run_hf, target, prompt_ids, temp, cfg, "hf/prompt_lookup", n, prompt_lookup_num_tokens=n)
+            plan.append(("hf/prompt_lookup", temp, n, lookup))
+
+    results: list[MethodResult] = []
+    for name, temp, g, runner in tqdm(plan, desc="bench", unit="config"):
+        tqdm.write(f"  {name} T={temp:g} gamma={g}")
+        results.append(runner())
+
+    plain_step = decode_step_seconds(target, prompt_ids[0])
+    rows = summarise(results, plain_step)
+    summary = headline(rows, cfg)
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
+        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads()},
+        "num_prompts": len(prompt_ids),
+        "mean_prompt_tokens": sum(map(len, prompt_ids)) / len(prompt_ids),
+        "plain_decode_step_seconds": plain_step,
+        "rows": rows,
+        "summary": summary,
+    }
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "speculative.json").write_text(json.dumps(report, indent=2) + "\n")
+    (cfg.out_dir / "speculative.md").write_text(markdown(report))
+    plot(rows, cfg.out_dir / "speculative.png")
+    print(json.dumps(summary))
+    return report
+
+
+def summarise(results: list[MethodResult], plain_step: float) -> list[dict[str, Any]]:
+    plain = {r.temperature: r.tokens_per_second for r in results if r.method == "specserve/plain"}
+    rows = []
+    for r in results:
+        base = plain.get(r.temperature, 0.0)
+        row: dict[str, Any] = {
+            "method": r.method,
+            "temperature": r.temperature,
+            "gamma": r.gamma,
+            "new_tokens": r.new_tokens,
+            "seconds": r.seconds,
+            "tokens_per_second": r.tokens_per_second,
+            "speedup": r.tokens_per_second / base if base else None,
+        }
+        if r.stats is not None:
+            row["mean_accepted"] = r.stats.mean_accepted
+            row["acceptance_by_position"] = r.stats.acceptance_by_position
+            row["accepted_length_histogram"] = dict(sorted(r.stats.accepted_length_histogram.items()))
+            row["draft_seconds"] = r.stats.draft_seconds
+            row["verify_seconds"] = r.stats.verify_seconds
+            row.update(predictions(r, base, plain_step))
+        rows.append(row)
+    return rows
+
+
+def headline(rows: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for temp in cfg.temperatures:
+        at = [r for r in rows if r["temperature"] == temp]
+        ours = [r for r in at if r["method"] in ("specserve/draft", "specserve/ngram")]
+        hf_spec = [r for r in at if r["method"].startswith(("hf/assisted", "hf/prompt_lookup"))]
+        plain = next((r for r in at if r["method"] == "specserve/plain"), None)
+        hf_plain = next((r for r in at if r["method"] == "hf/generate"), None)
+        best = max(ours, key=lambda r: r["tokens_per_second"], default=None)
+        best_hf = max(hf_spec, key=lambda r: r["tokens_per_second"], default=None)
+        key = f"T={temp:g}"
+        out[key] = {
+            "best": None if best is None else f"{best['method']} gamma={best['gamma']}",
+            "best_speedup_over_plain": None if best is None else best["speedup"],
+            "best_over_best_hf_speculative": (
+                best["tokens_per_second"] / best_hf["tokens_per_second"] if best and best_hf else None
+            ),
+            "best_hf_speculative": None if best_hf is None else f"{best_hf['method']} gamma={best_hf['gamma']}",
+            "plain_over_hf_generate": (
+                plain["tokens_per_second"] / hf_plain["tokens_per_second"] if plain and hf_plain else None
+            ),
+            "best_measured_over_predicted": None if best is None else best.get("measured_over_predicted"),
+        }
+        drafts = [r for r in at if r["method"] == "specserve/draft"]
+        if drafts:
+            out[key]["best_draft_gamma"] = max(drafts, key=lambda r: r["tokens_per_second"])["gamma"]
+    return out
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "| T | method | γ | tok/s | speedup | mean acc. len | α by position | pred. (formula) | pred. (measured) "
+        "| measured/pred. |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        alphas = r.get("acceptance_by_position")
+        alpha_text = " ".join("–" if a is None else f"{a:.2f}" for a in alphas) if alphas else "–"
+        lines.append(
+            f"| {r['temperature']:g} | {r['method']} | {_fmt(r['gamma'])} | {r['tokens_per_second']:.1f} | "
+            f"{_fmt(r['speedup'])} | {_fmt(r.get('mean_accepted'))} | {alpha_text} | "
+            f"{_fmt(r.get('predicted_formula'))} | {_fmt(r.get('predicted_measured'))} | "
+            f"{_fmt(r.get('measured_over_predicted'))} |"
+        )
+    lines.append("")
+    lines.append("Summary: `" + json.dumps(report["summary"]) + "`")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
+    for ax, temp in zip(axes[0], temps, strict=True):
+        at = [r for r in rows if r["temperature"] == temp and r["speedup"] is not None]
+        for method in ("specserve/draft", "specserve/ngram", "hf/assisted", "hf/prompt_lookup"):
+            pts = sorted((r["gamma"], r["speedup"]) for r in at if r["method"] == method and r["gamma"] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+            if method.startswith("specserve") and pts:
+                pred = sorted(
+                    (r["gamma"], r["predicted_measured"])
+                    for r in at
+                    if r["method"] == method and r.get("predicted_measured")
+                )
+                ax.plot([p[0] for p in pred], [p[1] for p in pred], ls=":", alpha=0.6, label=f"{method} (predicted)")
+        for r in at:
+            if r["gamma"] is None and r["method"] != "specserve/plain":
+                ax.axhline(r["speedup"], ls="--", lw=1, color="gray")
+                ax.annotate(r["method"], (0.5, r["speedup"]), fontsize=7, color="gray")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_title(f"temperature {temp:g}")
+        ax.set_xlabel("γ (draft tokens per cycle; HF prompt lookup: tokens)")
+        ax.set_ylabel("speedup over specserve plain decoding")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,200 @@
+"""The ``specserve`` command line: ``generate``, ``bench`` and ``train``.
+
+Every failure the user can fix (a missing model directory, mismatched vocabularies, an empty
+prompt, an out-of-range parameter) is reported as one ``error: ...`` line on stderr with exit
+status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from specserve import defaults
+
+
+class UsageError(ValueError):
+    """A command-line value the user must change."""
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=str(defaults.DEFAULT_TARGET), help="target model directory (HF checkpoint)")
+    parser.add_argument(
+        "--draft",
+        default=str(defaults.DEFAULT_DRAFT),
+        help="draft model directory, 'ngram' (prompt lookup) or 'none' (plain decoding)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the ngram drafter matches")
+    parser.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram drafter matches")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="Exact speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt with speculative decoding")
+    _add_model_args(gen)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", help="file whose whole content is the prompt")
+    gen.add_argument("--gamma", type=int, default=defaults.DEFAULT_GAMMA, help="draft tokens per cycle (1..64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+    bench = sub.add_parser("bench", help="benchmark speculative decoding against plain decoding and transformers")
+    _add_model_args(bench)
+    bench.add_argument("--prompts", help="JSON file with a list of prompt strings (default: held-out stdlib files)")
+    bench.add_argument("--num-prompts", type=int, default=20)
+    bench.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="comma-separated gammas for the draft model")
+    bench.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    bench.add_argument("--out", default="bench/results", help="directory for speculative.json/.png/.md")
+    bench.add_argument("--quick", action="store_true", help="fewer configurations (for smoke tests)")
+
+    train = sub.add_parser("train", help="train the default model pair on the Python standard library")
+    train.add_argument("--out", default=str(defaults.MODELS_DIR))
+    train.add_argument("--target-steps", type=int, default=1000)
+    train.add_argument("--draft-steps", type=int, default=400)
+    train.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return str(args.prompt)
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise UsageError(f"prompt file {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"prompt file {path} is not UTF-8 text: {exc}") from exc
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.core.engine import GenerationConfig, SpeculativeEngine
+    from specserve.core.model import CausalLM
+    from specserve.core.sampling import SamplingParams
+    from specserve.drafters import build_drafter
+
+    _check_common(args)
+    if not 1 <= args.gamma <= 64:
+        raise UsageError(f"--gamma must be between 1 and 64, got {args.gamma}")
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop))
+    prompt = _read_prompt(args)
+    if not prompt:
+        raise UsageError("the prompt is empty; pass some text with --prompt or --prompt-file")
+    target = CausalLM.load(args.target, dtype=args.dtype, device=args.device)
+    drafter = build_drafter(
+        args.draft, target, dtype=args.dtype, device=args.device, max_ngram=args.ngram_max, min_ngram=args.ngram_min
+    )
+    engine = SpeculativeEngine(target, drafter)
+    if args.json:
+        result = engine.generate(prompt, params, config)
+        stats = result.stats.to_dict()
+        print(
+            json.dumps(
+                {
+                    "prompt_ids": result.prompt_ids,
+                    "output_ids": result.output_ids,
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                    "stats": stats,
+                }
+            )
+        )
+        return 0
+    for chunk in engine.stream(prompt, params, config):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        if chunk.result is not None:
+            s = chunk.result.stats
+            print(
+                f"\n[{s.new_tokens} tokens, {s.cycles} cycles, mean accepted {s.mean_accepted:.2f}, "
+                f"{s.tokens_per_second:.1f} tok/s, finish={chunk.result.finish_reason}]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specserve.benchmarks import speculative
+
+    _check_common(args)
+    try:
+        gammas = [int(g) for g in args.gammas.split(",") if g.strip()]
+        temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--gammas/--temperatures must be comma-separated numbers: {exc}") from exc
+    if not gammas or any(not 1 <= g <= 64 for g in gammas):
+        raise UsageError(f"--gammas must be between 1 and 64, got {args.gammas}")
+    results = speculative.run(
+        speculative.BenchConfig(
+            target=args.target,
+            draft=args.draft,
+            dtype=args.dtype,
+            device=args.device,
+            prompts_file=args.prompts,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            gammas=tuple(gammas),
+            temperatures=tuple(temperatures),
+            out_dir=Path(args.out),
+            quick=args.quick,
+            max_ngram=args.ngram_max,
+            min_ngram=args.ngram_min,
+        )
+    )
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from specserve.training import pipeline
+
+    if args.target_steps < 1 or args.draft_steps < 1:
+        raise UsageError("--target-steps and --draft-steps must be >= 1")
+    pipeline.run(
+        pipeline.RecipeConfig(
+            out_dir=Path(args.out), target_steps=args.target_steps, draft_steps=args.draft_steps, seed=args.seed
+        )
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from specserve.core.engine import InvalidRequest
+    from specserve.core.model import ModelLoadError
+    from specserve.core.sampling import InvalidSamplingParams
+    from specserve.drafters.model import VocabularyMismatch
+
+    handlers = {"generate": cmd_generate, "bench": cmd_bench, "train": cmd_train}
+    try:
+        return handlers[args.command](args)
+    except (UsageError, InvalidRequest, InvalidSamplingParams, ModelLoadError, VocabularyMismatch) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

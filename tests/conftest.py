@@ -1,0 +1,228 @@
+"""Shared fixtures: random-initialised tiny causal LMs of two architectures, a char tokenizer, references.
+
+Everything is built in-process, in float64, from fixed seeds, so every test is deterministic and
+no hub or checkpoint directory is needed:
+
+* ``llama`` — LlamaForCausalLM with grouped-query attention (4 query heads, 2 KV heads) and an
+  untied ``lm_head``;
+* ``qwen2`` — Qwen2ForCausalLM with tied input/output embeddings and q/k/v biases (randomised:
+  Qwen2 initialises them to zero, which would make "has biases" vacuous).
+
+Each target has a 1-layer draft sharing its vocabulary (and copying its embeddings, first block,
+final norm and head, so the draft agrees with the target often but not always). The EOS row of the
+output embedding is scaled up so that greedy decoding reaches EOS for some prompts; ``eos_prompts``
+holds prompts whose greedy continuation ends with EOS a few tokens in.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from specserve.core.model import CausalLM
+
+# The models here are tiny: intra-op threads only add synchronisation, and on a small shared
+# machine (2 cores, often busy) they make each forward 20-200x slower through oversubscription.
+torch.set_num_threads(1)
+
+VOCAB = 96
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+MAX_POSITIONS = 128
+FAMILIES = ("llama", "qwen2")
+SPECIALS = ("<pad>", "<s>", "</s>")
+CHARS = tuple(chr(c) for c in range(32, 32 + VOCAB - len(SPECIALS)))  # " " .. "|"
+REF_TOKENS = 40  # max_new_tokens of the reference continuations searched for EOS
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders (plain functions, usable from tests that need a variant)
+
+
+def char_tokenizer(reverse: bool = False) -> PreTrainedTokenizerFast:
+    """A 96-token char-level tokenizer (3 specials + 93 printable ASCII chars), no merges.
+
+    ``reverse=True`` gives a tokenizer of the same size with the chars assigned to other ids.
+    """
+    chars = list(reversed(CHARS)) if reverse else list(CHARS)
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *chars])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(SPECIALS))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    assert len(tokenizer) == VOCAB
+    return tokenizer
+
+
+def randomise_(model: PreTrainedModel, seed: int, std: float = 0.2) -> None:
+    """Re-draw every parameter (norm weights around 1, everything else incl. biases around 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(std * noise)
+
+
+def build_model(family: str, num_layers: int = 2, seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:
+    common = {
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITIONS,
+        "pad_token_id": PAD_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+    }
+    if family == "llama":
+        model: PreTrainedModel = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    else:
+        raise ValueError(family)
+    model = model.double().eval()
+    randomise_(model, seed)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[EOS_ID] *= 2.0  # make EOS the argmax in some contexts
+    return model
+
+
+def build_draft(target: PreTrainedModel, family: str, seed: int = 1) -> PreTrainedModel:
+    """A 1-layer model of the same family sharing the target's vocab, embeddings, first block, norm, head."""
+    draft = build_model(family, num_layers=1, seed=seed, vocab=target.config.vocab_size)
+    target_state = target.state_dict()
+    state = {k: target_state[k].clone() if k in target_state else v for k, v in draft.state_dict().items()}
+    draft.load_state_dict(state)
+    return draft
+
+
+def hf_greedy_ids(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy decoding, prompt stripped."""
+    out = model.generate(
+        torch.tensor([list(prompt)]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def no_cache_greedy_ids(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding by full re-forwards without any cache, never stopping at EOS."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    family: str
+    target: CausalLM
+    draft: CausalLM  # 1-layer draft sharing the vocabulary
+    prompts: tuple[tuple[int, ...], ...]  # mixed prompts, incl. repetitive ones and a 1-token prompt
+    eos_prompts: tuple[tuple[int, ...], ...]  # greedy continuation ends with EOS after >= 3 tokens
+    length_prompts: tuple[tuple[int, ...], ...]  # greedy continuation has no EOS in REF_TOKENS tokens
+
+
+def _make_pair(family: str) -> TinyPair:
+    target_model = build_model(family, num_layers=2, seed=0)
+    draft_model = build_draft(target_model, family, seed=1)
+    tokenizer = char_tokenizer()
+    target = CausalLM(target_model, tokenizer, path=f"<{family}-target>")
+    draft = CausalLM(draft_model, tokenizer, path=f"<{family}-draft>")
+
+    generator = torch.Generator().manual_seed(123)
+    eos_prompts: list[tuple[int, ...]] = []
+    length_prompts: list[tuple[int, ...]] = []
+    for _ in range(60):
+        if len(eos_prompts) >= 3 and len(length_prompts) >= 3:
+            break
+        size = int(torch.randint(2, 9, (1,), generator=generator))
+        prompt = tuple(torch.randint(3, VOCAB, (size,), generator=generator).tolist())
+        ref = hf_greedy_ids(target_model, prompt, REF_TOKENS)
+        if EOS_ID in ref and ref.index(EOS_ID) >= 3 and len(eos_prompts) < 3:
+            eos_prompts.append(prompt)
+        elif EOS_ID not in ref and len(length_prompts) < 3:
+            length_prompts.append(prompt)
+    assert eos_prompts, f"{family}: no prompt reaches EOS; adjust the EOS bias in build_model"
+    assert length_prompts, f"{family}: every prompt reaches EOS"
+
+    repetitive = (
+        (5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7),
+        (40, 41, 40, 41, 40, 41, 40),
+        (9, 9, 9, 9, 9, 9),
+    )
+    prompts = (*repetitive, (17,), *length_prompts[:2], *eos_prompts[:2])
+    return TinyPair(family, target, draft, prompts, tuple(eos_prompts), tuple(length_prompts))
+
+
+@pytest.fixture(scope="session")
+def tiny_pairs() -> dict[str, TinyPair]:
+    return {family: _make_pair(family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def pair(request: pytest.FixtureRequest, tiny_pairs: dict[str, TinyPair]) -> TinyPair:
+    return tiny_pairs[request.param]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[[CausalLM, Sequence[int], int], list[int]]:
+    """``hf_greedy(lm, prompt, max_new_tokens)``: transformers' greedy continuation, memoised per session."""
+    memo: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+
+    def run(lm: CausalLM, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+        key = (id(lm.model), tuple(prompt), max_new_tokens)
+        if key not in memo:
+            memo[key] = hf_greedy_ids(lm.model, prompt, max_new_tokens)
+        return list(memo[key])
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def saved_pair_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_pairs: dict[str, TinyPair]) -> dict[str, Path]:
+    """The llama target and draft saved with ``save_pretrained`` (safetensors + tokenizer files)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    dirs = {}
+    llama = tiny_pairs["llama"]
+    for role, lm in (("target", llama.target), ("draft", llama.draft)):
+        directory = root / f"llama-{role}"
+        lm.model.save_pretrained(directory)
+        assert lm.tokenizer is not None
+        lm.tokenizer.save_pretrained(directory)
+        dirs[role] = directory
+    return dirs
