@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specserve import defaults
+from specserve.core.errors import UserError
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A command-line value the user must change."""
 
 
@@ -83,6 +84,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _check_common(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 1 <= args.ngram_min <= args.ngram_max:
+        raise UsageError(f"n-gram sizes need 1 <= --ngram-min <= --ngram-max, got {args.ngram_min}..{args.ngram_max}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -180,15 +183,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from specserve.core.engine import InvalidRequest
-    from specserve.core.model import ModelLoadError
-    from specserve.core.sampling import InvalidSamplingParams
-    from specserve.drafters.model import VocabularyMismatch
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # weight-loading bars would clutter streamed text and error lines
+    hf_logging.set_verbosity_error()
     handlers = {"generate": cmd_generate, "bench": cmd_bench, "train": cmd_train}
     try:
         return handlers[args.command](args)
-    except (UsageError, InvalidRequest, InvalidSamplingParams, ModelLoadError, VocabularyMismatch) as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

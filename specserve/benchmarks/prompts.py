@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specserve.core.errors import UserError
 from specserve.training import corpus
 
 PROMPT_CHARS = 1000
@@ -27,11 +28,11 @@ def heldout_prompts(count: int) -> list[str]:
 def load_prompts(path: str | Path) -> list[str]:
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"prompts file {file} does not exist")
+        raise UserError(f"prompts file {file} does not exist")
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ValueError(f"prompts file {file} is not valid JSON: {exc}") from exc
+        raise UserError(f"prompts file {file} is not valid JSON: {exc}") from exc
     if not isinstance(data, list) or not data or not all(isinstance(p, str) and p for p in data):
-        raise ValueError(f"prompts file {file} must hold a non-empty JSON list of non-empty strings")
+        raise UserError(f"prompts file {file} must hold a non-empty JSON list of non-empty strings")
     return data

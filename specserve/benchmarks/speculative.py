@@ -248,11 +248,11 @@ def predictions(result: MethodResult, plain_tps: float, plain_step_seconds: floa
 
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
+    texts = load_prompts(cfg.prompts_file) if cfg.prompts_file else heldout_prompts(cfg.num_prompts)
     target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
     draft = CausalLM.load(cfg.draft, dtype=cfg.dtype, device=cfg.device) if cfg.draft not in ("ngram", "none") else None
     if draft is not None:
         DraftModelDrafter(draft, target)  # vocabulary check up front
-    texts = load_prompts(cfg.prompts_file) if cfg.prompts_file else heldout_prompts(cfg.num_prompts)
     assert target.tokenizer is not None
     prompt_ids = [list(target.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     limit = target.info.max_positions - cfg.max_new_tokens

@@ -27,6 +27,7 @@ import torch
 
 from specserve.core.detokenize import TextStream
 from specserve.core.draft import Draft, Drafter
+from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, make_generators, warp_probs
 from specserve.core.stats import RequestStats
@@ -36,7 +37,7 @@ FinishReason = Literal["eos", "length", "stop"]
 MAX_GAMMA = 64
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(UserError):
     """The request cannot be served as given; the message says what to change."""
 
 
@@ -134,7 +135,8 @@ class SpeculativeEngine:
     def decode(self, ids: Sequence[int]) -> str:
         if self.target.tokenizer is None:
             return ""
-        return str(self.target.tokenizer.decode(list(ids), skip_special_tokens=False))
+        # Special tokens (EOS) stay in ``output_ids`` but not in the text, as OpenAI-style APIs expect.
+        return str(self.target.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     # -----------------------------------------------------------------------------------------
     # The loop

@@ -23,6 +23,8 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from specserve.core.errors import UserError
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -31,7 +33,11 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class ModelLoadError(ValueError):
+# Any of these marks a directory as carrying a tokenizer; a draft checkpoint may come without one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ModelLoadError(UserError):
     """A model directory is missing, malformed or not a causal LM; the message says which."""
 
 
@@ -78,7 +84,7 @@ class ModelInfo:
 
 
 class CausalLM:
-    """A loaded causal LM plus its tokenizer (if the directory has one)."""
+    """A loaded causal LM plus its tokenizer (``None`` when the directory has none)."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any | None = None, path: str = "<in-memory>") -> None:
         self.model = model.eval()
@@ -119,13 +125,14 @@ class CausalLM:
             model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch_dtype)
         # SafetensorError / UnpicklingError: a truncated or corrupt weights file (neither is an OSError).
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError, pickle.UnpicklingError) as exc:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelLoadError(f"could not load a causal LM from {directory}: {first_line}") from exc
+            raise ModelLoadError(f"could not load a causal LM from {directory}: {_first_line(exc)}") from exc
         model = model.to(torch_device)  # type: ignore[arg-type]  # transformers wraps .to
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"could not load the tokenizer in {directory}: {exc}") from exc
+        tokenizer = None
+        if any((directory / name).is_file() for name in TOKENIZER_FILES):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            except Exception as exc:  # any failure means the tokenizer files are unusable
+                raise ModelLoadError(f"could not load the tokenizer in {directory}: {_first_line(exc)}") from exc
         return cls(model, tokenizer, path=str(directory))
 
     def new_cache(self) -> KVCache:
@@ -142,6 +149,11 @@ class CausalLM:
         kwargs = {self._cache_kwarg: cache.inner, "logits_to_keep": 1 if last_only else 0}
         out = self.model(input_ids=input_ids.to(self.device)[None], use_cache=True, **kwargs)
         return out.logits[0]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _check_checkpoint_dir(directory: Path) -> None:

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.core.errors import UserError
+
 MAX_TOP_K = 1 << 20
 
 
-class InvalidSamplingParams(ValueError):
+class InvalidSamplingParams(UserError):
     """A sampling parameter is out of range; the message says which and what is allowed."""
 
 

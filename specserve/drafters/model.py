@@ -16,11 +16,12 @@ from collections.abc import Sequence
 import torch
 
 from specserve.core.draft import Draft
+from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, KVCache
 from specserve.core.sampling import SamplingParams, sample, warp_probs
 
 
-class VocabularyMismatch(ValueError):
+class VocabularyMismatch(UserError):
     """The draft model cannot propose tokens for this target: their vocabularies differ."""
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from specserve.core.draft import Draft
+from specserve.core.errors import UserError
 from specserve.core.sampling import SamplingParams
 
 
@@ -23,7 +24,7 @@ class NgramDrafter:
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, device: torch.device | str = "cpu") -> None:
         if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
+            raise UserError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {min_ngram}..{max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._device = device

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specserve.training import corpus, loop, model_configs
+from specserve.training import card, corpus, loop, model_configs
 from specserve.training.tokenizer import EOS_TOKEN, save_tokenizer, train_tokenizer
 
 
@@ -142,5 +142,6 @@ def run(cfg: RecipeConfig) -> dict[str, object]:
         "total_seconds": time.perf_counter() - t0,
     }
     (cfg.out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    card.write_card(cfg.out_dir)
     print(json.dumps({k: summary[k] for k in ("teacher_forced_alpha", "total_seconds")}))
     return summary

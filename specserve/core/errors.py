@@ -1,0 +1,11 @@
+"""The one base class for errors a caller can fix: the message says what to change.
+
+Front ends (CLI, HTTP) turn these into a one-line message or a 4xx response; anything else is
+a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Bad input: a missing model directory, an out-of-range parameter, an empty prompt..."""

@@ -1,0 +1,66 @@
+"""Writes ``models/README.md``, the model card of the default pair, from ``training_summary.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def render(summary: dict[str, Any]) -> str:
+    recipe, corpus = summary["recipe"], summary["corpus"]
+    target, draft, alpha = summary["target"], summary["draft"], summary["teacher_forced_alpha"]
+    tcfg, dcfg = target["train_config"], draft["train_config"]
+    sample = summary["sample"]
+    return f"""# specserve default model pair
+
+Two Llama-architecture causal LMs sharing one byte-level BPE tokenizer, trained from scratch on
+the Python {summary["python"]} standard library sources by `specserve train` (torch {summary["torch"]},
+2-core CPU, bf16 autocast). They exist so that everything in specserve runs with no arguments on a
+machine that cannot download weights. They are small code models: useful for measuring
+speculative decoding, not for writing your code.
+
+| | target (`models/target`) | draft (`models/draft`) |
+|---|---|---|
+| architecture | Llama, 8 layers x 512, 8 query / 2 KV heads (GQA), SwiGLU 1408, tied embeddings | Llama, 1 layer x 256, 4 query / 2 KV heads, SwiGLU 704, tied embeddings |
+| parameters | {target["parameters"]:,} | {draft["parameters"]:,} |
+| context | 1024 tokens | 1024 tokens |
+| training | next-token cross-entropy, {tcfg["steps"]} steps x {tcfg["batch_size"]}x{tcfg["seq_len"]} tokens | distilled from the target: KL(target ‖ draft), {dcfg["steps"]} steps x {dcfg["batch_size"]}x{dcfg["seq_len"]} |
+| optimiser | AdamW (0.9, 0.95), wd {tcfg["weight_decay"]}, peak LR {tcfg["peak_lr"]}, {tcfg["warmup_steps"]} warmup steps, cosine to {tcfg["min_lr_ratio"]}x | same, peak LR {dcfg["peak_lr"]} |
+| wall time | {target["train"]["seconds"] / 60:.1f} min | {draft["train"]["seconds"] / 60:.1f} min |
+| held-out loss (nats/token) | **{target["heldout_loss_nats"]:.3f}** | **{draft["heldout_loss_nats"]:.3f}** |
+| weights on disk | float16 safetensors | float16 safetensors |
+
+- **Corpus**: every `.py` file of the standard library except test suites and site-packages;
+  files are split by a stable SHA-256 hash of their relative path: {corpus["train_files"]} train files
+  ({corpus["train_tokens"]:,} tokens), {corpus["heldout_files"]} held-out files ({corpus["heldout_tokens"]:,} tokens).
+- **Tokenizer**: byte-level BPE, {recipe["vocab_size"]} entries, one special token `<|endoftext|>` (BOS = EOS = PAD).
+- **Seed**: {recipe["seed"]} (target), {recipe["seed"] + 1} (draft); data windows are drawn from a seeded generator.
+- **Acceptance α of the draft** (teacher-forced on held-out text, per token): greedy argmax
+  agreement **{alpha["greedy"]:.3f}**, temperature 1 Σ min(p, q) **{alpha["temperature_1"]:.3f}**. The α that
+  the engine actually reaches per draft position is measured by `specserve bench` (BENCHMARKS.md).
+- **Total recipe time**: {summary["total_seconds"] / 60:.1f} min on this machine.
+
+Reproduce: `make train` (or `specserve train --out models --target-steps {tcfg["steps"]} --draft-steps {dcfg["steps"]}`).
+
+## Sample
+
+Greedy continuation by the target of the opening of a held-out file:
+
+````text
+{sample["prompt"]}
+````
+
+continues with
+
+````text
+{sample["greedy_continuation"]}
+````
+"""
+
+
+def write_card(out_dir: Path) -> Path:
+    summary = json.loads((out_dir / "training_summary.json").read_text())
+    path = out_dir / "README.md"
+    path.write_text(render(summary))
+    return path

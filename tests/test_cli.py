@@ -1,0 +1,157 @@
+"""The command line: the --json contract on the shipped pair, and one clear error line for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specserve import defaults
+from specserve.cli import main
+
+TARGET = str(defaults.DEFAULT_TARGET)
+DRAFT = str(defaults.DEFAULT_DRAFT)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_shipped_models_are_present() -> None:
+    for d in (defaults.DEFAULT_TARGET, defaults.DEFAULT_DRAFT):
+        assert (d / "config.json").is_file(), f"{d} is missing: run `specserve train` (see models/README.md)"
+
+
+def test_generate_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "generate", "--prompt", "def main(", "--max-new-tokens", "20", "--json")
+    assert code == 0, err
+    obj = json.loads(out)
+    assert set(obj) >= {"prompt_ids", "output_ids", "text", "stats"}
+    assert len(obj["output_ids"]) <= 20 and obj["prompt_ids"]
+    stats = obj["stats"]
+    for key in ("cycles", "mean_accepted", "acceptance_by_position", "draft_seconds", "verify_seconds"):
+        assert key in stats
+    assert stats["tokens_per_second"] > 0
+
+
+def test_generate_greedy_is_draft_independent(capsys: pytest.CaptureFixture[str]) -> None:
+    """Greedy output of the shipped pair (float64, so no near-ties flip) is the same for every drafter."""
+    outputs = []
+    for draft in (DRAFT, "ngram", "none"):
+        code, out, err = run_cli(
+            capsys, "generate", "--prompt", "import os\n", "--max-new-tokens", "24", "--json",
+            "--draft", draft, "--dtype", "float64", "--gamma", "3",
+        )  # fmt: skip
+        assert code == 0, err
+        outputs.append(json.loads(out)["output_ids"])
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_console_script_streams_text() -> None:
+    exe = Path(sys.executable).parent / "specserve"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(exe), "generate", "--prompt", "class Foo:", "--max-new-tokens", "12", "--draft", "ngram"],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _mismatched_draft(tmp_path: Path) -> str:
+    cfg = LlamaConfig(
+        vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = tmp_path / "small_vocab"
+    LlamaForCausalLM(cfg).save_pretrained(str(out))
+    return str(out)
+
+
+def _bad_dirs(tmp_path: Path) -> dict[str, str]:
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    bad_json = tmp_path / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{not json")
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(TARGET, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(TARGET, corrupt)
+    for f in corrupt.glob("*.safetensors"):
+        f.write_bytes(b"garbage")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    return {
+        "missing": str(tmp_path / "does_not_exist"),
+        "file": str(a_file),
+        "no_config": str(no_config),
+        "bad_json": str(bad_json),
+        "no_weights": str(no_weights),
+        "corrupt": str(corrupt),
+    }
+
+
+BAD_ARGS = {
+    "empty prompt": (["--prompt", ""], "prompt is empty"),
+    "prompt past context": (["--prompt", "x = 1\n" * 400, "--max-new-tokens", "1000"], "context"),
+    "gamma 0": (["--gamma", "0"], "--gamma"),
+    "gamma absurd": (["--gamma", "100000"], "--gamma"),
+    "negative temperature": (["--temperature", "-1"], "temperature"),
+    "top-p zero": (["--top-p", "0"], "top_p"),
+    "top-p above one": (["--top-p", "1.5"], "top_p"),
+    "negative top-k": (["--top-k", "-1"], "top_k"),
+    "zero max-new-tokens": (["--max-new-tokens", "0"], "max-new-tokens"),
+    "bad ngram sizes": (["--draft", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "n-gram"),
+    "missing prompt file": (["--prompt-file", "/nonexistent/prompt.txt"], "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGS))
+def test_bad_arguments_give_one_clear_line(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    extra, needle = BAD_ARGS[case]
+    argv = ["generate", "--draft", "ngram", *extra]
+    if "--prompt" not in extra and "--prompt-file" not in extra:
+        argv += ["--prompt", "def f():"]
+    code, _out, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle in lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("which", ["missing", "file", "no_config", "bad_json", "no_weights", "corrupt"])
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_bad_model_directories(which: str, role: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _bad_dirs(tmp_path)[which]
+    argv = ["generate", "--prompt", "def f():", "--max-new-tokens", "4", f"--{role}", path]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and path in lines[0], err
+
+
+def test_mismatched_vocabularies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "generate", "--prompt", "def f():", "--draft", _mismatched_draft(tmp_path))
+    assert code == 2
+    assert err.startswith("error: ") and "vocabulary" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_rejects_bad_prompts_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "p.json"
+    bad.write_text('{"not": "a list"}')
+    code, _, err = run_cli(capsys, "bench", "--prompts", str(bad), "--draft", "ngram")
+    assert code == 2 and "JSON list" in err
