@@ -16,8 +16,12 @@ For our speculative runs two predictions sit beside the measured speedup:
 * ``predicted_formula`` — (1 - a^(g+1)) / ((1 - a)(c g + 1)) with a the pooled acceptance rate and
   c = draft time per token / plain decode time per token (assumes a flat verify cost);
 * ``predicted_measured`` — E[tokens per cycle] from the measured per-position acceptance, divided
-  by the measured draft + verify time per cycle, over plain tokens/s. ``measured / predicted``
-  then shows what the loop itself costs beyond drafting and verifying.
+  by the measured draft + verify time per cycle, over plain decode tokens/s.
+  ``measured_over_predicted`` = decode speedup / ``predicted_measured`` then shows what the loop
+  itself costs beyond drafting and verifying.
+
+``speedup`` is end to end (prefill included, comparable with transformers' ``generate``);
+``decode_speedup`` is the decode loop alone (prefill excluded), which is what the predictions model.
 
 Results: ``speculative.json``, ``speculative.png`` (speedup against gamma, one line per method)
 and ``speculative.md`` (the table for BENCHMARKS.md) under ``--out``; the last stdout line is
@@ -80,7 +84,16 @@ class MethodResult:
 
     @property
     def tokens_per_second(self) -> float:
+        """End to end: prefill included."""
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """The decode loop alone (our engine only): prefill excluded."""
+        if self.stats is None:
+            return None
+        decode = self.stats.total_seconds - self.stats.prefill_seconds
+        return self.stats.new_tokens / decode if decode > 0 else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,9 +227,10 @@ def decode_step_seconds(target: CausalLM, prompt_ids: list[int], repeats: int = 
     return sorted(times)[len(times) // 2]
 
 
-def predictions(result: MethodResult, plain_tps: float, plain_step_seconds: float) -> dict[str, float | None]:
-    stats, gamma = result.stats, result.gamma
-    if stats is None or not gamma or not stats.cycles or not plain_tps:
+def predictions(result: MethodResult, plain_decode_tps: float, plain_step_seconds: float) -> dict[str, float | None]:
+    """Speedups the performance model predicts for the decode loop, beside the measured one."""
+    stats, gamma, decode_tps = result.stats, result.gamma, result.decode_tokens_per_second
+    if stats is None or not gamma or not stats.cycles or not plain_decode_tps or not decode_tps:
         return {}
     by_position = [a / r if r else 0.0 for a, r in zip(stats.accepted, stats.reached, strict=True)][:gamma]
     expected, survive = 1.0, 1.0
@@ -224,15 +238,16 @@ def predictions(result: MethodResult, plain_tps: float, plain_step_seconds: floa
         survive *= alpha_i
         expected += survive
     cycle_seconds = (stats.draft_seconds + stats.verify_seconds) / stats.cycles
-    predicted_measured = expected / cycle_seconds / plain_tps
+    predicted_measured = expected / cycle_seconds / plain_decode_tps
     pooled = sum(stats.accepted) / max(1, sum(stats.reached))
     c = (stats.draft_seconds / max(1, stats.drafted_tokens)) / plain_step_seconds
     if pooled >= 1.0:
         formula = (gamma + 1) / (c * gamma + 1)
     else:
         formula = (1 - pooled ** (gamma + 1)) / ((1 - pooled) * (c * gamma + 1))
-    measured = result.tokens_per_second / plain_tps
+    measured = decode_tps / plain_decode_tps
     return {
+        "decode_speedup": measured,
         "alpha_pooled": pooled,
         "c": c,
         "expected_tokens_per_cycle": expected,
@@ -321,10 +336,12 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def summarise(results: list[MethodResult], plain_step: float) -> list[dict[str, Any]]:
-    plain = {r.temperature: r.tokens_per_second for r in results if r.method == "specserve/plain"}
+    plain = {r.temperature: r for r in results if r.method == "specserve/plain"}
     rows = []
     for r in results:
-        base = plain.get(r.temperature, 0.0)
+        base_result = plain.get(r.temperature)
+        base = base_result.tokens_per_second if base_result else 0.0
+        base_decode = (base_result.decode_tokens_per_second or 0.0) if base_result else 0.0
         row: dict[str, Any] = {
             "method": r.method,
             "temperature": r.temperature,
@@ -340,7 +357,9 @@ def summarise(results: list[MethodResult], plain_step: float) -> list[dict[str, 
             row["accepted_length_histogram"] = dict(sorted(r.stats.accepted_length_histogram.items()))
             row["draft_seconds"] = r.stats.draft_seconds
             row["verify_seconds"] = r.stats.verify_seconds
-            row.update(predictions(r, base, plain_step))
+            row["prefill_seconds"] = r.stats.prefill_seconds
+            row["decode_tokens_per_second"] = r.decode_tokens_per_second
+            row.update(predictions(r, base_decode, plain_step))
         rows.append(row)
     return rows
 
@@ -384,16 +403,16 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| T | method | γ | tok/s | speedup | mean acc. len | α by position | pred. (formula) | pred. (measured) "
-        "| measured/pred. |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| T | method | γ | tok/s | speedup | decode speedup | mean acc. len | α by position | pred. (formula) "
+        "| pred. (measured) | decode/pred. |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         alphas = r.get("acceptance_by_position")
         alpha_text = " ".join("–" if a is None else f"{a:.2f}" for a in alphas) if alphas else "–"
         lines.append(
             f"| {r['temperature']:g} | {r['method']} | {_fmt(r['gamma'])} | {r['tokens_per_second']:.1f} | "
-            f"{_fmt(r['speedup'])} | {_fmt(r.get('mean_accepted'))} | {alpha_text} | "
+            f"{_fmt(r['speedup'])} | {_fmt(r.get('decode_speedup'))} | {_fmt(r.get('mean_accepted'))} | {alpha_text} | "
             f"{_fmt(r.get('predicted_formula'))} | {_fmt(r.get('predicted_measured'))} | "
             f"{_fmt(r.get('measured_over_predicted'))} |"
         )
