@@ -11,33 +11,27 @@ from transformers import LlamaConfig
 MAX_POSITIONS = 1024
 
 
-def target_config(vocab_size: int, eos_token_id: int) -> LlamaConfig:
+def _llama(
+    vocab_size: int, eos_token_id: int, hidden: int, mlp: int, layers: int, heads: int, kv_heads: int
+) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         bos_token_id=eos_token_id,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
     )
+
+
+def target_config(vocab_size: int, eos_token_id: int) -> LlamaConfig:
+    return _llama(vocab_size, eos_token_id, hidden=512, mlp=1408, layers=8, heads=8, kv_heads=2)
 
 
 def draft_config(vocab_size: int, eos_token_id: int) -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
-        bos_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-    )
+    return _llama(vocab_size, eos_token_id, hidden=256, mlp=704, layers=1, heads=4, kv_heads=2)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 import pytest
-import scipy.stats
 import torch
+from stats_helpers import chi2_pvalue
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specserve.core.sampling import (
@@ -25,31 +25,6 @@ from specserve.core.sampling import (
 )
 
 ALPHA = 1e-4  # per-test significance of every chi-square test in this module
-
-
-def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square goodness-of-fit p-value of integer draws ``tokens`` against the law ``probs`` [vocab].
-
-    Asserts that zero-probability symbols never occur, then pools symbols whose expected count is
-    below 5 into one cell so the chi-square approximation holds.
-    """
-    probs = probs.double() / probs.double().sum()
-    n = tokens.numel()
-    counts = torch.bincount(tokens.flatten(), minlength=probs.numel()).double()
-    assert counts.numel() == probs.numel(), "a draw fell outside the vocabulary"
-    impossible = probs == 0
-    assert counts[impossible].sum() == 0, f"zero-probability symbols drawn: {counts[impossible].tolist()}"
-    expected = probs * n
-    big = expected >= 5
-    obs_cells = counts[big].tolist()
-    exp_cells = expected[big].tolist()
-    small = (~big) & (~impossible)
-    if small.any():
-        obs_cells.append(float(counts[small].sum()))
-        exp_cells.append(float(expected[small].sum()))
-    if len(obs_cells) < 2:
-        return 1.0  # a point mass: the zero-probability check above is the whole test
-    return float(scipy.stats.chisquare(obs_cells, exp_cells).pvalue)
 
 
 # ---------------------------------------------------------------------------------------------

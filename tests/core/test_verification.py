@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-import scipy.stats
 import torch
+from stats_helpers import chi2_pvalue
 
 from specserve.core.sampling import SamplingParams, sample, warp_probs
 from specserve.core.verification import (
@@ -43,33 +43,6 @@ N_TRIALS = 30_000  # verifier calls per exactness case (~60 us each)
 VerifyFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Generator], tuple[torch.Tensor, torch.Tensor]
 ]
-
-
-def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square goodness-of-fit p-value of integer draws ``tokens`` against the law ``probs`` [cells].
-
-    Asserts that zero-probability symbols never occur, then pools symbols whose expected count is
-    below 5 into one cell so the chi-square approximation holds.
-    """
-    probs = probs.double().flatten()
-    probs = probs / probs.sum()
-    n = tokens.numel()
-    assert n > 0
-    counts = torch.bincount(tokens.flatten(), minlength=probs.numel()).double()
-    assert counts.numel() == probs.numel(), "a token fell outside the vocabulary"
-    impossible = probs == 0
-    assert counts[impossible].sum() == 0, f"zero-probability symbols emitted: {counts.tolist()} vs {probs.tolist()}"
-    expected = probs * n
-    big = expected >= 5
-    obs_cells = counts[big].tolist()
-    exp_cells = expected[big].tolist()
-    small = (~big) & (~impossible)
-    if small.any():
-        obs_cells.append(float(counts[small].sum()))
-        exp_cells.append(float(expected[small].sum()))
-    if len(obs_cells) < 2:
-        return 1.0  # a point mass: the zero-probability check above is the whole test
-    return float(scipy.stats.chisquare(obs_cells, exp_cells).pvalue)
 
 
 def normalise(weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,32 @@
+"""Statistical helpers shared by the exactness tests (no fixtures, importable from any test module)."""
+
+from __future__ import annotations
+
+import scipy.stats
+import torch
+
+
+def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness-of-fit p-value of integer draws ``tokens`` against the law ``probs`` [vocab].
+
+    Asserts that zero-probability symbols never occur, then pools symbols whose expected count is
+    below 5 into one cell so the chi-square approximation holds.
+    """
+    probs = probs.double() / probs.double().sum()
+    n = tokens.numel()
+    assert n > 0
+    counts = torch.bincount(tokens.flatten(), minlength=probs.numel()).double()
+    assert counts.numel() == probs.numel(), "a draw fell outside the vocabulary"
+    impossible = probs == 0
+    assert counts[impossible].sum() == 0, f"zero-probability symbols drawn: {counts.tolist()} vs {probs.tolist()}"
+    expected = probs * n
+    big = expected >= 5
+    obs_cells = counts[big].tolist()
+    exp_cells = expected[big].tolist()
+    small = (~big) & (~impossible)
+    if small.any():
+        obs_cells.append(float(counts[small].sum()))
+        exp_cells.append(float(expected[small].sum()))
+    if len(obs_cells) < 2:
+        return 1.0  # a point mass: the zero-probability check above is the whole test
+    return float(scipy.stats.chisquare(obs_cells, exp_cells).pvalue)
