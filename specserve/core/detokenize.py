@@ -2,7 +2,8 @@
 
 A delta is withheld while it could still change: while the text ends in an incomplete UTF-8
 sequence (decoded as U+FFFD) or in a prefix of a stop string. When a stop string appears the
-text is cut before it and the stream ends. Knows nothing about models or speculation.
+text is cut before it and the stream ends, exactly where token-by-token decoding would have cut
+it, however many tokens arrive at once. Knows nothing about models or speculation.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ class TextStream:
         start = len(self._ids)
         self._ids.extend(new_ids)
         full = self._decode(self._ids)
-        cut = self._find_stop(full)
-        if cut is not None:
+        if self._find_stop(full) is not None:
+            # Stop where token-by-token decoding would have stopped, so the cut never depends on
+            # how many tokens a cycle happened to commit at once.
             keep = self._tokens_to_stop(start, len(new_ids))
             self._ids = self._ids[: start + keep]
-            self.text = full[:cut]
+            prefix = self._decode(self._ids)
+            cut = self._find_stop(prefix)
+            assert cut is not None
+            self.text = prefix[:cut]
             self.stopped = True
             return self._flush(len(self.text)), keep
         self.text = full
