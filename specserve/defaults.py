@@ -14,5 +14,5 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path(os.environ.get("SPECSERVE_MODELS", REPO_ROOT / "models"))
 DEFAULT_TARGET = MODELS_DIR / "target"
 DEFAULT_DRAFT = MODELS_DIR / "draft"
-DEFAULT_GAMMA = 4
+DEFAULT_GAMMA = 3
 DEFAULT_MAX_NEW_TOKENS = 128

@@ -12,6 +12,7 @@ def render(summary: dict[str, Any]) -> str:
     target, draft, alpha = summary["target"], summary["draft"], summary["teacher_forced_alpha"]
     tcfg, dcfg = target["train_config"], draft["train_config"]
     sample = summary["sample"]
+    notes = "".join(f"- {note}\n" for note in summary.get("notes", []))
     return f"""# specserve default model pair
 
 Two Llama-architecture causal LMs sharing one byte-level BPE tokenizer, trained from scratch on
@@ -43,6 +44,14 @@ speculative decoding, not for writing your code.
 
 Reproduce: `make train` (or `specserve train --out models --target-steps {tcfg["steps"]} --draft-steps {dcfg["steps"]}`).
 
+## Limitations
+
+- Greedy decoding of a model this small repeats itself (see the sample below). Repetitive text
+  flatters drafters, n-gram lookup most of all, so BENCHMARKS.md reports temperature 1 beside greedy.
+- The target saw {target["train"]["tokens"] / 1e6:.1f}M training tokens ({target["train"]["tokens"] / corpus["train_tokens"]:.2f} epochs), what a 2-core CPU
+  affords in about an hour. Its held-out loss ({target["heldout_loss_nats"]:.2f}) sits above the final training loss
+  ({target["train"]["final_loss"]:.2f}, a moving average over training batches): held-out files are whole modules it never saw.
+{notes}
 ## Sample
 
 Greedy continuation by the target of the opening of a held-out file:
