@@ -7,12 +7,13 @@ import torch
 
 
 def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square goodness-of-fit p-value of integer draws ``tokens`` against the law ``probs`` [vocab].
+    """Chi-square goodness-of-fit p-value of integer draws ``tokens`` against the law ``probs`` [cells].
 
     Asserts that zero-probability symbols never occur, then pools symbols whose expected count is
     below 5 into one cell so the chi-square approximation holds.
     """
-    probs = probs.double() / probs.double().sum()
+    probs = probs.double().flatten()  # a joint law [a, b] is tested as a law over a * b cells
+    probs = probs / probs.sum()
     n = tokens.numel()
     assert n > 0
     counts = torch.bincount(tokens.flatten(), minlength=probs.numel()).double()
