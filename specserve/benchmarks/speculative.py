@@ -15,7 +15,8 @@ For our speculative runs two predictions sit beside the measured speedup:
 
 * ``predicted_formula`` — (1 - a^(g+1)) / ((1 - a)(c g + 1)) with a the pooled acceptance rate and
   c = draft time per token / plain decode time per token (assumes a flat verify cost);
-* ``predicted_measured`` — E[tokens per cycle] from the measured per-position acceptance, divided
+* ``predicted_measured`` — E[tokens per cycle] from the measured per-position acceptance (weighted
+  by how often each draft length occurred: n-gram lookup often drafts fewer than gamma), divided
   by the measured draft + verify time per cycle, over plain decode tokens/s.
   ``measured_over_predicted`` = decode speedup / ``predicted_measured`` then shows what the loop
   itself costs beyond drafting and verifying.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -113,6 +115,7 @@ def merge_stats(total: RequestStats, one: RequestStats) -> None:
         total.reached[i] += r
         total.accepted[i] += a
     total.accepted_length_histogram.update(one.accepted_length_histogram)
+    total.draft_length_histogram.update(one.draft_length_histogram)
     total.prefill_seconds += one.prefill_seconds
     total.draft_seconds += one.draft_seconds
     total.verify_seconds += one.verify_seconds
@@ -227,16 +230,30 @@ def decode_step_seconds(target: CausalLM, prompt_ids: list[int], repeats: int = 
     return sorted(times)[len(times) // 2]
 
 
+def expected_tokens_per_cycle(alpha_by_position: list[float], draft_lengths: Counter[int]) -> float:
+    """E[committed tokens per cycle] = sum over drafted length g of P(g) * (1 + a_0 + a_0 a_1 + ... + a_0..a_{g-1}).
+
+    Drafters that sometimes propose fewer than gamma tokens (n-gram lookup without a match, the
+    end of a generation) are weighted by how often each length occurred.
+    """
+    cycles = sum(draft_lengths.values())
+    if not cycles:
+        return 1.0
+    prefix = [1.0]  # prefix[g] = tokens expected from a cycle that drafted g tokens
+    survive = 1.0
+    for alpha_i in alpha_by_position:
+        survive *= alpha_i
+        prefix.append(prefix[-1] + survive)
+    return sum(count * prefix[min(g, len(prefix) - 1)] for g, count in draft_lengths.items()) / cycles
+
+
 def predictions(result: MethodResult, plain_decode_tps: float, plain_step_seconds: float) -> dict[str, float | None]:
     """Speedups the performance model predicts for the decode loop, beside the measured one."""
     stats, gamma, decode_tps = result.stats, result.gamma, result.decode_tokens_per_second
     if stats is None or not gamma or not stats.cycles or not plain_decode_tps or not decode_tps:
         return {}
     by_position = [a / r if r else 0.0 for a, r in zip(stats.accepted, stats.reached, strict=True)][:gamma]
-    expected, survive = 1.0, 1.0
-    for alpha_i in by_position:
-        survive *= alpha_i
-        expected += survive
+    expected = expected_tokens_per_cycle(by_position, stats.draft_length_histogram)
     cycle_seconds = (stats.draft_seconds + stats.verify_seconds) / stats.cycles
     predicted_measured = expected / cycle_seconds / plain_decode_tps
     pooled = sum(stats.accepted) / max(1, sum(stats.reached))
@@ -355,6 +372,7 @@ def summarise(results: list[MethodResult], plain_step: float) -> list[dict[str, 
             row["mean_accepted"] = r.stats.mean_accepted
             row["acceptance_by_position"] = r.stats.acceptance_by_position
             row["accepted_length_histogram"] = dict(sorted(r.stats.accepted_length_histogram.items()))
+            row["draft_length_histogram"] = dict(sorted(r.stats.draft_length_histogram.items()))
             row["draft_seconds"] = r.stats.draft_seconds
             row["verify_seconds"] = r.stats.verify_seconds
             row["prefill_seconds"] = r.stats.prefill_seconds

@@ -22,6 +22,7 @@ class RequestStats:
     reached: list[int] = field(default_factory=list)  # [max_gamma] cycles that reached position i
     accepted: list[int] = field(default_factory=list)  # [max_gamma] cycles that accepted position i
     accepted_length_histogram: Counter[int] = field(default_factory=Counter)  # accepted + 1 -> cycles
+    draft_length_histogram: Counter[int] = field(default_factory=Counter)  # tokens drafted -> cycles
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -40,6 +41,7 @@ class RequestStats:
             if i < num_accepted:
                 self.accepted[i] += 1
         self.accepted_length_histogram[num_accepted + 1] += 1
+        self.draft_length_histogram[gamma] += 1
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
 
@@ -72,6 +74,7 @@ class RequestStats:
             "acceptance_by_position": self.acceptance_by_position,
             "reached_by_position": list(self.reached),
             "accepted_length_histogram": {str(k): v for k, v in sorted(self.accepted_length_histogram.items())},
+            "draft_length_histogram": {str(k): v for k, v in sorted(self.draft_length_histogram.items())},
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,

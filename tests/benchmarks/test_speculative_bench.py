@@ -11,6 +11,7 @@ from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.speculative import (
     BenchConfig,
     MethodResult,
+    expected_tokens_per_cycle,
     headline,
     markdown,
     merge_stats,
@@ -56,6 +57,17 @@ def test_predictions_from_measured_alpha_and_costs() -> None:
     assert result.decode_tokens_per_second is not None
     measured = result.decode_tokens_per_second / plain_tps
     assert pred["measured_over_predicted"] == pytest.approx(measured / pred["predicted_measured"])
+
+
+def test_prediction_weights_short_drafts() -> None:
+    # Half the cycles drafted 2 tokens, half drafted none (no n-gram match).
+    stats = make_stats([(2, 2), (0, 0), (2, 1), (0, 0)], draft_s=0.0, verify_s=0.02)
+    alpha = [1.0, 0.5]
+    assert expected_tokens_per_cycle(alpha, stats.draft_length_histogram) == pytest.approx((1 + 1 + 0.5 + 1) / 2)
+    result = MethodResult("specserve/ngram", 0.0, 2, new_tokens=stats.new_tokens, seconds=0.08, stats=stats)
+    pred = predictions(result, plain_decode_tps=50.0, plain_step_seconds=0.02)
+    assert pred["expected_tokens_per_cycle"] == pytest.approx(1.75)
+    assert pred["measured_over_predicted"] == pytest.approx(1.0)  # the model is exact on its own inputs
 
 
 def test_report_plot_and_headline(tmp_path: Path) -> None:
