@@ -18,7 +18,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck pytest bench train clean
+.PHONY: install demo test lint typecheck pytest bench train protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,13 @@ bench: install
 
 train: install
 	$(BIN)/specserve train
+
+# Regenerate the protobuf message classes in specserve/rpc/gen/ from protos/ (checked in; never edit them).
+protos: install
+	rm -rf build/protos && mkdir -p build/protos
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=build/protos --pyi_out=build/protos \
+		protos/specserve/v1/speculation.proto
+	cp build/protos/specserve/v1/speculation_pb2.py build/protos/specserve/v1/speculation_pb2.pyi specserve/rpc/gen/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,168 @@
+"""Codec between the engine's types and the v1 wire messages, with validation of everything received.
+
+* tensors travel as dtype + shape + raw bytes (never pickled); :func:`decode_tensor` checks that
+  the byte count matches the shape and dtype before viewing the buffer;
+* a :class:`~specserve.core.draft.Draft` becomes a ``DraftTree`` whose parents form a chain; its
+  dense q rows travel sparsely (the support and its probabilities), which is exact because the
+  support is where the drafter could have sampled;
+* a :class:`~specserve.core.verification.ChainVerdict` becomes a ``Verdict``.
+
+Malformed input raises :class:`WireError` with a message naming the offending field; a server
+turns that into a gRPC ``INVALID_ARGUMENT`` status instead of crashing. Trees with branches are
+rejected until tree verification exists (issue 5).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from google.protobuf.message import DecodeError
+
+from specserve.core.draft import Draft
+from specserve.core.errors import UserError
+from specserve.core.verification import ChainVerdict, TokenKind
+from specserve.rpc.gen import speculation_pb2 as pb
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # gRPC's default is 4 MiB: servers and channels set this explicitly
+PROB_SUM_TOLERANCE = 1e-3
+
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+_KIND_TO_WIRE = {TokenKind.RECOVERED: pb.TOKEN_KIND_RECOVERED, TokenKind.BONUS: pb.TOKEN_KIND_BONUS}
+_KIND_FROM_WIRE = {v: k for k, v in _KIND_TO_WIRE.items()}
+
+
+class WireError(UserError):
+    """A message from the wire is malformed or too large; the message names the field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise WireError(f"dtype {tensor.dtype} cannot travel; use one of {', '.join(WIRE_DTYPES)}")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return pb.Tensor(dtype=_DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape), data=data)
+
+
+def decode_tensor(message: pb.Tensor) -> torch.Tensor:
+    dtype = WIRE_DTYPES.get(message.dtype)
+    if dtype is None:
+        raise WireError(f"tensor dtype {message.dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
+    shape = list(message.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"tensor shape {shape} has a negative dimension")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    numel = math.prod(shape)
+    if numel * itemsize != len(message.data):
+        raise WireError(f"tensor of shape {shape} and dtype {message.dtype} needs {numel * itemsize} bytes, got "
+                        f"{len(message.data)}")  # fmt: skip
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(bytearray(message.data), dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafts
+
+
+def encode_draft(request_id: str, cycle: int, draft: Draft) -> pb.DraftTree:
+    tokens = draft.tokens.tolist()
+    message = pb.DraftTree(
+        request_id=request_id, cycle=cycle, token_ids=tokens, parents=list(range(-1, len(tokens) - 1))
+    )
+    if draft.draft_probs is not None:
+        for row in draft.draft_probs.float().cpu():
+            support = torch.nonzero(row > 0).flatten()
+            message.draft_probs.add(token_ids=support.tolist(), probs=row[support].tolist())
+    _check_size(message)
+    return message
+
+
+def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | str = "cpu") -> Draft:
+    """Validate a received tree and turn it into a chain draft with dense q rows (or none)."""
+    nodes = len(message.token_ids)
+    if len(message.parents) != nodes:
+        raise WireError(f"draft tree has {nodes} tokens but {len(message.parents)} parents")
+    if list(message.parents) != list(range(-1, nodes - 1)):
+        raise WireError("draft tree is not a chain (parents must be -1, 0, 1, ...); trees arrive with issue 5")
+    bad = [t for t in message.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise WireError(f"draft token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    tokens = torch.tensor(list(message.token_ids), dtype=torch.long, device=device)
+    if not message.draft_probs:
+        return Draft(tokens, None)
+    if len(message.draft_probs) != nodes:
+        raise WireError(f"draft tree has {nodes} tokens but {len(message.draft_probs)} draft distributions")
+    dense = torch.zeros(nodes, vocab_size, dtype=torch.float32)
+    for i, dist in enumerate(message.draft_probs):
+        ids, probs = list(dist.token_ids), list(dist.probs)
+        if len(ids) != len(probs) or not ids:
+            raise WireError(f"draft distribution {i} has {len(ids)} ids and {len(probs)} probabilities")
+        if len(set(ids)) != len(ids) or any(not 0 <= t < vocab_size for t in ids):
+            raise WireError(f"draft distribution {i} has repeated or out-of-vocabulary ids")
+        if any(not (math.isfinite(p) and p >= 0) for p in probs) or abs(sum(probs) - 1.0) > PROB_SUM_TOLERANCE:
+            raise WireError(f"draft distribution {i} is not a probability distribution (sum {sum(probs):.6f})")
+        dense[i, ids] = torch.tensor(probs, dtype=torch.float32)
+        if dense[i, message.token_ids[i]] <= 0:
+            raise WireError(f"draft token {message.token_ids[i]} at node {i} has zero probability under its q")
+    return Draft(tokens, dense.to(device))
+
+
+def parse_draft(data: bytes, vocab_size: int, device: torch.device | str = "cpu") -> tuple[str, int, Draft]:
+    """Bytes from the wire -> (request id, cycle, draft)."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        message = pb.DraftTree.FromString(data)
+    except DecodeError as exc:
+        raise WireError(f"malformed DraftTree: {exc}") from exc
+    return message.request_id, int(message.cycle), decode_draft(message, vocab_size, device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Verdicts
+
+
+def encode_verdict(
+    request_id: str, cycle: int, verdict: ChainVerdict, committed_length: int, finished: bool
+) -> pb.Verdict:
+    return pb.Verdict(
+        request_id=request_id,
+        cycle=cycle,
+        accepted_path=list(range(verdict.num_accepted)),
+        next_token=verdict.next_token,
+        next_kind=_KIND_TO_WIRE[verdict.next_kind],
+        committed_length=committed_length,
+        finished=finished,
+    )
+
+
+def decode_verdict(message: pb.Verdict) -> ChainVerdict:
+    path = list(message.accepted_path)
+    if path != list(range(len(path))):
+        raise WireError(f"verdict path {path[:8]} is not a chain prefix 0, 1, 2, ...")
+    kind = _KIND_FROM_WIRE.get(message.next_kind)
+    if kind is None:
+        raise WireError(f"verdict has no valid next_kind (got {message.next_kind})")
+    if message.next_token < 0:
+        raise WireError(f"verdict next_token {message.next_token} is negative")
+    return ChainVerdict(len(path), int(message.next_token), kind)
+
+
+def _check_size(message: pb.DraftTree | pb.Verdict) -> None:
+    size = message.ByteSize()
+    if size > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {size} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")

@@ -1,0 +1,1 @@
+"""Generated protobuf classes (`make protos`); never edit by hand. Excluded from ruff and mypy."""

@@ -1,0 +1,69 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_KIND_UNSPECIFIED: _ClassVar[TokenKind]
+    TOKEN_KIND_RECOVERED: _ClassVar[TokenKind]
+    TOKEN_KIND_BONUS: _ClassVar[TokenKind]
+TOKEN_KIND_UNSPECIFIED: TokenKind
+TOKEN_KIND_RECOVERED: TokenKind
+TOKEN_KIND_BONUS: TokenKind
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "features")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cycle: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    features: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finished")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CYCLE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    cycle: int
+    accepted_path: _containers.RepeatedScalarFieldContainer[int]
+    next_token: int
+    next_kind: TokenKind
+    committed_length: int
+    finished: bool
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
