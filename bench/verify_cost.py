@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from specserve import defaults
+from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.model import CausalLM
 
 
@@ -30,18 +30,11 @@ def main() -> None:
     model = CausalLM.load(args.model, dtype=args.dtype)
     gen = torch.Generator().manual_seed(0)
     vocab = model.info.vocab_size
-    cache = model.new_cache()
-    model.forward(cache, torch.randint(0, vocab, (args.cache_tokens,), generator=gen), last_only=True)
+    prefix = torch.randint(0, vocab, (args.cache_tokens,), generator=gen).tolist()
     ms_by_k: dict[int, float] = {}
     for k in range(1, args.max_k + 1):
-        block = torch.randint(0, vocab, (k,), generator=gen)
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            model.forward(cache, block)
-            times.append(time.perf_counter() - start)
-            cache.rollback(args.cache_tokens)
-        ms_by_k[k] = round(1000 * sorted(times)[len(times) // 2], 2)
+        block = torch.randint(0, vocab, (k,), generator=gen).tolist()
+        ms_by_k[k] = round(1000 * median_forward_seconds(model, prefix, block, args.repeats), 2)
         print(f"k={k:3d}  {ms_by_k[k]:7.2f} ms  ({ms_by_k[k] / ms_by_k[1]:.2f}x k=1)")
     print(json.dumps({"model": args.model, "cache_tokens": args.cache_tokens, "ms_by_k": ms_by_k}))
 

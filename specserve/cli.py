@@ -84,8 +84,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def _check_common(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not 1 <= args.ngram_min <= args.ngram_max:
-        raise UsageError(f"n-gram sizes need 1 <= --ngram-min <= --ngram-max, got {args.ngram_min}..{args.ngram_max}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

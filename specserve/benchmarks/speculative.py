@@ -44,6 +44,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
+from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
@@ -102,26 +103,6 @@ class MethodResult:
 # Runners
 
 
-def merge_stats(total: RequestStats, one: RequestStats) -> None:
-    """Pool one request's counters into ``total`` (times and counts add up)."""
-    total.cycles += one.cycles
-    total.drafted_tokens += one.drafted_tokens
-    total.accepted_tokens += one.accepted_tokens
-    total.new_tokens += one.new_tokens
-    for i, (r, a) in enumerate(zip(one.reached, one.accepted, strict=True)):
-        if i >= len(total.reached):
-            total.reached.append(0)
-            total.accepted.append(0)
-        total.reached[i] += r
-        total.accepted[i] += a
-    total.accepted_length_histogram.update(one.accepted_length_histogram)
-    total.draft_length_histogram.update(one.draft_length_histogram)
-    total.prefill_seconds += one.prefill_seconds
-    total.draft_seconds += one.draft_seconds
-    total.verify_seconds += one.verify_seconds
-    total.total_seconds += one.total_seconds
-
-
 def run_engine(
     target: CausalLM,
     drafter: Drafter,
@@ -143,7 +124,7 @@ def run_engine(
         out = engine.generate(ids, params, generation)
         result.seconds += time.perf_counter() - start
         result.new_tokens += len(out.output_ids)
-        merge_stats(result.stats, out.stats)
+        result.stats.merge(out.stats)
     return result
 
 
@@ -216,18 +197,9 @@ def configure_assistant(draft: CausalLM, gamma: int | None) -> None:
 # Predictions
 
 
-def decode_step_seconds(target: CausalLM, prompt_ids: list[int], repeats: int = 20) -> float:
-    """Median time of one single-token decode step of ``model`` after ``prompt_ids``."""
-    cache = target.new_cache()
-    target.forward(cache, torch.tensor(prompt_ids[:-1]), last_only=True)
-    times = []
-    token = torch.tensor([prompt_ids[-1]])
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.forward(cache, token)
-        times.append(time.perf_counter() - start)
-        cache.rollback(len(prompt_ids) - 1)
-    return sorted(times)[len(times) // 2]
+def decode_step_seconds(target: CausalLM, prompt_ids: list[int], repeats: int = 21) -> float:
+    """Median time of one single-token decode step of ``target`` after ``prompt_ids[:-1]``."""
+    return median_forward_seconds(target, prompt_ids[:-1], prompt_ids[-1:], repeats)
 
 
 def expected_tokens_per_cycle(alpha_by_position: list[float], draft_lengths: Counter[int]) -> float:

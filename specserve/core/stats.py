@@ -32,10 +32,7 @@ class RequestStats:
         self.cycles += 1
         self.drafted_tokens += gamma
         self.accepted_tokens += num_accepted
-        if len(self.reached) < gamma:
-            grow = gamma - len(self.reached)
-            self.reached.extend([0] * grow)
-            self.accepted.extend([0] * grow)
+        self._grow(gamma)
         for i in range(min(num_accepted + 1, gamma)):
             self.reached[i] += 1
             if i < num_accepted:
@@ -44,6 +41,29 @@ class RequestStats:
         self.draft_length_histogram[gamma] += 1
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
+
+    def merge(self, other: RequestStats) -> None:
+        """Pool another request's counters and times into this one (a benchmark's totals)."""
+        self.cycles += other.cycles
+        self.drafted_tokens += other.drafted_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.new_tokens += other.new_tokens
+        self._grow(len(other.reached))
+        for i, (reached, accepted) in enumerate(zip(other.reached, other.accepted, strict=True)):
+            self.reached[i] += reached
+            self.accepted[i] += accepted
+        self.accepted_length_histogram.update(other.accepted_length_histogram)
+        self.draft_length_histogram.update(other.draft_length_histogram)
+        self.prefill_seconds += other.prefill_seconds
+        self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
+        self.total_seconds += other.total_seconds
+
+    def _grow(self, positions: int) -> None:
+        missing = positions - len(self.reached)
+        if missing > 0:
+            self.reached.extend([0] * missing)
+            self.accepted.extend([0] * missing)
 
     @property
     def acceptance_by_position(self) -> list[float | None]:

@@ -14,7 +14,6 @@ from specserve.benchmarks.speculative import (
     expected_tokens_per_cycle,
     headline,
     markdown,
-    merge_stats,
     plot,
     predictions,
     summarise,
@@ -34,8 +33,8 @@ def make_stats(cycles: list[tuple[int, int]], draft_s: float, verify_s: float) -
 
 def test_merge_stats_adds_counts_and_positions() -> None:
     total = RequestStats()
-    merge_stats(total, make_stats([(2, 2), (2, 0)], 0.1, 0.2))
-    merge_stats(total, make_stats([(3, 1)], 0.1, 0.2))
+    total.merge(make_stats([(2, 2), (2, 0)], 0.1, 0.2))
+    total.merge(make_stats([(3, 1)], 0.1, 0.2))
     assert total.cycles == 3 and total.drafted_tokens == 7 and total.accepted_tokens == 3
     assert total.reached == [3, 2, 0] and total.accepted == [2, 1, 0]
     assert total.accepted_length_histogram == {3: 1, 1: 1, 2: 1}

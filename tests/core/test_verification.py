@@ -369,16 +369,22 @@ def test_case_count_matches_docstring() -> None:
 # Deliberately wrong rules must fail the same tests
 
 
+def _accept_count(
+    target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator
+) -> torch.Tensor:
+    """The (correct) acceptance step both wrong rules below share."""
+    positions = torch.arange(draft_tokens.shape[0])
+    p_x = target_probs[positions, draft_tokens]
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[positions, draft_tokens]
+    accepted = torch.rand(draft_tokens.shape[0], generator=generator, dtype=target_probs.dtype) * q_x < p_x
+    return accepted.long().cumprod(0).sum()
+
+
 def buggy_resample_from_p(
     target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Wrong: on rejection draws from p instead of norm((p - q)+)."""
-    gamma = draft_tokens.shape[0]
-    positions = torch.arange(gamma)
-    p_x = target_probs[positions, draft_tokens]
-    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[positions, draft_tokens]
-    accepted = torch.rand(gamma, generator=generator, dtype=target_probs.dtype) * q_x < p_x
-    num_accepted = accepted.long().cumprod(0).sum()
+    num_accepted = _accept_count(target_probs, draft_tokens, draft_probs, generator)
     return num_accepted, sample(target_probs, generator)[num_accepted]
 
 
@@ -390,11 +396,7 @@ def buggy_bonus_off_by_one(
     shifted = torch.cat([target_probs[:gamma], target_probs[gamma - 1 : gamma]], dim=0)
     rows = residual_rows(target_probs, draft_tokens, draft_probs)
     rows = torch.cat([rows[:gamma], shifted[gamma:]], dim=0)
-    positions = torch.arange(gamma)
-    p_x = target_probs[positions, draft_tokens]
-    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[positions, draft_tokens]
-    accepted = torch.rand(gamma, generator=generator, dtype=target_probs.dtype) * q_x < p_x
-    num_accepted = accepted.long().cumprod(0).sum()
+    num_accepted = _accept_count(target_probs, draft_tokens, draft_probs, generator)
     return num_accepted, sample(rows, generator)[num_accepted]
 
 
