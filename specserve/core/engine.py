@@ -21,19 +21,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
-
-import torch
 
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import Draft, Drafter
+from specserve.core.draft import Drafter, propose_within
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams, make_generators, warp_probs
+from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.stats import RequestStats
-from specserve.core.verification import verify_chain
+from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
 
-FinishReason = Literal["eos", "length", "stop"]
+__all__ = ["FinishReason", "GenerationConfig", "GenerationResult", "InvalidRequest", "SpeculativeEngine", "StreamChunk"]
 MAX_GAMMA = 64
 
 
@@ -146,53 +143,34 @@ class SpeculativeEngine:
         device = target.device
         stats = RequestStats()
         text = TextStream(self.decode, config.stop)
-        eos = set() if config.ignore_eos else set(target.info.eos_token_ids)
+        eos = () if config.ignore_eos else target.info.eos_token_ids
         generators = make_generators(params.seed, device)
         start = time.perf_counter()
 
-        cache = target.new_cache()
-        if len(prompt_ids) > 1:
-            target.forward(cache, torch.tensor(prompt_ids[:-1], dtype=torch.long), last_only=True)
+        verifier = TargetVerifier(
+            LocalSequence(target), prompt_ids, params, generators.verify, config.max_new_tokens, eos, device
+        )
+        verifier.prefill()
         drafter.start(prompt_ids, params, generators.draft)
         stats.prefill_seconds = time.perf_counter() - start
 
-        committed = list(prompt_ids)
         output: list[int] = []
         finish: FinishReason | None = None
         while finish is None:
-            remaining = config.max_new_tokens - len(output)
-
             # 1. draft
             t0 = time.perf_counter()
-            budget = min(config.gamma, remaining - 1)
-            draft = drafter.propose(budget) if budget > 0 else Draft.empty(device)
-            if draft.gamma > budget:  # a drafter must not overrun its budget; trim defensively
-                probs = draft.draft_probs[:budget] if draft.draft_probs is not None else None
-                draft = Draft(draft.tokens[:budget], probs)
+            draft = propose_within(drafter, config.gamma, verifier.remaining, device)
             t1 = time.perf_counter()
 
-            # 2. verify
-            block = torch.cat([torch.tensor([committed[-1]], dtype=torch.long, device=device), draft.tokens])
-            target_logits = target.forward(cache, block)  # [gamma + 1, vocab]
-            target_probs = None if params.greedy else warp_probs(target_logits, params)
-            verdict = verify_chain(target_logits, target_probs, draft.tokens, draft.draft_probs, generators.verify)
-            t2 = time.perf_counter()
-            stats.record_cycle(draft.gamma, verdict.num_accepted, t1 - t0, t2 - t1)
-
-            # 3. commit
-            new = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-            if len(new) >= remaining:
-                new, finish = new[:remaining], "length"
-            for i, token in enumerate(new):
-                if token in eos:
-                    new, finish = new[: i + 1], "eos"
-                    break
+            # 2. verify, 3. commit (EOS and length cuts, KV rollback)
+            outcome = verifier.verify(draft)
+            stats.record_cycle(draft.gamma, outcome.verdict.num_accepted, t1 - t0, outcome.verify_seconds)
+            new, finish = outcome.new_tokens, outcome.finish
             delta, keep = text.push(new)
             if text.stopped:
                 new, finish = new[:keep], "stop"
-            committed.extend(new)
+                verifier.stop_at(len(output) + keep)
             output.extend(new)
-            cache.rollback(len(committed) - 1)
             if finish is None:
                 drafter.accept(new)
 

@@ -65,6 +65,11 @@ class DraftModelDrafter:
     def accept(self, committed: Sequence[int]) -> None:
         self._context.extend(committed)
 
+    def rewind(self, length: int) -> None:
+        if not 0 <= length <= len(self._context):
+            raise ValueError(f"cannot rewind {len(self._context)} committed tokens to {length}")
+        del self._context[length:]
+
     def _catch_up(self) -> torch.Tensor:  # [vocab] logits for the token after the context
         assert self._cache is not None, "start() must be called before propose()"
         keep = 0

@@ -36,6 +36,11 @@ class NgramDrafter:
     def accept(self, committed: Sequence[int]) -> None:
         self._history.extend(committed)
 
+    def rewind(self, length: int) -> None:
+        if not 0 <= length <= len(self._history):
+            raise ValueError(f"cannot rewind {len(self._history)} committed tokens to {length}")
+        del self._history[length:]
+
     def propose(self, budget: int) -> Draft:
         tokens = lookup(self._history, budget, self.max_ngram, self.min_ngram)
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self._device), None)

@@ -24,3 +24,6 @@ class NoDrafter:
 
     def accept(self, committed: Sequence[int]) -> None:
         return None
+
+    def rewind(self, length: int) -> None:
+        return None
