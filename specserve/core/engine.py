@@ -24,18 +24,14 @@ from dataclasses import dataclass, field
 
 from specserve.core.detokenize import TextStream
 from specserve.core.draft import Drafter, propose_within
-from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
+from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
 
 __all__ = ["FinishReason", "GenerationConfig", "GenerationResult", "InvalidRequest", "SpeculativeEngine", "StreamChunk"]
 MAX_GAMMA = 64
-
-
-class InvalidRequest(UserError):
-    """The request cannot be served as given; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +72,7 @@ class SpeculativeEngine:
     def __init__(self, target: CausalLM, drafter: Drafter) -> None:
         self.target = target
         self.drafter = drafter
+        self.prompts = PromptCodec(target.info, target.tokenizer)
 
     # -----------------------------------------------------------------------------------------
     # Public API
@@ -106,34 +103,13 @@ class SpeculativeEngine:
         return self._run(prompt_ids, params, config)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty; pass at least one character of text")
-            if self.target.tokenizer is None:
-                raise InvalidRequest("this target has no tokenizer; pass prompt token ids instead of text")
-            ids = list(self.target.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequest("the prompt is empty; pass at least one token")
-        vocab = self.target.info.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        return ids
+        return self.prompts.encode(prompt)
 
     def validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
-        limit = self.target.info.max_positions
-        if len(prompt_ids) + config.max_new_tokens > limit:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
-                f"target's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
-            )
+        self.prompts.check_length(prompt_ids, config.max_new_tokens)
 
     def decode(self, ids: Sequence[int]) -> str:
-        if self.target.tokenizer is None:
-            return ""
-        # Special tokens (EOS) stay in ``output_ids`` but not in the text, as OpenAI-style APIs expect.
-        return str(self.target.tokenizer.decode(list(ids), skip_special_tokens=True))
+        return self.prompts.decode(ids)
 
     # -----------------------------------------------------------------------------------------
     # The loop

@@ -73,6 +73,16 @@ class KVCache:
         if length < current:
             self.inner.crop(length - current)  # transformers 5.x: negative = tokens to remove
 
+    def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of the cached keys and values, per layer ([batch, heads, length, head_dim] each)."""
+        copies = []
+        for layer in self.inner.layers:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+                raise TypeError(f"cache layer {type(layer).__name__} holds no key/value tensors")
+            copies.append((keys.clone(), values.clone()))
+        return copies
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -127,13 +137,10 @@ class CausalLM:
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError, pickle.UnpicklingError) as exc:
             raise ModelLoadError(f"could not load a causal LM from {directory}: {_first_line(exc)}") from exc
         model = model.to(torch_device)  # type: ignore[arg-type]  # transformers wraps .to
-        tokenizer = None
-        if any((directory / name).is_file() for name in TOKENIZER_FILES):
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-            except Exception as exc:  # any failure means the tokenizer files are unusable
-                raise ModelLoadError(f"could not load the tokenizer in {directory}: {_first_line(exc)}") from exc
-        return cls(model, tokenizer, path=str(directory))
+        return cls(model, load_tokenizer(directory), path=str(directory))
+
+    def describe(self) -> TargetDescription:
+        return TargetDescription(self.info, self.tokenizer, self.device)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.model)
@@ -149,6 +156,26 @@ class CausalLM:
         kwargs = {self._cache_kwarg: cache.inner, "logits_to_keep": 1 if last_only else 0}
         out = self.model(input_ids=input_ids.to(self.device)[None], use_cache=True, **kwargs)
         return out.logits[0]
+
+
+@dataclass(frozen=True)
+class TargetDescription:
+    """What a drafter needs to know about its target without holding the target's weights."""
+
+    info: ModelInfo
+    tokenizer: Any | None
+    device: torch.device
+
+
+def load_tokenizer(directory: str | Path) -> Any | None:
+    """The tokenizer saved in ``directory``, or ``None`` when the directory carries none."""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # any failure means the tokenizer files are unusable
+        raise ModelLoadError(f"could not load the tokenizer in {directory}: {_first_line(exc)}") from exc
 
 
 def _first_line(exc: BaseException) -> str:

@@ -26,9 +26,22 @@ class RequestStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    wire_seconds: float = 0.0  # distributed runs: gRPC transit of drafts and verdicts
+    allreduce_seconds: float = 0.0  # distributed runs: tensor-parallel all-reduces inside verify
+    overlap_hits: int = 0  # overlap mode: cycles whose draft was ready when the verdict came
     total_seconds: float = 0.0
 
-    def record_cycle(self, gamma: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def record_cycle(
+        self,
+        gamma: int,
+        num_accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+        *,
+        wire_seconds: float = 0.0,
+        allreduce_seconds: float = 0.0,
+        overlap_hit: bool = False,
+    ) -> None:
         self.cycles += 1
         self.drafted_tokens += gamma
         self.accepted_tokens += num_accepted
@@ -41,6 +54,9 @@ class RequestStats:
         self.draft_length_histogram[gamma] += 1
         self.draft_seconds += draft_seconds
         self.verify_seconds += verify_seconds
+        self.wire_seconds += wire_seconds
+        self.allreduce_seconds += allreduce_seconds
+        self.overlap_hits += int(overlap_hit)
 
     def merge(self, other: RequestStats) -> None:
         """Pool another request's counters and times into this one (a benchmark's totals)."""
@@ -57,6 +73,9 @@ class RequestStats:
         self.prefill_seconds += other.prefill_seconds
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
+        self.wire_seconds += other.wire_seconds
+        self.allreduce_seconds += other.allreduce_seconds
+        self.overlap_hits += other.overlap_hits
         self.total_seconds += other.total_seconds
 
     def _grow(self, positions: int) -> None:
@@ -98,6 +117,9 @@ class RequestStats:
             "prefill_seconds": self.prefill_seconds,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "wire_seconds": self.wire_seconds,
+            "allreduce_seconds": self.allreduce_seconds,
+            "overlap_hits": self.overlap_hits,
             "total_seconds": self.total_seconds,
             "tokens_per_second": self.tokens_per_second,
         }

@@ -17,7 +17,7 @@ import torch
 
 from specserve.core.draft import Draft
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, KVCache
+from specserve.core.model import CausalLM, KVCache, TargetDescription
 from specserve.core.sampling import SamplingParams, sample, warp_probs
 
 
@@ -25,7 +25,7 @@ class VocabularyMismatch(UserError):
     """The draft model cannot propose tokens for this target: their vocabularies differ."""
 
 
-def check_same_vocabulary(target: CausalLM, draft: CausalLM) -> None:
+def check_same_vocabulary(target: CausalLM | TargetDescription, draft: CausalLM) -> None:
     """Raise :class:`VocabularyMismatch` unless both models score the same token ids."""
     if target.info.vocab_size != draft.info.vocab_size:
         raise VocabularyMismatch(
@@ -44,7 +44,7 @@ def check_same_vocabulary(target: CausalLM, draft: CausalLM) -> None:
 class DraftModelDrafter:
     name = "model"
 
-    def __init__(self, draft: CausalLM, target: CausalLM | None = None) -> None:
+    def __init__(self, draft: CausalLM, target: CausalLM | TargetDescription | None = None) -> None:
         if target is not None:
             check_same_vocabulary(target, draft)
         self.model = draft

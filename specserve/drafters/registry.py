@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specserve.core.draft import Drafter
-from specserve.core.model import CausalLM
+from specserve.core.model import CausalLM, TargetDescription
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
@@ -15,7 +15,7 @@ BUILTIN_DRAFTERS = ("none", "ngram")
 
 def build_drafter(
     spec: str | CausalLM,
-    target: CausalLM,
+    target: CausalLM | TargetDescription,
     dtype: str = "float32",
     device: str = "cpu",
     max_ngram: int = 3,

@@ -3,8 +3,9 @@
 * tensors travel as dtype + shape + raw bytes (never pickled); :func:`decode_tensor` checks that
   the byte count matches the shape and dtype before viewing the buffer;
 * a :class:`~specserve.core.draft.Draft` becomes a ``DraftTree`` whose parents form a chain; its
-  dense q rows travel sparsely (the support and its probabilities), which is exact because the
-  support is where the drafter could have sampled;
+  dense q rows travel sparsely (the support and its probabilities, as doubles, with q's dtype
+  named), which is exact: the support is where the drafter could have sampled, and the receiver
+  rebuilds q bit for bit in its original dtype;
 * a :class:`~specserve.core.verification.ChainVerdict` becomes a ``Verdict``.
 
 Malformed input raises :class:`WireError` with a message naming the offending field; a server
@@ -15,6 +16,7 @@ rejected until tree verification exists (issue 5).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from google.protobuf.message import DecodeError
@@ -84,9 +86,14 @@ def encode_draft(request_id: str, cycle: int, draft: Draft) -> pb.DraftTree:
         request_id=request_id, cycle=cycle, token_ids=tokens, parents=list(range(-1, len(tokens) - 1))
     )
     if draft.draft_probs is not None:
-        for row in draft.draft_probs.float().cpu():
+        probs = draft.draft_probs.detach().cpu()
+        if probs.dtype not in _DTYPE_NAMES or not probs.dtype.is_floating_point:
+            raise WireError(f"draft probabilities of dtype {probs.dtype} cannot travel")
+        message.draft_probs_dtype = _DTYPE_NAMES[probs.dtype]
+        for row in probs:
             support = torch.nonzero(row > 0).flatten()
-            message.draft_probs.add(token_ids=support.tolist(), probs=row[support].tolist())
+            # float64 holds every float32 / bfloat16 / float16 value exactly: q arrives bit-exact.
+            message.draft_probs.add(token_ids=support.tolist(), probs=row[support].double().tolist())
     _check_size(message)
     return message
 
@@ -106,18 +113,24 @@ def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | 
         return Draft(tokens, None)
     if len(message.draft_probs) != nodes:
         raise WireError(f"draft tree has {nodes} tokens but {len(message.draft_probs)} draft distributions")
-    dense = torch.zeros(nodes, vocab_size, dtype=torch.float32)
+    dtype = WIRE_DTYPES.get(message.draft_probs_dtype or "float32")
+    if dtype is None or not dtype.is_floating_point:
+        raise WireError(f"draft_probs_dtype {message.draft_probs_dtype!r} is not a floating-point dtype")
+    dense = torch.zeros(nodes, vocab_size, dtype=torch.float64)
     for i, dist in enumerate(message.draft_probs):
-        ids, probs = list(dist.token_ids), list(dist.probs)
-        if len(ids) != len(probs) or not ids:
-            raise WireError(f"draft distribution {i} has {len(ids)} ids and {len(probs)} probabilities")
-        if len(set(ids)) != len(ids) or any(not 0 <= t < vocab_size for t in ids):
+        ids = torch.tensor(dist.token_ids, dtype=torch.long)
+        probs = torch.tensor(dist.probs, dtype=torch.float64)
+        if ids.numel() != probs.numel() or not ids.numel():
+            raise WireError(f"draft distribution {i} has {ids.numel()} ids and {probs.numel()} probabilities")
+        if bool(((ids < 0) | (ids >= vocab_size)).any()) or ids.unique().numel() != ids.numel():
             raise WireError(f"draft distribution {i} has repeated or out-of-vocabulary ids")
-        if any(not (math.isfinite(p) and p >= 0) for p in probs) or abs(sum(probs) - 1.0) > PROB_SUM_TOLERANCE:
-            raise WireError(f"draft distribution {i} is not a probability distribution (sum {sum(probs):.6f})")
-        dense[i, ids] = torch.tensor(probs, dtype=torch.float32)
+        total = float(probs.sum())
+        if not bool(torch.isfinite(probs).all() & (probs >= 0).all()) or abs(total - 1.0) > PROB_SUM_TOLERANCE:
+            raise WireError(f"draft distribution {i} is not a probability distribution (sum {total:.6f})")
+        dense[i, ids] = probs
         if dense[i, message.token_ids[i]] <= 0:
             raise WireError(f"draft token {message.token_ids[i]} at node {i} has zero probability under its q")
+    dense = dense.to(dtype)
     return Draft(tokens, dense.to(device))
 
 
@@ -136,8 +149,27 @@ def parse_draft(data: bytes, vocab_size: int, device: torch.device | str = "cpu"
 # Verdicts
 
 
+@dataclass(frozen=True)
+class VerdictInfo:
+    """A decoded ``Verdict``: the rules' decision plus what the drafter needs to continue."""
+
+    request_id: str
+    cycle: int
+    verdict: ChainVerdict
+    committed_length: int
+    finished: bool
+    target_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+
+
 def encode_verdict(
-    request_id: str, cycle: int, verdict: ChainVerdict, committed_length: int, finished: bool
+    request_id: str,
+    cycle: int,
+    verdict: ChainVerdict,
+    committed_length: int,
+    finished: bool,
+    target_seconds: float = 0.0,
+    allreduce_seconds: float = 0.0,
 ) -> pb.Verdict:
     return pb.Verdict(
         request_id=request_id,
@@ -147,6 +179,8 @@ def encode_verdict(
         next_kind=_KIND_TO_WIRE[verdict.next_kind],
         committed_length=committed_length,
         finished=finished,
+        target_seconds=target_seconds,
+        allreduce_seconds=allreduce_seconds,
     )
 
 
@@ -160,6 +194,25 @@ def decode_verdict(message: pb.Verdict) -> ChainVerdict:
     if message.next_token < 0:
         raise WireError(f"verdict next_token {message.next_token} is negative")
     return ChainVerdict(len(path), int(message.next_token), kind)
+
+
+def parse_verdict(data: bytes) -> VerdictInfo:
+    """Bytes from the wire -> a validated :class:`VerdictInfo`."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        message = pb.Verdict.FromString(data)
+    except DecodeError as exc:
+        raise WireError(f"malformed Verdict: {exc}") from exc
+    return VerdictInfo(
+        request_id=message.request_id,
+        cycle=int(message.cycle),
+        verdict=decode_verdict(message),
+        committed_length=int(message.committed_length),
+        finished=bool(message.finished),
+        target_seconds=float(message.target_seconds),
+        allreduce_seconds=float(message.allreduce_seconds),
+    )
 
 
 def _check_size(message: pb.DraftTree | pb.Verdict) -> None:

@@ -35,23 +35,25 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "features")
+    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "features", "draft_probs_dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     features: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    draft_probs_dtype: str
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs_dtype: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finished")
+    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finished", "target_seconds", "allreduce_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +61,8 @@ class Verdict(_message.Message):
     NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
@@ -66,4 +70,6 @@ class Verdict(_message.Message):
     next_kind: TokenKind
     committed_length: int
     finished: bool
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
+    target_seconds: float
+    allreduce_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ...) -> None: ...

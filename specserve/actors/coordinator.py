@@ -1,0 +1,129 @@
+"""``Coordinator``: one replica's front door — admits requests, runs their cycles through the actors, streams text.
+
+A plain class: the CLI uses it in the driver process, a Ray Serve replica holds one, and it can
+be made remote like the other actors. For each request it
+
+1. encodes and checks the prompt exactly as the single-process engine does
+   (:class:`~specserve.core.prompts.PromptCodec`);
+2. asks rank 0 to admit the request and prefill it on every shard;
+3. starts the drafter's draft-verify loop (a Ray streaming generator: the cycles run between
+   the drafter and rank 0 over gRPC, the coordinator is off their critical path);
+4. turns each cycle's committed tokens into text, cuts at stop strings, records stats, and
+   yields the same :class:`~specserve.core.engine.StreamChunk` the engine yields;
+5. frees the request's KV on every shard when it ends, however it ends.
+
+The γ policy is a fixed ``gamma`` from the request's :class:`GenerationConfig` for now.
+Requests to one replica are served one at a time (a drafter holds one request's state).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from specserve.actors.drafter import CycleReport, DraftJob
+from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
+from specserve.core.detokenize import TextStream
+from specserve.core.engine import GenerationConfig, GenerationResult, StreamChunk
+from specserve.core.model import load_tokenizer
+from specserve.core.prompts import PromptCodec
+from specserve.core.sampling import SamplingParams
+from specserve.core.stats import RequestStats
+from specserve.core.target import FinishReason
+
+
+class Coordinator:
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.prompts = PromptCodec(replica.target_info, load_tokenizer(replica.config.target))
+
+    @classmethod
+    def spawn(cls, config: ReplicaConfig) -> Coordinator:
+        return cls(spawn_replica(config))
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        config: GenerationConfig | None = None,
+    ) -> GenerationResult:
+        for chunk in self.stream(prompt, params, config):
+            if chunk.result is not None:
+                return chunk.result
+        raise AssertionError("stream ended without a result")  # pragma: no cover
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        config: GenerationConfig | None = None,
+    ) -> Iterator[StreamChunk]:
+        params = params or SamplingParams()
+        config = config or GenerationConfig()
+        prompt_ids = self.prompts.encode(prompt)
+        self.prompts.check_length(prompt_ids, config.max_new_tokens)
+        return self._run(prompt_ids, params, config)
+
+    def placement(self) -> dict[str, Any]:
+        return self.replica.placement()
+
+    def shutdown(self) -> None:
+        self.replica.shutdown()
+
+    # -----------------------------------------------------------------------------------------
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> Iterator[StreamChunk]:
+        import ray
+
+        replica = self.replica
+        request_id = uuid.uuid4().hex
+        eos = () if config.ignore_eos else replica.target_info.eos_token_ids
+        stats = RequestStats()
+        text = TextStream(self.prompts.decode, config.stop)
+        start = time.perf_counter()
+        ray.get(replica.rank0.start_request.remote(request_id, prompt_ids, params, config.max_new_tokens, eos))
+        stats.prefill_seconds = time.perf_counter() - start
+        job = DraftJob(
+            request_id=request_id,
+            prompt_ids=tuple(prompt_ids),
+            params=params,
+            gamma=config.gamma,
+            max_new_tokens=config.max_new_tokens,
+            verifier_address=replica.verifier_address,
+            overlap=replica.config.overlap,
+        )
+        output: list[int] = []
+        finish: FinishReason | None = None
+        try:
+            for ref in replica.drafter.run.options(num_returns="streaming").remote(job):
+                report: CycleReport = ray.get(ref)
+                stats.record_cycle(
+                    report.gamma,
+                    report.num_accepted,
+                    report.draft_seconds,
+                    report.target_seconds,
+                    wire_seconds=report.wire_seconds,
+                    allreduce_seconds=report.allreduce_seconds,
+                    overlap_hit=report.overlap_hit,
+                )
+                new, finish = report.new_tokens, report.finish
+                delta, keep = text.push(new)
+                if text.stopped:
+                    new, finish = new[:keep], "stop"
+                output.extend(new)
+                if finish is not None:
+                    delta += text.finish()
+                stats.new_tokens = len(output)
+                stats.total_seconds = time.perf_counter() - start
+                result = None
+                if finish is not None:
+                    result = GenerationResult(list(prompt_ids), output, text.text, finish, stats)
+                yield StreamChunk(delta, new, result)
+                if finish is not None:
+                    break
+        finally:
+            if finish != "eos" and finish != "length":  # stopped early, failed or abandoned by the caller
+                replica.drafter.cancel.remote(request_id)
+            replica.rank0.finish_request.remote(request_id)

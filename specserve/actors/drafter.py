@@ -1,0 +1,197 @@
+"""``DrafterActor``: holds any drafter from ``specserve.drafters`` and runs a request's draft-verify loop.
+
+For each request the actor opens one ``Speculate`` stream to its replica's rank 0 and loops:
+propose (within the budget the single-process engine would use) → send the tree → receive the
+verdict → hand the committed tokens back to the drafter. Each cycle is reported to the caller
+(the :class:`~specserve.actors.coordinator.Coordinator`) as a :class:`CycleReport` through a Ray
+streaming generator, so the caller never sits on the critical path of a cycle.
+
+**Overlap mode.** Once a tree is sent, the drafter does not wait idle: it assumes the most likely
+verdict — every draft token accepted — and drafts one token past the tree's leaf (its guess at
+the bonus token) and the next tree after that. If the verdict accepts everything and its bonus
+token equals the guess, the next tree is ready at once; otherwise the drafter rewinds to the
+committed text and drafts afresh. A draft is only ever a proposal and every proposal is still
+verified by the exact rules, so exactness is unaffected; only the drafter's random stream (and
+so the sampled text for a given seed) differs from a run without overlap.
+
+With overlap off, the sequence of drafter calls and random draws is exactly the single-process
+engine's, so a seeded run emits exactly what the in-process engine emits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from specserve.actors.target_shard import offline_environment
+from specserve.core.draft import Draft, propose_within
+from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
+from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.target import FinishReason
+from specserve.drafters.registry import build_drafter
+from specserve.rpc.verifier import VerifierStream, open_channel
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    gamma: int
+    max_new_tokens: int
+    verifier_address: str
+    overlap: bool = False
+
+
+@dataclass(frozen=True)
+class CycleReport:
+    new_tokens: list[int]  # committed this cycle (already cut at EOS / max_new_tokens by the target)
+    finish: FinishReason | None
+    gamma: int  # draft tokens sent
+    num_accepted: int
+    draft_seconds: float  # drafting on the critical path (0 when overlap had the tree ready)
+    target_seconds: float  # the target's forward + verification + rollback
+    allreduce_seconds: float  # of which tensor-parallel all-reduces
+    wire_seconds: float  # send-to-verdict time not spent by the target (gRPC, serialisation)
+    overlap_hit: bool  # the next tree was drafted during this verification and is used
+
+
+class RequestCancelled(Exception):
+    pass
+
+
+class DrafterActor:
+    """One drafter serving its replica's requests."""
+
+    def __init__(
+        self,
+        drafter: str,
+        target_dir: str,
+        target_info: ModelInfo,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        num_threads: int | None = None,
+    ) -> None:
+        offline_environment()
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        target = TargetDescription(target_info, load_tokenizer(target_dir), self.device)
+        self.drafter = build_drafter(
+            drafter, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram
+        )
+        self._channels: dict[str, grpc.Channel] = {}
+        self._cancelled: set[str] = set()
+        self._current: str | None = None
+        self._busy = threading.Lock()  # one request at a time: a drafter holds one request's state
+
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a running request's loop after its current cycle (the caller no longer wants it)."""
+        if request_id == self._current:
+            self._cancelled.add(request_id)
+
+    def run(self, job: DraftJob) -> Iterator[CycleReport]:
+        """The draft-verify loop of one request; yields one report per cycle until the target finishes it."""
+        with self._busy:
+            self._current = job.request_id
+            try:
+                yield from self._loop(job)
+            finally:
+                self._current = None
+                self._cancelled.discard(job.request_id)
+
+    def _loop(self, job: DraftJob) -> Iterator[CycleReport]:
+        drafter, device = self.drafter, self.device
+        generators = make_generators(job.params.seed, device)
+        drafter.start(job.prompt_ids, job.params, generators.draft)
+        stream = VerifierStream(self._channel(job.verifier_address))
+        committed = len(job.prompt_ids)
+        remaining = job.max_new_tokens
+        ready: Draft | None = None
+        cycle = 0
+        try:
+            while job.request_id not in self._cancelled:
+                t0 = time.perf_counter()
+                draft = ready if ready is not None else propose_within(drafter, job.gamma, remaining, device)
+                overlap_hit = ready is not None
+                t1 = time.perf_counter()
+                stream.send(job.request_id, cycle, draft)
+
+                ahead: Draft | None = None
+                ahead_seconds = 0.0
+                if job.overlap and remaining - draft.gamma - 1 > 0:
+                    # Assume the likeliest verdict (all accepted) and draft the bonus guess plus the next tree.
+                    drafter.accept(draft.tokens.tolist())
+                    ahead = drafter.propose(job.gamma + 1)
+                    ahead_seconds = time.perf_counter() - t1
+
+                info = stream.receive()
+                t2 = time.perf_counter()
+                accepted = info.verdict.num_accepted
+                new = [*draft.tokens[:accepted].tolist(), info.verdict.next_token][: info.committed_length - committed]
+                committed, remaining = info.committed_length, remaining - len(new)
+                finish: FinishReason | None = None
+                if info.finished:
+                    finish = "eos" if remaining > 0 else "length"
+
+                ready = None
+                if ahead is not None:
+                    hit = (
+                        not info.finished
+                        and accepted == draft.gamma
+                        and ahead.gamma > 0
+                        and int(ahead.tokens[0]) == info.verdict.next_token
+                    )
+                    if hit:
+                        drafter.accept(new[-1:])
+                        ready = _trim(ahead, 1, min(job.gamma, remaining - 1))
+                    else:
+                        drafter.rewind(committed - len(new))
+                if ready is None and not info.finished:
+                    drafter.accept(new)
+
+                busy = max(info.target_seconds, ahead_seconds)
+                yield CycleReport(
+                    new_tokens=new,
+                    finish=finish,
+                    gamma=draft.gamma,
+                    num_accepted=accepted,
+                    draft_seconds=t1 - t0,
+                    target_seconds=info.target_seconds,
+                    allreduce_seconds=info.allreduce_seconds,
+                    wire_seconds=max(0.0, (t2 - t1) - busy),
+                    overlap_hit=overlap_hit,
+                )
+                if info.finished:
+                    return
+                cycle += 1
+        finally:
+            stream.close()
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if address not in self._channels:
+            self._channels[address] = open_channel(address)
+        return self._channels[address]
+
+
+def _trim(draft: Draft, start: int, budget: int) -> Draft | None:
+    """``draft`` without its first ``start`` tokens, at most ``budget`` long (``None`` when nothing is left)."""
+    if budget <= 0:
+        return None
+    tokens = draft.tokens[start : start + budget]
+    if tokens.numel() == 0:
+        return None
+    probs = draft.draft_probs[start : start + budget] if draft.draft_probs is not None else None
+    return Draft(tokens, probs)

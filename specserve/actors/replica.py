@@ -1,0 +1,198 @@
+"""Spawning one target replica: its placement groups, its tensor-parallel shard actors and its drafter.
+
+The placement math is :mod:`specserve.cluster.placement` (pure); this module turns a plan into
+Ray objects: a ``STRICT_PACK`` group with one bundle per TP rank on the "large" resource (plus
+the drafter's bundle when co-located), or a separate group on the "cheap" resource for the
+drafter. The shard actors join one ``torch.distributed`` group — every rank's
+``init_tensor_parallel`` is submitted before any is awaited, since each blocks until all have
+joined — and rank 0 starts the gRPC verifier the drafter streams to.
+
+Needs a connected Ray (``ray.init``) whose nodes declare the custom resources the spec names;
+a cluster that lacks them gets a clear error after ``ready_timeout_s`` instead of a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from specserve.actors.drafter import DrafterActor
+from specserve.actors.target_shard import TargetShardActor
+from specserve.cluster.placement import ClusterSpec, DrafterPlacement, replica_placement
+from specserve.core.errors import UserError
+from specserve.core.model import ModelInfo
+
+
+class ReplicaStartError(UserError):
+    """A replica could not be placed or started; the message says what the cluster lacks."""
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    target: str  # target model directory (readable on every node that hosts a shard or a drafter)
+    draft: str = "ngram"  # "none", "ngram" or a draft model directory
+    dtype: str = "float32"
+    device: str = "cpu"
+    tp_degree: int = 1
+    drafter_placement: DrafterPlacement = "colocated"
+    overlap: bool = False
+    max_ngram: int = 3
+    min_ngram: int = 1
+    threads_per_shard: int = 1  # torch intra-op threads in each shard actor
+    threads_per_drafter: int = 1
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)  # resource names and CPUs per actor
+    ready_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        # The cluster spec validates TP degree and placement; build one now so errors come early.
+        self.spec()
+        if self.threads_per_shard < 1 or self.threads_per_drafter < 1:
+            raise ReplicaStartError("threads_per_shard and threads_per_drafter must be >= 1")
+
+    def spec(self) -> ClusterSpec:
+        base = self.cluster
+        return ClusterSpec(
+            target_replicas=1,
+            tp_degree=self.tp_degree,
+            drafter_placement=self.drafter_placement,
+            accelerator="gpu" if self.device.startswith("cuda") else "cpu",
+            large_resource=base.large_resource,
+            cheap_resource=base.cheap_resource,
+            cpus_per_shard=base.cpus_per_shard,
+            cpus_per_drafter=base.cpus_per_drafter,
+            gpus_per_drafter=base.gpus_per_drafter,
+        )
+
+
+@dataclass
+class Replica:
+    config: ReplicaConfig
+    shards: list[Any]  # actor handles, rank order
+    drafter: Any
+    groups: list[Any]  # placement groups
+    verifier_address: str
+    target_info: ModelInfo
+
+    @property
+    def rank0(self) -> Any:
+        return self.shards[0]
+
+    def placement(self) -> dict[str, Any]:
+        """Which node each actor of this replica runs on."""
+        import ray
+
+        nodes = ray.get([shard.node_id.remote() for shard in self.shards] + [self.drafter.node_id.remote()])
+        return {"shards": nodes[:-1], "drafter": nodes[-1], "verifier": self.verifier_address}
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):  # best effort: the actors are killed below either way
+            ray.get([shard.shutdown.remote() for shard in self.shards], timeout=30)
+        for actor in [*self.shards, self.drafter]:
+            ray.kill(actor)
+        for group in self.groups:
+            remove_placement_group(group)
+
+
+def spawn_replica(config: ReplicaConfig) -> Replica:
+    """Place and start one replica; returns once rank 0's verifier is listening."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    spec = config.spec()
+    plan = replica_placement(spec)
+    env = {"env_vars": _actor_env()}
+    groups = [placement_group(plan.target.bundles, strategy=plan.target.strategy)]
+    actors: list[Any] = []
+    if plan.drafter is not None:
+        groups.append(placement_group(plan.drafter.bundles, strategy=plan.drafter.strategy))
+    try:
+        ready = [group.ready() for group in groups]
+        _, pending = ray.wait(ready, num_returns=len(ready), timeout=config.ready_timeout_s)
+        if pending:
+            raise ReplicaStartError(
+                f"the cluster cannot place a replica within {config.ready_timeout_s:.0f}s: it needs "
+                f"{_describe(plan.target.bundles)} on one node"
+                + (f" and {_describe(plan.drafter.bundles)}" if plan.drafter else "")
+                + f"; available: {ray.available_resources()}. Start a cluster that declares these resources "
+                "(`specserve cluster up`) or lower --tp."
+            )
+
+        shard_cls: Any = ray.remote(TargetShardActor)
+        drafter_cls: Any = ray.remote(DrafterActor)
+        shards: list[Any] = []
+        for rank, bundle in enumerate(plan.shard_bundles):
+            resources = dict(plan.target.bundles[bundle])
+            shards.append(
+                shard_cls.options(
+                    num_cpus=resources.pop("CPU", 0.0),
+                    num_gpus=resources.pop("GPU", 0.0),
+                    resources=resources,
+                    max_concurrency=4,
+                    runtime_env=env,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(groups[0], bundle),
+                ).remote(
+                    config.target,
+                    rank=rank,
+                    world_size=config.tp_degree,
+                    dtype=config.dtype,
+                    device=config.device,
+                    num_threads=config.threads_per_shard,
+                )
+            )
+        actors.extend(shards)
+        host, port = ray.get(shards[0].rendezvous.remote())
+        ray.get([shard.init_tensor_parallel.remote(host, port) for shard in shards])
+        address: str = ray.get(shards[0].start_server.remote())
+        info: ModelInfo = ray.get(shards[0].describe.remote())
+
+        if plan.drafter is None:
+            assert plan.drafter_bundle is not None
+            group, bundle = groups[0], plan.drafter_bundle
+            resources = dict(plan.target.bundles[bundle])
+        else:
+            group, bundle = groups[1], 0
+            resources = dict(plan.drafter.bundles[0])
+        drafter: Any = drafter_cls.options(
+            num_cpus=resources.pop("CPU", 0.0),
+            num_gpus=resources.pop("GPU", 0.0),
+            resources=resources,
+            max_concurrency=4,
+            runtime_env=env,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle),
+        ).remote(
+            config.draft,
+            config.target,
+            info,
+            dtype=config.dtype,
+            device=config.device,
+            max_ngram=config.max_ngram,
+            min_ngram=config.min_ngram,
+            num_threads=config.threads_per_drafter,
+        )
+        actors.append(drafter)
+        ray.get(drafter.node_id.remote())  # surfaces a drafter that cannot load (bad path, vocabulary)
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        for group in groups:
+            remove_placement_group(group)
+        raise
+    return Replica(config, shards, drafter, groups, address, info)
+
+
+def _actor_env() -> dict[str, str]:
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for key in ("SPECSERVE_MODELS", "OMP_NUM_THREADS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def _describe(bundles: list[dict[str, float]]) -> str:
+    return " + ".join("{" + ", ".join(f"{k}: {v:g}" for k, v in b.items()) + "}" for b in bundles)

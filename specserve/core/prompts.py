@@ -1,0 +1,54 @@
+"""Turning a request's prompt into token ids and token ids back into text, with the checks both need.
+
+Shared by the single-process engine and the distributed coordinator so that a prompt is
+validated, and an output decoded, the same way wherever it runs. Knows the target's vocabulary,
+context length and tokenizer; knows nothing about drafting or verification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from specserve.core.errors import UserError
+from specserve.core.model import ModelInfo
+
+
+class InvalidRequest(UserError):
+    """The request cannot be served as given; the message says what to change."""
+
+
+class PromptCodec:
+    def __init__(self, info: ModelInfo, tokenizer: Any | None) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty; pass at least one character of text")
+            if self.tokenizer is None:
+                raise InvalidRequest("this target has no tokenizer; pass prompt token ids instead of text")
+            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequest("the prompt is empty; pass at least one token")
+        vocab = self.info.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        limit = self.info.max_positions
+        if len(prompt_ids) + max_new_tokens > limit:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"target's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
+            )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        # Special tokens (EOS) stay in ``output_ids`` but not in the text, as OpenAI-style APIs expect.
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
