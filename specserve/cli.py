@@ -1,4 +1,4 @@
-"""The ``specserve`` command line: ``generate``, ``bench`` and ``train``.
+"""The ``specserve`` command line: ``generate``, ``bench``, ``train`` and ``cluster``.
 
 Every failure the user can fix (a missing model directory, mismatched vocabularies, an empty
 prompt, an out-of-range parameter) is reported as one ``error: ...`` line on stderr with exit
@@ -8,10 +8,12 @@ status 2, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from specserve import defaults
 from specserve.core.errors import UserError
@@ -51,6 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    dist = gen.add_argument_group("distributed (Ray actors, gRPC draft streams, tensor-parallel target)")
+    dist.add_argument("--distributed", action="store_true", help="run through a target replica and drafter actor")
+    dist.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the target replica (1, 2, 4, ...)")
+    dist.add_argument(
+        "--drafter-placement",
+        choices=["colocated", "separate"],
+        default="colocated",
+        help="drafter in the target's placement group, or on a node with the 'cheap' resource",
+    )
+    dist.add_argument("--overlap", action="store_true", help="draft the next tree while the target verifies")
+    dist.add_argument(
+        "--ray-address",
+        help="Ray cluster to join (default: the `specserve cluster up` cluster if running, else a private local one)",
+    )
+    dist.add_argument("--threads-per-shard", type=int, default=1, help="torch threads in each target shard actor")
+    dist.add_argument("--threads-per-drafter", type=int, default=1, help="torch threads in the drafter actor")
 
     bench = sub.add_parser("bench", help="benchmark speculative decoding against plain decoding and transformers")
     _add_model_args(bench)
@@ -61,11 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench/results", help="directory for speculative.json/.png/.md")
     bench.add_argument("--quick", action="store_true", help="fewer configurations (for smoke tests)")
 
+    dbench = sub.add_parser("bench-distributed", help="in-process engine vs distributed runtime (greedy)")
+    dbench.add_argument("--target", default=str(defaults.DEFAULT_TARGET))
+    dbench.add_argument("--draft", default=str(defaults.DEFAULT_DRAFT))
+    dbench.add_argument("--num-prompts", type=int, default=20)
+    dbench.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS)
+    dbench.add_argument("--gamma", type=int, default=4)
+    dbench.add_argument("--tp", default="1,2", help="comma-separated TP degrees")
+    dbench.add_argument("--threads", type=int, default=2, help="torch threads in process and per TP-1 shard")
+    dbench.add_argument("--out", default="bench/results")
+
     train = sub.add_parser("train", help="train the default model pair on the Python standard library")
     train.add_argument("--out", default=str(defaults.MODELS_DIR))
     train.add_argument("--target-steps", type=int, default=1000)
     train.add_argument("--draft-steps", type=int, default=400)
     train.add_argument("--seed", type=int, default=0)
+
+    _add_cluster_parser(sub)
     return parser
 
 
@@ -87,26 +117,69 @@ def _check_common(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specserve.core.engine import GenerationConfig, SpeculativeEngine
-    from specserve.core.model import CausalLM
+    from specserve.core.engine import GenerationConfig
     from specserve.core.sampling import SamplingParams
-    from specserve.drafters import build_drafter
 
     _check_common(args)
     if not 1 <= args.gamma <= 64:
         raise UsageError(f"--gamma must be between 1 and 64, got {args.gamma}")
+    if not args.distributed and (args.tp != 1 or args.overlap or args.drafter_placement != "colocated"):
+        raise UsageError("--tp, --drafter-placement and --overlap need --distributed")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop))
     prompt = _read_prompt(args)
     if not prompt:
         raise UsageError("the prompt is empty; pass some text with --prompt or --prompt-file")
+    if args.distributed:
+        with _coordinator(args) as coordinator:
+            return _print_generation(coordinator, prompt, params, config, args.json)
+    return _print_generation(_engine(args), prompt, params, config, args.json)
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from specserve.core.engine import SpeculativeEngine
+    from specserve.core.model import CausalLM
+    from specserve.drafters import build_drafter
+
     target = CausalLM.load(args.target, dtype=args.dtype, device=args.device)
     drafter = build_drafter(
         args.draft, target, dtype=args.dtype, device=args.device, max_ngram=args.ngram_max, min_ngram=args.ngram_min
     )
-    engine = SpeculativeEngine(target, drafter)
-    if args.json:
-        result = engine.generate(prompt, params, config)
+    return SpeculativeEngine(target, drafter)
+
+
+@contextlib.contextmanager
+def _coordinator(args: argparse.Namespace) -> Iterator[Any]:
+    from specserve.actors import Coordinator, ReplicaConfig
+    from specserve.cluster.connect import connect_ray
+
+    if not Path(args.target).is_dir():
+        raise UsageError(f"model directory {args.target} does not exist")
+    config = ReplicaConfig(
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        device=args.device,
+        tp_degree=args.tp,
+        drafter_placement=args.drafter_placement,
+        overlap=args.overlap,
+        max_ngram=args.ngram_max,
+        min_ngram=args.ngram_min,
+        threads_per_shard=args.threads_per_shard,
+        threads_per_drafter=args.threads_per_drafter,
+    )
+    with connect_ray(args.ray_address, tp_degree=args.tp):
+        coordinator = Coordinator.spawn(config)
+        try:
+            yield coordinator
+        finally:
+            coordinator.shutdown()
+
+
+def _print_generation(runner: Any, prompt: str, params: Any, config: Any, as_json: bool) -> int:
+    """Print one generation of a single-process engine or a distributed coordinator (same interface)."""
+    if as_json:
+        result = runner.generate(prompt, params, config)
         stats = result.stats.to_dict()
         print(
             json.dumps(
@@ -120,7 +193,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    for chunk in engine.stream(prompt, params, config):
+    for chunk in runner.stream(prompt, params, config):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         if chunk.result is not None:
@@ -166,6 +239,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_distributed(args: argparse.Namespace) -> int:
+    from specserve.benchmarks import distributed
+
+    _check_common(args)
+    try:
+        tps = tuple(int(t) for t in args.tp.split(",") if t.strip())
+    except ValueError as exc:
+        raise UsageError(f"--tp must be comma-separated integers: {exc}") from exc
+    distributed.run(
+        distributed.DistributedBenchConfig(
+            target=args.target,
+            draft=args.draft,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            gamma=args.gamma,
+            tp_degrees=tps,
+            threads=args.threads,
+            out_dir=Path(args.out),
+        )
+    )
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from specserve.training import pipeline
 
@@ -179,13 +275,59 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# specserve cluster up | down | status
+
+
+def _add_cluster_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from specserve.cluster.local import DEFAULT_PORT
+
+    cluster = subparsers.add_parser("cluster", help="a local multi-node Ray cluster on this machine (up, down, status)")
+    actions = cluster.add_subparsers(dest="cluster_command", required=True)
+    up = actions.add_parser("up", help="start a head (large resource) and workers (cheap resource) on this machine")
+    up.add_argument("--workers", type=int, default=2, help="worker nodes beside the head")
+    up.add_argument("--large", type=int, default=4, help="units of the 'large' resource on the head (target shards)")
+    up.add_argument("--cheap", type=int, default=1, help="units of the 'cheap' resource per worker (drafters)")
+    up.add_argument("--port", type=int, default=DEFAULT_PORT, help="GCS port of the head (port + 1 is used too)")
+    actions.add_parser("down", help="stop the local cluster (only it: other Ray sessions keep running)")
+    stat = actions.add_parser("status", help="nodes, resources and actors of the local cluster")
+    stat.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from specserve.cluster import local
+
+    if args.cluster_command == "up":
+        spec = local.LocalClusterSpec(workers=args.workers, large=args.large, cheap=args.cheap, port=args.port)
+        cluster = local.up(spec)
+        print(f"local Ray cluster up at {cluster.address}: head ({spec.large_resource}: {spec.large}) + ", end="")
+        print(f"{spec.workers} workers ({spec.cheap_resource}: {spec.cheap} each)")
+        print(f"state: {cluster.state_file}; stop it with `specserve cluster down`")
+    elif args.cluster_command == "down":
+        report = local.down()
+        if report.was_running:
+            print(f"stopped the local Ray cluster at {report.address} ({report.nodes} nodes)")
+        else:
+            print(f"the local Ray cluster at {report.address} had already stopped; cleaned up its state")
+    else:
+        status = local.status()
+        print(json.dumps(status.to_dict()) if args.json else local.format_status(status))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight-loading bars would clutter streamed text and error lines
     hf_logging.set_verbosity_error()
-    handlers = {"generate": cmd_generate, "bench": cmd_bench, "train": cmd_train}
+    handlers = {
+        "generate": cmd_generate,
+        "bench": cmd_bench,
+        "bench-distributed": cmd_bench_distributed,
+        "train": cmd_train,
+        "cluster": _cmd_cluster,
+    }
     try:
         return handlers[args.command](args)
     except UserError as exc:

@@ -22,9 +22,10 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -226,3 +227,39 @@ def saved_pair_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_pairs: dict[s
         lm.tokenizer.save_pretrained(directory)
         dirs[role] = directory
     return dirs
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray: one local cluster for the whole session, and the tiny models saved where actors can load them
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """A local Ray instance on 127.0.0.1 declaring the "large" and "cheap" resources placement uses."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=16,  # logical: two replicas (one up to TP 4) must fit, whatever the real core count
+            resources={"large": 8, "cheap": 2},
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+        )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def saved_pairs(tmp_path_factory: pytest.TempPathFactory, tiny_pairs: dict[str, TinyPair]) -> dict[str, Path]:
+    """Each family's tiny target and draft saved (with the char tokenizer) as checkpoint directories."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    out = {}
+    for family, tiny in tiny_pairs.items():
+        for role, lm in (("target", tiny.target), ("draft", tiny.draft)):
+            directory = root / family / role
+            lm.model.save_pretrained(directory)
+            assert lm.tokenizer is not None
+            lm.tokenizer.save_pretrained(directory)
+        out[family] = root / family
+    return out

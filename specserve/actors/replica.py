@@ -177,6 +177,12 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
         )
         actors.append(drafter)
         ray.get(drafter.node_id.remote())  # surfaces a drafter that cannot load (bad path, vocabulary)
+    except ray.exceptions.ActorDiedError as exc:
+        for actor in actors:
+            ray.kill(actor)
+        for group in groups:
+            remove_placement_group(group)
+        raise ReplicaStartError(f"a replica actor failed to start: {_root_cause(exc)}") from exc
     except BaseException:
         for actor in actors:
             ray.kill(actor)
@@ -192,6 +198,12 @@ def _actor_env() -> dict[str, str]:
         if key in os.environ:
             env[key] = os.environ[key]
     return env
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The last line of a remote traceback: the exception that killed the actor, with its message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _describe(bundles: list[dict[str, float]]) -> str:

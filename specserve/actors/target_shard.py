@@ -213,6 +213,8 @@ class TargetShardActor:
             request = self._requests.get(request_id)
             if request is None:
                 raise UnknownRequest(f"request {request_id!r} is not running on this replica")
+            if request.verifier.finish is not None:
+                raise UnknownRequest(f"request {request_id!r} already finished ({request.verifier.finish})")
             before = self._allreduce_seconds()
             outcome = request.verifier.verify(draft)
             return encode_verdict(

@@ -27,7 +27,8 @@ from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.rpc.gen import speculation_pb2 as pb
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # gRPC's default is 4 MiB: servers and channels set this explicitly
-PROB_SUM_TOLERANCE = 1e-3
+PROB_SUM_TOLERANCE = 1e-3  # widened to the dtype's epsilon for q computed in bfloat16 / float16
+INT32_MAX = 2**31 - 1
 
 WIRE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -82,6 +83,10 @@ def decode_tensor(message: pb.Tensor) -> torch.Tensor:
 
 def encode_draft(request_id: str, cycle: int, draft: Draft) -> pb.DraftTree:
     tokens = draft.tokens.tolist()
+    if any(not 0 <= t <= INT32_MAX for t in tokens):
+        raise WireError(
+            f"draft token_ids must be in [0, 2**31); got {[t for t in tokens if not 0 <= t <= INT32_MAX][:5]}"
+        )
     message = pb.DraftTree(
         request_id=request_id, cycle=cycle, token_ids=tokens, parents=list(range(-1, len(tokens) - 1))
     )
@@ -117,6 +122,8 @@ def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | 
     if dtype is None or not dtype.is_floating_point:
         raise WireError(f"draft_probs_dtype {message.draft_probs_dtype!r} is not a floating-point dtype")
     dense = torch.zeros(nodes, vocab_size, dtype=torch.float64)
+    # Each q value is rounded to its dtype, so a row sums to 1 only within the dtype's epsilon.
+    tolerance = max(PROB_SUM_TOLERANCE, torch.finfo(dtype).eps)
     for i, dist in enumerate(message.draft_probs):
         ids = torch.tensor(dist.token_ids, dtype=torch.long)
         probs = torch.tensor(dist.probs, dtype=torch.float64)
@@ -125,7 +132,7 @@ def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | 
         if bool(((ids < 0) | (ids >= vocab_size)).any()) or ids.unique().numel() != ids.numel():
             raise WireError(f"draft distribution {i} has repeated or out-of-vocabulary ids")
         total = float(probs.sum())
-        if not bool(torch.isfinite(probs).all() & (probs >= 0).all()) or abs(total - 1.0) > PROB_SUM_TOLERANCE:
+        if not bool(torch.isfinite(probs).all() & (probs >= 0).all()) or abs(total - 1.0) > tolerance:
             raise WireError(f"draft distribution {i} is not a probability distribution (sum {total:.6f})")
         dense[i, ids] = probs
         if dense[i, message.token_ids[i]] <= 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -121,3 +123,201 @@ def test_nothing_is_unpickled() -> None:
     called = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     assert not {"pickle", "dill", "cloudpickle"} & imported
     assert not {"load", "loads"} & called  # no torch.load / pickle.loads
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips through bytes (parse_draft / parse_verdict), q bit-exact in every dtype
+
+
+def _sparse_q(dtype: torch.dtype, rows: int = 4, scale: float = 0.5, top_k: int = 12, seed: int = 0) -> torch.Tensor:
+    """Softmax of random logits truncated to top-k (exact zeros elsewhere), computed in float64, cast to dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, VOCAB, generator=gen, dtype=torch.float64) * scale
+    q = warp_probs(logits, SamplingParams(temperature=1.0, top_k=top_k)).to(dtype)
+    q[-1] = 0  # and one point-mass row (top-k = 1)
+    q[-1, 7] = 1
+    return q
+
+
+def _sample_tokens(q: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    return torch.multinomial(q.double(), 1, generator=torch.Generator().manual_seed(seed)).flatten()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+def test_q_travels_bit_exact_in_its_dtype(dtype: torch.dtype) -> None:
+    q = _sparse_q(dtype)
+    assert bool((q == 0).any()) and bool((q[:-1] > 0).sum(-1).eq(12).all())
+    # precondition of the codec's sum check (see test_bf16_q_rounded_from_a_peaked_softmax_is_accepted)
+    assert bool(((q.double().sum(-1) - 1).abs() <= codec.PROB_SUM_TOLERANCE).all())
+    tokens = _sample_tokens(q)
+    data = codec.encode_draft("req-q", 11, Draft(tokens, q)).SerializeToString()
+    request_id, cycle, back = codec.parse_draft(data, VOCAB)
+    assert (request_id, cycle) == ("req-q", 11)
+    assert torch.equal(back.tokens, tokens) and back.tokens.dtype == torch.long
+    assert back.draft_probs is not None
+    assert back.draft_probs.dtype == dtype and back.draft_probs.shape == q.shape
+    assert torch.equal(back.draft_probs, q)
+    assert torch.equal(back.draft_probs.view(-1).view(torch.uint8), q.reshape(-1).view(torch.uint8))  # bits, not values
+
+
+def test_bf16_q_rounded_from_a_peaked_softmax_is_accepted() -> None:
+    for seed in range(10):
+        q = _sparse_q(torch.bfloat16, scale=3.0, top_k=10, seed=seed)
+        tokens = _sample_tokens(q, seed)
+        back = codec.parse_draft(codec.encode_draft("r", 0, Draft(tokens, q)).SerializeToString(), VOCAB)[2]
+        assert back.draft_probs is not None and torch.equal(back.draft_probs, q)
+
+
+def test_empty_trees_round_trip_through_bytes() -> None:
+    for draft in (Draft.empty(), Draft(torch.empty(0, dtype=torch.long), torch.empty(0, VOCAB))):
+        data = codec.encode_draft("empty", 3, draft).SerializeToString()
+        request_id, cycle, back = codec.parse_draft(data, VOCAB)
+        assert (request_id, cycle, back.gamma) == ("empty", 3, 0)
+        assert back.tokens.dtype == torch.long and back.draft_probs is None
+    assert codec.parse_draft(b"", VOCAB)[2].gamma == 0  # the empty message is an empty tree of request ""
+
+
+def test_draft_features_tensor_travels_with_the_tree() -> None:
+    features = torch.randn(3, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    message = codec.encode_draft("f", 1, Draft(torch.tensor([1, 2, 3]), None))
+    message.features.CopyFrom(codec.encode_tensor(features))
+    back = pb.DraftTree.FromString(message.SerializeToString())
+    assert back.HasField("features")
+    out = codec.decode_tensor(back.features)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, features)
+    assert not codec.encode_draft("f", 1, Draft.empty()).HasField("features")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bfloat16, torch.float16])
+def test_tensor_round_trip_odd_shapes(dtype: torch.dtype) -> None:
+    base = torch.arange(-12, 12, dtype=torch.float64).reshape(4, 6) * 1.5
+    for tensor in (base.to(dtype).t(), base.to(dtype)[1:, ::2], torch.tensor(3.0).to(dtype)):  # non-contiguous, 0-d
+        back = codec.decode_tensor(pb.Tensor.FromString(codec.encode_tensor(tensor).SerializeToString()))
+        assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+
+
+def test_tensor_negative_shape_and_unknown_dtypes_are_rejected() -> None:
+    with pytest.raises(WireError, match="negative"):
+        codec.decode_tensor(pb.Tensor(dtype="float32", shape=[-1, 4], data=b""))
+    with pytest.raises(WireError, match="cannot travel"):
+        codec.encode_tensor(torch.zeros(2, dtype=torch.bool))
+
+
+def test_verdict_round_trips_through_bytes_with_timings() -> None:
+    cases = [
+        (ChainVerdict(0, 9, TokenKind.RECOVERED), 17, False, 0.0, 0.0),
+        (ChainVerdict(5, 2, TokenKind.BONUS), 2**40, True, 0.0123456789, 0.000321),
+    ]
+    for verdict, committed, finished, target_seconds, allreduce_seconds in cases:
+        message = codec.encode_verdict(
+            "req-v", 2**63 + 5, verdict, committed, finished, target_seconds, allreduce_seconds
+        )
+        info = codec.parse_verdict(message.SerializeToString())
+        assert info == codec.VerdictInfo(
+            "req-v", 2**63 + 5, verdict, committed, finished, target_seconds, allreduce_seconds
+        )
+        assert list(message.accepted_path) == list(range(verdict.num_accepted))
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"accepted_path": [1, 2]}, "path"),
+        ({"accepted_path": [0, 2]}, "path"),
+        ({"next_kind": pb.TOKEN_KIND_UNSPECIFIED}, "next_kind"),
+        ({"next_kind": 7}, "next_kind"),  # proto3 enums are open: unknown values parse
+        ({"next_token": -1}, "next_token"),
+    ],
+)
+def test_malformed_verdicts_are_rejected(fields: dict[str, object], needle: str) -> None:
+    base: dict[str, object] = {"request_id": "r", "accepted_path": [0], "next_token": 3}
+    base["next_kind"] = pb.TOKEN_KIND_BONUS
+    message = pb.Verdict(**{**base, **fields})
+    with pytest.raises(WireError, match=needle):
+        codec.parse_verdict(message.SerializeToString())
+
+
+# ---------------------------------------------------------------------------------------------
+# Huge and out-of-vocabulary ids
+
+
+@pytest.mark.parametrize("token", [2**31 - 1, VOCAB, VOCAB + 1, -1, -(2**31)])
+def test_out_of_vocabulary_draft_ids_are_rejected_naming_the_field(token: int) -> None:
+    message = pb.DraftTree(request_id="r", token_ids=[1, token], parents=[-1, 0])
+    with pytest.raises(WireError, match=rf"draft token ids \[{token}\] are outside the vocabulary \[0, {VOCAB}\)"):
+        codec.parse_draft(message.SerializeToString(), VOCAB)
+    assert codec.parse_draft(pb.DraftTree(token_ids=[VOCAB - 1], parents=[-1]).SerializeToString(), VOCAB)[2].gamma
+
+
+@pytest.mark.parametrize("support_id", [2**31 - 1, VOCAB, -1])
+def test_out_of_vocabulary_q_support_ids_are_rejected(support_id: int) -> None:
+    message = pb.DraftTree(request_id="r", token_ids=[1], parents=[-1])
+    message.draft_probs.add(token_ids=[1, support_id], probs=[0.5, 0.5])
+    with pytest.raises(WireError, match="draft distribution 0 has repeated or out-of-vocabulary ids"):
+        codec.parse_draft(message.SerializeToString(), VOCAB)
+
+
+def test_ids_beyond_int32_are_refused_by_the_encoder_with_wire_error() -> None:
+    with pytest.raises(WireError, match="token"):
+        codec.encode_draft("r", 0, Draft(torch.tensor([1, 2**31]), None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Truncated frames, garbage, oversize
+
+
+def test_truncated_draft_frames_give_wire_error() -> None:
+    q = _sparse_q(torch.float32)
+    data = codec.encode_draft("truncated", 1, Draft(_sample_tokens(q), q)).SerializeToString()
+    for cut in (1, 3, 12, len(data) // 3, len(data) // 2, len(data) - 5, len(data) - 1):  # inside a field
+        with pytest.raises(WireError):
+            codec.parse_draft(data[:cut], VOCAB)
+    parsed = 0
+    for cut in range(len(data)):  # every cut: a WireError or (at a field boundary) a valid shorter tree
+        try:
+            codec.parse_draft(data[:cut], VOCAB)
+            parsed += 1
+        except WireError:
+            pass
+    assert parsed < 8
+
+
+def test_truncated_verdict_frames_give_wire_error() -> None:
+    message = codec.encode_verdict("truncated", 9, ChainVerdict(3, 7, TokenKind.BONUS), 100, True, 0.25, 0.125)
+    data = message.SerializeToString()
+    for cut in (1, 2, 5, 6, len(data) - 1):
+        with pytest.raises(WireError):
+            codec.parse_verdict(data[:cut])
+    for cut in range(len(data)):  # a cut at a field boundary is a valid shorter Verdict; nothing but WireError escapes
+        with contextlib.suppress(WireError):
+            codec.parse_verdict(data[:cut])
+
+
+def test_random_garbage_gives_wire_error_and_nothing_else() -> None:
+    gen = torch.Generator().manual_seed(5)
+    errors = 0
+    for _ in range(400):
+        size = int(torch.randint(1, 200, (1,), generator=gen))
+        data = bytes(torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8).tolist())
+        for parse in (lambda d: codec.parse_draft(d, VOCAB), codec.parse_verdict):
+            try:
+                parse(data)
+            except WireError:
+                errors += 1
+    assert errors > 700  # almost all of the 800 parses fail, and every failure is a WireError
+
+
+def test_oversize_verdicts_and_q_trees_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = _sparse_q(torch.float64)
+    draft = Draft(_sample_tokens(q), q)
+    data = codec.encode_draft("big", 0, draft).SerializeToString()
+    verdict = codec.encode_verdict("v" * 100, 0, ChainVerdict(1, 1, TokenKind.BONUS), 5, False).SerializeToString()
+    monkeypatch.setattr(codec, "MAX_MESSAGE_BYTES", 100)
+    with pytest.raises(WireError, match="exceeds the 100-byte limit"):
+        codec.encode_draft("big", 0, draft)
+    with pytest.raises(WireError, match="exceeds"):
+        codec.parse_draft(data, VOCAB)
+    with pytest.raises(WireError, match="exceeds"):
+        codec.parse_verdict(verdict)
+    small = codec.encode_verdict("v", 0, ChainVerdict(0, 1, TokenKind.BONUS), 1, False).SerializeToString()
+    assert len(small) <= 100 and codec.parse_verdict(small).request_id == "v"

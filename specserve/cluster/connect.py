@@ -1,0 +1,46 @@
+"""Joining a Ray cluster for a command that spawns replicas: an explicit address, the local cluster, or a private one.
+
+Order: ``--ray-address`` if given; else the cluster ``specserve cluster up`` started (found
+through its state file); else a private single-node Ray on 127.0.0.1 that declares enough of the
+"large" and "cheap" resources for one replica, shut down again on exit. Ray never reports usage
+statistics and binds to loopback when started here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from specserve.cluster.placement import ClusterSpec
+
+
+@contextlib.contextmanager
+def connect_ray(address: str | None = None, tp_degree: int = 1, spec: ClusterSpec | None = None) -> Iterator[str]:
+    """Connected Ray for the duration of the block; yields a description of where it runs."""
+    import ray
+
+    from specserve.cluster.local import connect_address
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    spec = spec or ClusterSpec()
+    if ray.is_initialized():  # the caller already connected (tests, notebooks): use that
+        yield "existing Ray session"
+        return
+    address = address or connect_address()
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        where = f"Ray cluster at {address}"
+    else:
+        ray.init(
+            num_cpus=max(4, tp_degree + 2),  # logical CPUs: every actor asks for one
+            resources={spec.large_resource: float(tp_degree), spec.cheap_resource: 1.0},
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+        )
+        where = "private local Ray (127.0.0.1)"
+    try:
+        yield where
+    finally:
+        ray.shutdown()
