@@ -46,6 +46,7 @@ test: lint typecheck pytest
 
 bench: install
 	$(BIN)/specserve bench
+	$(BIN)/specserve bench-distributed
 
 train: install
 	$(BIN)/specserve train

@@ -108,7 +108,9 @@ class Coordinator:
                     allreduce_seconds=report.allreduce_seconds,
                     overlap_hit=report.overlap_hit,
                 )
-                new, finish = report.new_tokens, report.finish
+                new = report.new_tokens
+                if report.finished:  # the target cut at EOS (the last token) or at max_new_tokens
+                    finish = "eos" if new and new[-1] in eos else "length"
                 delta, keep = text.push(new)
                 if text.stopped:
                     new, finish = new[:keep], "stop"

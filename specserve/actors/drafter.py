@@ -32,7 +32,6 @@ from specserve.actors.target_shard import offline_environment
 from specserve.core.draft import Draft, propose_within
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.target import FinishReason
 from specserve.drafters.registry import build_drafter
 from specserve.rpc.verifier import VerifierStream, open_channel
 
@@ -51,7 +50,7 @@ class DraftJob:
 @dataclass(frozen=True)
 class CycleReport:
     new_tokens: list[int]  # committed this cycle (already cut at EOS / max_new_tokens by the target)
-    finish: FinishReason | None
+    finished: bool  # the target ended the request (EOS or max_new_tokens)
     gamma: int  # draft tokens sent
     num_accepted: int
     draft_seconds: float  # drafting on the critical path (0 when overlap had the tree ready)
@@ -142,9 +141,6 @@ class DrafterActor:
                 accepted = info.verdict.num_accepted
                 new = [*draft.tokens[:accepted].tolist(), info.verdict.next_token][: info.committed_length - committed]
                 committed, remaining = info.committed_length, remaining - len(new)
-                finish: FinishReason | None = None
-                if info.finished:
-                    finish = "eos" if remaining > 0 else "length"
 
                 ready = None
                 if ahead is not None:
@@ -165,7 +161,7 @@ class DrafterActor:
                 busy = max(info.target_seconds, ahead_seconds)
                 yield CycleReport(
                     new_tokens=new,
-                    finish=finish,
+                    finished=info.finished,
                     gamma=draft.gamma,
                     num_accepted=accepted,
                     draft_seconds=t1 - t0,

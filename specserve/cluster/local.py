@@ -16,8 +16,8 @@ What it does:
   file (``<state dir>/cluster.json``) records each node's session-leader pid and its start time.
 * ``down`` sends SIGTERM to exactly those leaders (``ray start --block`` then stops its own
   node's processes; drain-on-SIGTERM is switched off with ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0``),
-  waits, SIGKILLs whatever is still in those sessions, and checks that nothing of the cluster is
-  left and the GCS port no longer answers. It never runs ``ray stop``, which would kill every
+  waits, SIGKILLs whatever is still in those sessions or still names a node's temp dir on its
+  command line, and checks that none is left. It never runs ``ray stop``, which would kill every
   Ray process of the user — including a test suite's ``ray.init()`` cluster.
 * ``status`` connects a short-lived driver in a subprocess (so the caller's own ``ray.init``
   state is untouched) and reads nodes, per-node resources and actors straight from the GCS.
@@ -35,8 +35,14 @@ Ray 2.60 facts this relies on, checked by hand:
   of ``/tmp/ray`` also keeps ``ray.init(address="auto")`` of other sessions from finding us.
 * ``--node-ip-address 127.0.0.1`` is accepted but Ray rewrites loopback to this machine's
   routable address, and several Ray processes listen on all interfaces; Ray has no switch to
-  confine a multi-node cluster to loopback. The cluster runs without token authentication, as
-  ``ray.init()`` does: keep it on trusted networks.
+  confine a multi-node cluster to loopback. So the cluster always runs with Ray token auth
+  (``RAY_AUTH_MODE=token``) and a token of its own (``<state dir>/auth_token``, 0600, new at
+  every ``up``). A driver joins with ``ray.init(address=connect_address())`` after putting
+  ``LocalCluster.driver_env()`` into its environment: Ray turns token auth on for a driver given
+  an explicit address only through that variable.
+* Token auth must be set explicitly on every node: ``ray start --head`` turns it on by itself
+  when ``~/.ray/auth_token`` exists (any local ``ray.init()`` creates that file), but
+  ``ray start --address`` does not, and its workers then fail with ``InvalidAuthToken``.
 * The head's Ray-client server would take port 10001 (clashing with a default ``ray start``);
   it is moved to ``port + 1``.
 """
@@ -45,10 +51,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -72,9 +80,6 @@ STATE_FORMAT = 1
 DEFAULT_PORT = 6390  # not Ray's 6379, so a default `ray start` or `ray.init()` can run beside us
 MAX_WORKERS = 8  # every node is a raylet plus agents (~0.3 GB) on this one machine
 MIN_OBJECT_STORE_MB = 80  # Ray refuses less than ~75 MB
-SOCKET_PATH_MAX = 107  # AF_UNIX path limit on Linux, less the terminating NUL
-# Longest Ray socket path below a node temp dir: "/session_YYYY-MM-DD_HH-MM-SS_uuuuuu_<pid>/sockets/plasma_store".
-RAY_SOCKET_SUFFIX = 72
 
 HEAD_READY_TIMEOUT_S = 90.0
 WORKER_READY_TIMEOUT_S = 90.0
@@ -149,9 +154,6 @@ class LocalClusterSpec:
             raise InvalidClusterSpec(f"port must be between 1024 and 65534 (port + 1 is used too), got {self.port}")
         if self.object_store_mb < MIN_OBJECT_STORE_MB:
             raise InvalidClusterSpec(f"object_store_mb must be >= {MIN_OBJECT_STORE_MB}, got {self.object_store_mb}")
-        longest = len(str(node_temp_dir(self.port, worker_name(max(self.workers, 1))))) + RAY_SOCKET_SUFFIX
-        if longest > SOCKET_PATH_MAX:
-            raise InvalidClusterSpec(f"Ray socket paths under {ray_temp_root(self.port)} would exceed AF_UNIX limits")
 
     @property
     def client_port(self) -> int:
@@ -166,7 +168,12 @@ def worker_name(index: int) -> str:
 
 
 def ray_temp_root(port: int) -> Path:
-    """Short, per-user, per-port root for the nodes' Ray temp dirs (see the module docstring)."""
+    """Short, per-user, per-port root for the nodes' Ray temp dirs (see the module docstring).
+
+    Length budget: Ray's longest socket path below a node temp dir is
+    ``/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store`` (at most 64 bytes), and
+    ``/tmp/specserve-<uid>-<port>/worker8`` is at most 39, within the 107 bytes AF_UNIX allows.
+    """
     return Path("/tmp") / f"specserve-{os.getuid()}-{port}"
 
 
@@ -260,15 +267,22 @@ def _wait_gone(nodes: list[NodeProcess], timeout_s: float) -> list[int]:
         time.sleep(0.2)
 
 
-def _processes_mentioning(paths: list[str]) -> list[int]:
-    """Live pids whose command line names one of ``paths`` (GCS, raylet and agents name their node's temp dir)."""
+def _ray_processes_naming(paths: list[str]) -> list[int]:
+    """Live Ray processes (run from Ray's package dir) whose command line names one of ``paths``.
+
+    GCS, raylet, agents and monitors name their node's temp dir; a ``tail -f`` of a log there
+    is not a Ray process and is left alone.
+    """
+    spec = importlib.util.find_spec("ray")
+    ray_dir = str(Path(spec.origin).parent) + "/" if spec is not None and spec.origin else None
     found = []
     for info in _all_procs():
         try:
-            cmdline = Path(f"/proc/{info.pid}/cmdline").read_bytes().decode(errors="replace")
+            argv = Path(f"/proc/{info.pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if _is_live(info) and any(path in cmdline for path in paths):
+        is_ray = (ray_dir is not None and any(arg.startswith(ray_dir) for arg in argv)) or "ray.scripts.scripts" in argv
+        if _is_live(info) and is_ray and any(path in arg for arg in argv for path in paths):
             found.append(info.pid)
     return found
 
@@ -289,12 +303,13 @@ def _stop_nodes(nodes: list[NodeProcess]) -> list[int]:
     _signal([node.pid for node in nodes if _leader_is_ours(node)], signal.SIGTERM)
     left = _wait_gone(nodes, STOP_GRACE_S)
     # Belt and braces: a GCS/raylet/agent of these nodes that left the session still names its temp dir.
-    left += [pid for pid in _processes_mentioning([node.temp_dir + "/" for node in nodes]) if pid not in left]
+    temp_dirs = [node.temp_dir for node in nodes]
+    left += [pid for pid in _ray_processes_naming(temp_dirs) if pid not in left]
     if left:
         logger.warning("SIGKILL to processes still up %.0f s after SIGTERM: %s", STOP_GRACE_S, _describe(left))
         _signal(left, signal.SIGKILL)
         time.sleep(0.2)
-        survivors = _wait_gone(nodes, KILL_WAIT_S) + _processes_mentioning([node.temp_dir + "/" for node in nodes])
+        survivors = _wait_gone(nodes, KILL_WAIT_S) + _ray_processes_naming(temp_dirs)
         if survivors:
             raise ClusterStopError(f"processes of the local cluster survived SIGKILL: {sorted(set(survivors))}")
     return left
@@ -355,16 +370,21 @@ class LocalCluster:
             return None
         except (OSError, ValueError) as exc:
             raise UserError(f"cannot read the cluster state file {path}: {exc}; delete it if no cluster runs") from exc
-        if body.get("format") != STATE_FORMAT:
-            raise UserError(f"{path} was written by another specserve version; stop that cluster with it or delete")
-        return cls(
-            address=body["address"],
-            port=int(body["port"]),
-            nodes=tuple(NodeProcess(**node) for node in body["nodes"]),
-            spec=body["spec"],
-            state_file=path,
-            auth_token=body["auth_token"],
-        )
+        if not isinstance(body, dict) or body.get("format") != STATE_FORMAT:
+            raise UserError(f"{path} was not written by this specserve version; stop that cluster with it or delete")
+        try:
+            return cls(
+                address=body["address"],
+                port=int(body["port"]),
+                nodes=tuple(NodeProcess(**node) for node in body["nodes"]),
+                spec=body["spec"],
+                state_file=path,
+                auth_token=body["auth_token"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UserError(
+                f"the cluster state file {path} is damaged ({exc!r}); delete it if no cluster runs"
+            ) from exc
 
     def driver_env(self) -> dict[str, str]:
         """Environment a driver needs, set before ``import ray``, to join (token auth, this cluster's token)."""
@@ -490,9 +510,10 @@ def _wait_registered(cluster: LocalCluster, expected: int, timeout_s: float) -> 
     deadline = time.monotonic() + timeout_s
     alive = 0
     while time.monotonic() < deadline:
-        alive = sum(node.alive for node in _status(cluster.address, cluster.driver_env()).nodes)
-        if alive >= expected:
-            return
+        with contextlib.suppress(ClusterNotRunning):  # a driver that could not join yet: try again
+            alive = sum(node.alive for node in _status(cluster.address, cluster.driver_env()).nodes)
+            if alive >= expected:
+                return
         time.sleep(1.0)
     raise ClusterStartError(f"only {alive} of {expected} nodes registered with the head within {timeout_s:.0f} s")
 
@@ -519,6 +540,8 @@ def up(spec: LocalClusterSpec | None = None) -> LocalCluster:
         for port in (spec.port, spec.client_port):
             if not _port_free(port):
                 raise ClusterStartError(f"port {port} is in use (another Ray cluster?); choose another with --port")
+        # Ray's session dirs of the previous run on this port (kept by `down` for post-mortems) go now.
+        shutil.rmtree(ray_temp_root(spec.port), ignore_errors=True)
 
         spec_record = {**asdict(spec), "state_dir": str(spec.state_dir)}
         token = spec.state_dir / "auth_token"

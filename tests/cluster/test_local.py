@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -134,7 +135,7 @@ def test_stale_state_file_is_not_a_running_cluster(state_dir: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     node = NodeProcess("head", dead.pid, 1, str(local.node_temp_dir(7002, "head")), str(state_dir / "head.log"))
-    LocalCluster("127.0.0.1:7002", 7002, (node,), {}, state_dir / local.STATE_FILE).save()
+    LocalCluster("127.0.0.1:7002", 7002, (node,), {}, state_dir / local.STATE_FILE, str(state_dir / "token")).save()
     assert local.connect_address() is None
     with pytest.raises(ClusterNotRunning, match="start one with `specserve cluster up`"):
         local.status()
@@ -189,6 +190,7 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path) -> None:
         cluster = local.up(spec)
         up_s = time.monotonic() - started
         assert local.connect_address() == cluster.address and cluster.address.endswith(f":{port}")
+        assert Path(cluster.auth_token).stat().st_mode & 0o777 == 0o600
         with pytest.raises(ClusterAlreadyRunning, match="specserve cluster down"):
             local.up(spec)
 
@@ -219,13 +221,15 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path) -> None:
         assert placed_on.resources_available["cheap"] == 0
         assert f"{placed_on.name} ({probe_node[:8]})" in local.format_status(status)
 
+        stopping = time.monotonic()
         report = local.down()
-        down_s = time.monotonic() - started - up_s
+        down_s = time.monotonic() - stopping
         assert report.was_running and report.nodes == 3 and report.killed == ()
         # Our cluster is gone: no state, no process of its sessions or naming its temp dirs, GCS port closed.
         assert local.connect_address() is None and not (state_dir / local.STATE_FILE).exists()
+        assert not Path(cluster.auth_token).exists()
         assert local._session_members(list(cluster.nodes)) == []
-        assert local._processes_mentioning([str(local.ray_temp_root(port)) + "/"]) == []
+        assert local._ray_processes_naming([str(local.ray_temp_root(port))]) == []
         assert not local._port_answers("127.0.0.1", port, timeout_s=1.0)
         assert not local._port_answers("127.0.0.1", port + 1, timeout_s=1.0)
         # ... and the other Ray instance is still alive.
@@ -237,3 +241,4 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path) -> None:
             local.down(state_dir)
         if own_ray:
             ray.shutdown()
+        shutil.rmtree(local.ray_temp_root(port), ignore_errors=True)  # Ray's session logs of this run
