@@ -300,8 +300,8 @@ def _cmd_cluster(args: argparse.Namespace) -> int:
     if args.cluster_command == "up":
         spec = local.LocalClusterSpec(workers=args.workers, large=args.large, cheap=args.cheap, port=args.port)
         cluster = local.up(spec)
-        print(f"local Ray cluster up at {cluster.address}: head ({spec.large_resource}: {spec.large}) + ", end="")
-        print(f"{spec.workers} workers ({spec.cheap_resource}: {spec.cheap} each)")
+        workers = f"{spec.workers} worker{'s' if spec.workers != 1 else ''} ({spec.cheap_resource}: {spec.cheap} each)"
+        print(f"local Ray cluster up at {cluster.address}: head ({spec.large_resource}: {spec.large}) + {workers}")
         print(f"state: {cluster.state_file}; stop it with `specserve cluster down`")
     elif args.cluster_command == "down":
         report = local.down()

@@ -104,6 +104,8 @@ def _row(method: Method, run: dict[str, Any], reference: list[list[int]] | None)
         "mean_accepted": stats.mean_accepted,
         "cycles": stats.cycles,
         "overlap_hit_rate": stats.overlap_hits / cycles if method.overlap else None,
+        "all_accepted_rate": stats.accepted_length_histogram[stats.draft_length_histogram.most_common(1)[0][0] + 1]
+        / cycles,
         "identical_to_in_process": None if reference is None else run["outputs"] == reference,
         **per_cycle,
     }
@@ -117,15 +119,12 @@ def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
     target = CausalLM.load(cfg.target)
     engine = SpeculativeEngine(target, build_drafter(cfg.draft, target))
     prompts = [engine.encode(p) for p in heldout_prompts(cfg.num_prompts)]
-    rows: list[dict[str, Any]] = []
-    reference: list[list[int]] | None = None
+    # The in-process reference runs before Ray starts: Ray's start-up work would otherwise share its CPU.
+    in_process = _generate_all(engine, prompts, cfg, "in-process")
+    reference: list[list[int]] = in_process["outputs"]
+    rows = [_row(Method("in-process"), in_process, None)]
     with connect_ray(tp_degree=max(cfg.tp_degrees)) as where:
-        for method in methods(cfg):
-            if method.tp == 0:
-                run_ = _generate_all(engine, prompts, cfg, method.name)
-                reference = run_["outputs"]
-                rows.append(_row(method, run_, None))
-                continue
+        for method in methods(cfg)[1:]:
             config = ReplicaConfig(
                 target=cfg.target,
                 draft=cfg.draft,
@@ -140,7 +139,7 @@ def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
                 rows.append(_row(method, _generate_all(coordinator, prompts, cfg, method.name), reference))
             finally:
                 coordinator.shutdown()
-            print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
+            print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["tokens_per_second"]
     for row in rows:
         row["vs_in_process"] = row["tokens_per_second"] / base

@@ -1,1 +1,1 @@
-"""Cluster bootstrap for the distributed runtime: resource math now; Ray start/stop comes with issue 3."""
+"""Cluster bootstrap for the distributed runtime: placement-group math, joining Ray, the local multi-node cluster."""

@@ -23,6 +23,9 @@ What it does:
   state is untouched) and reads nodes, per-node resources and actors straight from the GCS.
   ``ray.util.state.list_actors`` is not used: it needs the dashboard's HTTP API server, which
   this cluster does not start (``--include-dashboard=false``).
+* Logs: ``<state dir>/logs/<node>.log`` holds each ``ray start``'s output, Ray's own logs are in
+  ``<node temp dir>/session_latest/logs``. ``down`` keeps both; the next ``up`` on the same port
+  clears the Ray temp dirs.
 
 What it does not do: run anything across machines (use ``ray up`` with ``deploy/`` for that),
 restart crashed nodes, or work outside Linux (it reads ``/proc``).
@@ -35,14 +38,16 @@ Ray 2.60 facts this relies on, checked by hand:
   of ``/tmp/ray`` also keeps ``ray.init(address="auto")`` of other sessions from finding us.
 * ``--node-ip-address 127.0.0.1`` is accepted but Ray rewrites loopback to this machine's
   routable address, and several Ray processes listen on all interfaces; Ray has no switch to
-  confine a multi-node cluster to loopback. So the cluster always runs with Ray token auth
-  (``RAY_AUTH_MODE=token``) and a token of its own (``<state dir>/auth_token``, 0600, new at
-  every ``up``). A driver joins with ``ray.init(address=connect_address())`` after putting
-  ``LocalCluster.driver_env()`` into its environment: Ray turns token auth on for a driver given
-  an explicit address only through that variable.
-* Token auth must be set explicitly on every node: ``ray start --head`` turns it on by itself
-  when ``~/.ray/auth_token`` exists (any local ``ray.init()`` creates that file), but
-  ``ray start --address`` does not, and its workers then fail with ``InvalidAuthToken``.
+  confine a multi-node cluster to loopback.
+* Ray token auth is switched off explicitly (``RAY_AUTH_MODE=disabled``) on every node, so that
+  any driver joins with a plain ``ray.init(address=connect_address())``. Left unset,
+  ``ray start --head`` turns token auth on by itself whenever ``~/.ray/auth_token`` exists (any
+  local ``ray.init()`` creates that file) while ``ray start --address`` does not, and the workers
+  then fail with ``InvalidAuthToken``. Token auth for drivers given an explicit address is only
+  switched on by ``RAY_AUTH_MODE=token`` read when ray is imported, and a per-process token cache
+  makes it fragile to switch in a process that already uses another Ray cluster (a test suite's);
+  so, as with a plain ``ray start``: anyone who can reach this machine's ports can use the
+  cluster. Keep it to trusted networks.
 * The head's Ray-client server would take port 10001 (clashing with a default ``ray start``);
   it is moved to ``port + 1``.
 """
@@ -55,7 +60,6 @@ import importlib.util
 import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -73,8 +77,6 @@ from specserve.core.errors import UserError
 logger = logging.getLogger(__name__)
 
 STATE_DIR_ENV = "SPECSERVE_CLUSTER_DIR"
-AUTH_MODE_ENV = "RAY_AUTH_MODE"
-AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 STATE_FILE = "cluster.json"
 STATE_FORMAT = 1
 DEFAULT_PORT = 6390  # not Ray's 6379, so a default `ray start` or `ray.init()` can run beside us
@@ -347,7 +349,6 @@ class LocalCluster:
     nodes: tuple[NodeProcess, ...]  # head first
     spec: dict[str, Any]  # the LocalClusterSpec it was started with (state_dir as a string)
     state_file: Path
-    auth_token: str  # path of this cluster's Ray auth token (0600), fresh for every `up`
 
     def to_json(self) -> str:
         body = {
@@ -356,7 +357,6 @@ class LocalCluster:
             "port": self.port,
             "nodes": [asdict(node) for node in self.nodes],
             "spec": self.spec,
-            "auth_token": self.auth_token,
         }
         return json.dumps(body, indent=2)
 
@@ -379,16 +379,11 @@ class LocalCluster:
                 nodes=tuple(NodeProcess(**node) for node in body["nodes"]),
                 spec=body["spec"],
                 state_file=path,
-                auth_token=body["auth_token"],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(
                 f"the cluster state file {path} is damaged ({exc!r}); delete it if no cluster runs"
             ) from exc
-
-    def driver_env(self) -> dict[str, str]:
-        """Environment a driver needs, set before ``import ray``, to join (token auth, this cluster's token)."""
-        return {AUTH_MODE_ENV: "token", AUTH_TOKEN_PATH_ENV: self.auth_token}
 
     def running(self) -> bool:
         """Whether the head's ``ray start`` process is still the one we started."""
@@ -414,12 +409,7 @@ def _locked(state_dir: Path) -> Iterator[None]:
 
 
 def connect_address(state_dir: Path | None = None) -> str | None:
-    """Address of the running local cluster (for ``ray.init(address=...)``), or None if none is up.
-
-    The driver must also run with ``LocalCluster.load().driver_env()`` in its environment (the
-    cluster uses Ray token auth, and Ray only enables it for drivers given an explicit address
-    when ``RAY_AUTH_MODE=token`` is set).
-    """
+    """Address of the running local cluster, for ``ray.init(address=...)``; None if none is up."""
     cluster = LocalCluster.load(state_dir)
     return cluster.address if cluster is not None and cluster.running() else None
 
@@ -433,21 +423,13 @@ def _require_linux() -> None:
         raise UserError(f"the local cluster needs Linux (it tracks Ray processes through /proc), not {sys.platform}")
 
 
-def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
-    # Never let a driver's address or a token from the caller's environment leak in.
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+def _child_env() -> dict[str, str]:
+    """Environment of our `ray start` and status processes: never a driver's address from the caller."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # SIGTERM stops the node at once (default: drain up to 30 s)
-    env.update(extra)
+    env["RAY_AUTH_MODE"] = "disabled"  # the same on every node, whatever ~/.ray holds (module docstring)
     return env
-
-
-def _write_token(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as token:
-        token.write(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes: 256 bits, hex
 
 
 def _ray_start_command(spec: LocalClusterSpec, name: str) -> list[str]:
@@ -464,7 +446,7 @@ def _ray_start_command(spec: LocalClusterSpec, name: str) -> list[str]:
     return command
 
 
-def _launch(spec: LocalClusterSpec, name: str, env: Mapping[str, str]) -> NodeProcess:
+def _launch(spec: LocalClusterSpec, name: str) -> NodeProcess:
     temp_dir = node_temp_dir(spec.port, name)
     temp_dir.mkdir(parents=True, exist_ok=True)
     (temp_dir / "ray_current_cluster").unlink(missing_ok=True)  # written again once this node is up
@@ -476,7 +458,7 @@ def _launch(spec: LocalClusterSpec, name: str, env: Mapping[str, str]) -> NodePr
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_child_env(env),
+            env=_child_env(),
             start_new_session=True,  # own session: Ctrl-C/hang-up of the caller does not reach it; `down` finds it
         )
     info = _proc_info(proc.pid)
@@ -506,12 +488,12 @@ def _wait_ready(node: NodeProcess, timeout_s: float) -> str:
     raise ClusterStartError(f"the {node.name} node did not come up within {timeout_s:.0f} s; see {node.log}")
 
 
-def _wait_registered(cluster: LocalCluster, expected: int, timeout_s: float) -> None:
+def _wait_registered(address: str, expected: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     alive = 0
     while time.monotonic() < deadline:
         with contextlib.suppress(ClusterNotRunning):  # a driver that could not join yet: try again
-            alive = sum(node.alive for node in _status(cluster.address, cluster.driver_env()).nodes)
+            alive = sum(node.alive for node in status(address).nodes)
             if alive >= expected:
                 return
         time.sleep(1.0)
@@ -544,28 +526,22 @@ def up(spec: LocalClusterSpec | None = None) -> LocalCluster:
         shutil.rmtree(ray_temp_root(spec.port), ignore_errors=True)
 
         spec_record = {**asdict(spec), "state_dir": str(spec.state_dir)}
-        token = spec.state_dir / "auth_token"
-        _write_token(token)
-        cluster = LocalCluster(
-            f"127.0.0.1:{spec.port}", spec.port, (), spec_record, spec.state_dir / STATE_FILE, str(token)
-        )
-        env = cluster.driver_env()  # every node runs with token auth on, reading this cluster's token
+        cluster = LocalCluster(f"127.0.0.1:{spec.port}", spec.port, (), spec_record, spec.state_dir / STATE_FILE)
         nodes: list[NodeProcess] = []
         try:
-            nodes.append(_launch(spec, "head", env))
+            nodes.append(_launch(spec, "head"))
             cluster = replace(cluster, nodes=tuple(nodes))
             cluster.save()  # from here on `down` can clean up even if this process dies
             address = _wait_ready(nodes[0], HEAD_READY_TIMEOUT_S)
-            nodes += [_launch(spec, name, env) for name in spec.node_names()[1:]]
+            nodes += [_launch(spec, name) for name in spec.node_names()[1:]]
             cluster = replace(cluster, address=address, nodes=tuple(nodes))
             cluster.save()
             for node in nodes[1:]:
                 _wait_ready(node, WORKER_READY_TIMEOUT_S)
-            _wait_registered(cluster, len(nodes), NODES_REGISTERED_TIMEOUT_S)
+            _wait_registered(address, len(nodes), NODES_REGISTERED_TIMEOUT_S)
         except BaseException:
             _stop_nodes(nodes)
             cluster.state_file.unlink(missing_ok=True)
-            token.unlink(missing_ok=True)
             raise
         return cluster
 
@@ -589,7 +565,6 @@ def down(state_dir: Path | None = None) -> StopReport:
         was_running = cluster.running()
         killed = _stop_nodes(list(cluster.nodes))
         cluster.state_file.unlink(missing_ok=True)
-        Path(cluster.auth_token).unlink(missing_ok=True)
         return StopReport(cluster.address, len(cluster.nodes), was_running, tuple(killed))
 
 
@@ -643,22 +618,18 @@ _STATUS_MARK = "SPECSERVE_STATUS "
 
 
 def status(address: str | None = None, state_dir: Path | None = None) -> ClusterStatus:
-    """Nodes and actors of the cluster at ``address`` (default: the local cluster's).
+    """Nodes and actors of the Ray cluster at ``address`` (default: the local cluster's).
 
     The driver runs in a subprocess, so this works whether or not the caller is itself connected
-    to some Ray cluster, and leaves no Ray state behind in the caller. For the local cluster it
-    runs with the cluster's token; another address is reached with the caller's Ray environment.
+    to some Ray cluster, and leaves no Ray state behind in the caller.
     """
-    cluster = LocalCluster.load(state_dir)
-    if cluster is not None and cluster.running() and address in (None, cluster.address):
-        return _status(cluster.address, cluster.driver_env())
     if address is None:
-        where = state_dir or default_state_dir()
-        raise ClusterNotRunning(f"no local cluster is up (state dir {where}); start one with `specserve cluster up`")
-    return _status(address, {})
-
-
-def _status(address: str, env: Mapping[str, str]) -> ClusterStatus:
+        address = connect_address(state_dir)
+        if address is None:
+            where = state_dir or default_state_dir()
+            raise ClusterNotRunning(
+                f"no local cluster is up (state dir {where}); start one with `specserve cluster up`"
+            )
     host, _, port = address.rpartition(":")
     if not port.isdigit() or not _port_answers(host, int(port)):
         raise ClusterNotRunning(f"no Ray cluster answers at {address}")
@@ -667,7 +638,7 @@ def _status(address: str, env: Mapping[str, str]) -> ClusterStatus:
             [sys.executable, "-m", "specserve.cluster.local", "status", address],
             capture_output=True,
             text=True,
-            env=_child_env(env),
+            env=_child_env(),
             timeout=STATUS_TIMEOUT_S,
             check=False,
         )

@@ -135,7 +135,7 @@ def test_stale_state_file_is_not_a_running_cluster(state_dir: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     node = NodeProcess("head", dead.pid, 1, str(local.node_temp_dir(7002, "head")), str(state_dir / "head.log"))
-    LocalCluster("127.0.0.1:7002", 7002, (node,), {}, state_dir / local.STATE_FILE, str(state_dir / "token")).save()
+    LocalCluster("127.0.0.1:7002", 7002, (node,), {}, state_dir / local.STATE_FILE).save()
     assert local.connect_address() is None
     with pytest.raises(ClusterNotRunning, match="start one with `specserve cluster up`"):
         local.status()
@@ -155,9 +155,11 @@ def test_cli_without_a_cluster_exits_2(state_dir: Path, capsys: pytest.CaptureFi
 # ---------------------------------------------------------------------------------------------
 # End to end
 
+# Joins the way `generate --distributed` does (specserve.cluster.connect).
 PROBE = """
-import sys, ray
-ray.init(address=sys.argv[1], log_to_driver=False)
+import ray
+from specserve.cluster.local import connect_address
+ray.init(address=connect_address(), log_to_driver=False)
 
 @ray.remote(num_cpus=1, resources={"cheap": 1})
 class Probe:
@@ -190,7 +192,6 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path) -> None:
         cluster = local.up(spec)
         up_s = time.monotonic() - started
         assert local.connect_address() == cluster.address and cluster.address.endswith(f":{port}")
-        assert Path(cluster.auth_token).stat().st_mode & 0o777 == 0o600
         with pytest.raises(ClusterAlreadyRunning, match="specserve cluster down"):
             local.up(spec)
 
@@ -204,8 +205,7 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path) -> None:
             assert worker.resources_total["cheap"] == 1 and "large" not in worker.resources_total
 
         probe = subprocess.run(
-            [sys.executable, "-c", PROBE, cluster.address],
-            env={**os.environ, **cluster.driver_env()},  # the cluster's token auth
+            [sys.executable, "-c", PROBE],
             capture_output=True,
             text=True,
             timeout=90,
@@ -227,7 +227,6 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path) -> None:
         assert report.was_running and report.nodes == 3 and report.killed == ()
         # Our cluster is gone: no state, no process of its sessions or naming its temp dirs, GCS port closed.
         assert local.connect_address() is None and not (state_dir / local.STATE_FILE).exists()
-        assert not Path(cluster.auth_token).exists()
         assert local._session_members(list(cluster.nodes)) == []
         assert local._ray_processes_naming([str(local.ray_temp_root(port))]) == []
         assert not local._port_answers("127.0.0.1", port, timeout_s=1.0)
