@@ -4,7 +4,9 @@ For each request the actor opens one ``Speculate`` stream to its replica's rank 
 propose (within the budget the single-process engine would use) → send the tree → receive the
 verdict → hand the committed tokens back to the drafter. Each cycle is reported to the caller
 (the :class:`~specserve.actors.coordinator.Coordinator`) as a :class:`CycleReport` through a Ray
-streaming generator, so the caller never sits on the critical path of a cycle.
+streaming generator, so the caller never sits on the critical path of a cycle: a cycle's report
+is yielded once the next tree has been sent, while the target verifies it (tokens reach the
+caller one drafting step later, and the report's cost is hidden behind verification).
 
 **Overlap mode.** Once a tree is sent, the drafter does not wait idle: it assumes the most likely
 verdict — every draft token accepted — and drafts one token past the tree's leaf (its guess at
@@ -28,11 +30,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from specserve.actors.compute import ComputeThread
 from specserve.actors.target_shard import offline_environment
 from specserve.core.draft import Draft, propose_within
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.drafters.registry import build_drafter
+from specserve.rpc.codec import encode_draft
 from specserve.rpc.verifier import VerifierStream, open_channel
 
 
@@ -79,12 +83,11 @@ class DrafterActor:
         num_threads: int | None = None,
     ) -> None:
         offline_environment()
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        self.compute = ComputeThread(num_threads)
         self.device = torch.device(device)
         target = TargetDescription(target_info, load_tokenizer(target_dir), self.device)
-        self.drafter = build_drafter(
-            drafter, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram
+        self.drafter = self.compute.run(
+            build_drafter, drafter, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram
         )
         self._channels: dict[str, grpc.Channel] = {}
         self._cancelled: set[str] = set()
@@ -106,35 +109,41 @@ class DrafterActor:
         with self._busy:
             self._current = job.request_id
             try:
+                # The loop itself runs here (a Ray thread); every torch call goes to the compute thread.
                 yield from self._loop(job)
             finally:
                 self._current = None
                 self._cancelled.discard(job.request_id)
 
     def _loop(self, job: DraftJob) -> Iterator[CycleReport]:
-        drafter, device = self.drafter, self.device
+        drafter, device, run = self.drafter, self.device, self.compute.run
         generators = make_generators(job.params.seed, device)
-        drafter.start(job.prompt_ids, job.params, generators.draft)
+        run(drafter.start, job.prompt_ids, job.params, generators.draft)
         stream = VerifierStream(self._channel(job.verifier_address))
         committed = len(job.prompt_ids)
         remaining = job.max_new_tokens
         ready: Draft | None = None
+        pending: CycleReport | None = None  # the previous cycle's report, yielded while the target verifies
         cycle = 0
         try:
             while job.request_id not in self._cancelled:
                 t0 = time.perf_counter()
-                draft = ready if ready is not None else propose_within(drafter, job.gamma, remaining, device)
+                draft = ready if ready is not None else run(propose_within, drafter, job.gamma, remaining, device)
                 overlap_hit = ready is not None
                 t1 = time.perf_counter()
-                stream.send(job.request_id, cycle, draft)
+                stream.send_raw(run(encode_draft, job.request_id, cycle, draft).SerializeToString())
 
                 ahead: Draft | None = None
                 ahead_seconds = 0.0
                 if job.overlap and remaining - draft.gamma - 1 > 0:
                     # Assume the likeliest verdict (all accepted) and draft the bonus guess plus the next tree.
-                    drafter.accept(draft.tokens.tolist())
-                    ahead = drafter.propose(job.gamma + 1)
+                    run(drafter.accept, draft.tokens.tolist())
+                    ahead = run(drafter.propose, job.gamma + 1)
                     ahead_seconds = time.perf_counter() - t1
+
+                if pending is not None:  # reporting costs ~1 ms: do it while the target is busy anyway
+                    yield pending
+                    pending = None
 
                 info = stream.receive()
                 t2 = time.perf_counter()
@@ -151,15 +160,15 @@ class DrafterActor:
                         and int(ahead.tokens[0]) == info.verdict.next_token
                     )
                     if hit:
-                        drafter.accept(new[-1:])
+                        run(drafter.accept, new[-1:])
                         ready = _trim(ahead, 1, min(job.gamma, remaining - 1))
                     else:
-                        drafter.rewind(committed - len(new))
+                        run(drafter.rewind, committed - len(new))
                 if ready is None and not info.finished:
-                    drafter.accept(new)
+                    run(drafter.accept, new)
 
                 busy = max(info.target_seconds, ahead_seconds)
-                yield CycleReport(
+                pending = CycleReport(
                     new_tokens=new,
                     finished=info.finished,
                     gamma=draft.gamma,
@@ -171,6 +180,7 @@ class DrafterActor:
                     overlap_hit=overlap_hit,
                 )
                 if info.finished:
+                    yield pending
                     return
                 cycle += 1
         finally:

@@ -106,7 +106,6 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
 
     spec = config.spec()
     plan = replica_placement(spec)
-    env = {"env_vars": _actor_env()}
     groups = [placement_group(plan.target.bundles, strategy=plan.target.strategy)]
     actors: list[Any] = []
     if plan.drafter is not None:
@@ -134,7 +133,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
                     num_gpus=resources.pop("GPU", 0.0),
                     resources=resources,
                     max_concurrency=4,
-                    runtime_env=env,
+                    runtime_env={"env_vars": _actor_env(config.threads_per_shard)},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(groups[0], bundle),
                 ).remote(
                     config.target,
@@ -163,7 +162,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             num_gpus=resources.pop("GPU", 0.0),
             resources=resources,
             max_concurrency=4,
-            runtime_env=env,
+            runtime_env={"env_vars": _actor_env(config.threads_per_drafter)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle),
         ).remote(
             config.draft,
@@ -192,11 +191,18 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
     return Replica(config, shards, drafter, groups, address, info)
 
 
-def _actor_env() -> dict[str, str]:
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("SPECSERVE_MODELS", "OMP_NUM_THREADS"):
-        if key in os.environ:
-            env[key] = os.environ[key]
+def _actor_env(threads: int) -> dict[str, str]:
+    """Environment of an actor process. Ray sets ``OMP_NUM_THREADS`` to the actor's CPU count, and
+    OpenMP applies ``torch.set_num_threads`` only to the calling thread, so the gRPC threads that
+    run verification would compute on one thread: the thread count is set for the whole process."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    if "SPECSERVE_MODELS" in os.environ:
+        env["SPECSERVE_MODELS"] = os.environ["SPECSERVE_MODELS"]
     return env
 
 

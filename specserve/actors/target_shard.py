@@ -13,8 +13,9 @@ that receives the commands and mirrors them on their own KV shard, so after ever
 shard's cache holds exactly the committed text. Verification (and its random numbers) happens on
 rank 0 only; the other ranks never need the verdict, only the rollback command that follows it.
 
-All work on a replica is serialised by one lock per rank: the collectives of consecutive
-commands must be issued in the same order on every rank.
+All torch work of a rank runs on its one compute thread (:mod:`specserve.actors.compute`
+explains why), which also serialises it: the collectives of consecutive commands must be issued
+in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 
 import torch
 
+from specserve.actors.compute import ComputeThread, single_threaded
 from specserve.core.draft import Draft
 from specserve.core.model import CausalLM, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
@@ -111,10 +114,9 @@ class TargetShardActor:
         num_threads: int | None = None,
     ) -> None:
         offline_environment()
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        self.compute = ComputeThread(num_threads)
         self.rank, self.world_size = rank, world_size
-        self.target = CausalLM.load(model_dir, dtype=dtype, device=device)
+        self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
         check_shardable(self.target.model, world_size)
         self.all_reduce: DeterministicAllReduce | None = None  # set once the process group exists
         self._commands = _Commands(world_size)
@@ -123,7 +125,7 @@ class TargetShardActor:
         self._requests: dict[str, _Request] = {}  # rank 0 only
         self._next_sequence = 0
         self._server: VerifierServer | None = None
-        self._loop: threading.Thread | None = None
+        self._loop: Future[object] | None = None
 
     # -----------------------------------------------------------------------------------------
     # Set-up (called by the replica spawner on every rank)
@@ -158,16 +160,15 @@ class TargetShardActor:
                 timeout=timedelta(seconds=timeout_s),
             )
             self.all_reduce = DeterministicAllReduce()
-            shard_model(self.target.model, self.rank, self.world_size, self.all_reduce)
+            self.compute.run(shard_model, self.target.model, self.rank, self.world_size, self.all_reduce)
         if self.rank > 0:
-            self._loop = threading.Thread(target=self._follow, name=f"tp-rank-{self.rank}", daemon=True)
-            self._loop.start()
+            self._loop = self.compute.start(self._follow)  # the compute thread follows rank 0 from now on
 
     def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Rank 0: start the gRPC verifier; returns its ``host:port``."""
         self._require_rank0()
         if self._server is None:
-            self._server = VerifierServer(self, host=host, port=port)
+            self._server = VerifierServer(self, host=host, port=port, run_in=self.compute.run)
             self._server.start()
         return self._server.address
 
@@ -196,6 +197,16 @@ class TargetShardActor:
     ) -> None:
         """Admit a request and prefill its prompt on every rank."""
         self._require_rank0()
+        self.compute.run(self._start_request, request_id, prompt_ids, params, max_new_tokens, eos_token_ids)
+
+    def _start_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already running")
@@ -209,6 +220,9 @@ class TargetShardActor:
 
     def verify(self, request_id: str, cycle: int, draft: Draft) -> pb.Verdict:
         """One cycle (called by the gRPC verifier): forward on every rank, verify, commit, roll back."""
+        return self.compute.run(self._verify, request_id, cycle, draft)  # already there when gRPC calls
+
+    def _verify(self, request_id: str, cycle: int, draft: Draft) -> pb.Verdict:
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
@@ -229,6 +243,9 @@ class TargetShardActor:
 
     def finish_request(self, request_id: str) -> None:
         """Forget a request and free its KV on every rank (unknown ids are ignored)."""
+        self.compute.run(self._finish_request, request_id)
+
+    def _finish_request(self, request_id: str) -> None:
         with self._lock:
             request = self._requests.pop(request_id, None)
             if request is not None:
@@ -253,7 +270,8 @@ class TargetShardActor:
 
     def kv_snapshot(self, sequence_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's cached keys and values of one sequence, per layer."""
-        with self._lock:
+        # Ranks > 0: the compute thread is busy following rank 0, so copy here, without a new OpenMP team.
+        with self._lock, single_threaded():
             return self._caches[sequence_id].snapshot()
 
     def shutdown(self) -> None:
@@ -264,10 +282,9 @@ class TargetShardActor:
             import torch.distributed as dist
 
             if self.rank == 0:
-                with self._lock:
-                    self._commands.send(OP_SHUTDOWN, 0)
+                self.compute.run(self._commands.send, OP_SHUTDOWN, 0)
             elif self._loop is not None:
-                self._loop.join(timeout=10)
+                self._loop.result(timeout=10)
             if dist.is_initialized():
                 dist.destroy_process_group()
 

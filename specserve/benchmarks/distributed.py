@@ -131,7 +131,8 @@ def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
                 tp_degree=method.tp,
                 drafter_placement=method.placement,  # type: ignore[arg-type]
                 overlap=method.overlap,
-                threads_per_shard=cfg.threads if method.tp == 1 else 1,
+                # With overlap the drafter computes while the target verifies: it takes one core of its own.
+                threads_per_shard=cfg.threads if method.tp == 1 and not method.overlap else 1,
                 threads_per_drafter=1,
             )
             coordinator = Coordinator.spawn(config)

@@ -13,9 +13,10 @@ business (:class:`VerifierBackend`); this module only carries messages.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -69,8 +70,12 @@ class VerifierServer:
         port: int = 0,
         max_workers: int = 16,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        run_in: Callable[[Callable[[], bytes]], bytes] | None = None,
     ) -> None:
+        """``run_in`` runs each message's decode + verify + encode somewhere else than the gRPC
+        handler thread (an actor passes its compute thread); by default it runs in place."""
         self.backend = backend
+        self._run_in = run_in or (lambda fn: fn())
         executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="verifier")
         self._server = grpc.server(executor, options=grpc_options(max_message_bytes))
         handler = grpc.method_handlers_generic_handler(
@@ -92,8 +97,7 @@ class VerifierServer:
     def _speculate(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         for data in requests:
             try:
-                request_id, cycle, draft = parse_draft(data, self.backend.vocab_size)
-                verdict = self.backend.verify(request_id, cycle, draft)
+                reply = self._run_in(functools.partial(self._handle, data))
             except WireError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except UnknownRequest as exc:
@@ -103,7 +107,11 @@ class VerifierServer:
             except Exception as exc:  # a bug must end this stream, not the server
                 logger.exception("verification failed")
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            yield verdict.SerializeToString()
+            yield reply
+
+    def _handle(self, data: bytes) -> bytes:
+        request_id, cycle, draft = parse_draft(data, self.backend.vocab_size)
+        return bytes(self.backend.verify(request_id, cycle, draft).SerializeToString())
 
 
 _END = object()

@@ -1,0 +1,59 @@
+"""One thread per actor process for all torch work.
+
+GNU OpenMP (the CPU build of torch uses libgomp) keeps one team of worker threads per thread
+that has ever entered a parallel region. Once a process holds more such threads than it has
+CPUs, libgomp stops spinning between regions and parks its workers on futexes, and every
+parallel op pays a wake-up: measured here, a target forward that takes 16 ms when one thread
+does all the torch work took 22-23 ms as soon as a second thread had also run torch ops.
+Actors are exactly that case: Ray runs methods on its own threads and gRPC handlers on a pool.
+So each actor funnels its torch work through one :class:`ComputeThread`; code on other threads
+that must touch a tensor does so in :func:`single_threaded` (an OpenMP team of one has no
+workers).
+
+Does not: make torch thread-safe in general, or schedule work fairly (calls run in FIFO order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+import torch
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class ComputeThread:
+    def __init__(self, num_threads: int | None = None, name: str = "torch") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._thread_id = self._pool.submit(threading.get_ident).result()
+        if num_threads:
+            self.run(torch.set_num_threads, num_threads)
+
+    def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``fn`` on the compute thread and return its result (directly when already there)."""
+        if threading.get_ident() == self._thread_id:
+            return fn(*args, **kwargs)
+        return self._pool.submit(fn, *args, **kwargs).result()
+
+    def start(self, fn: Callable[[], object]) -> Future[object]:
+        """Queue ``fn`` (e.g. a loop that runs until told to stop) without waiting for it."""
+        return self._pool.submit(fn)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Torch ops on this (non-compute) thread without starting another OpenMP team."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,110 @@
+"""A replica's lifecycle beyond plain generation: KV on every shard after every verdict, TP 4, bad configurations.
+
+These tests spawn their own replicas (the module-scoped ones of test_distributed.py are gone by
+then), so the session cluster's resources are all theirs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import EOS_ID, TinyPair
+from replicas import Case, config_for, greedy_reference
+
+from specserve.actors.coordinator import Coordinator
+from specserve.actors.replica import ReplicaConfig, ReplicaStartError
+from specserve.cluster.placement import InvalidClusterSpec
+from specserve.core.engine import GenerationConfig
+from specserve.core.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_every_shard_holds_exactly_the_committed_kv(
+    ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
+) -> None:
+    """Drive a TP-2 replica cycle by cycle; after every verdict each shard's KV equals a fresh prefill."""
+    import ray
+
+    from specserve.core.draft import propose_within
+    from specserve.core.sampling import make_generators
+    from specserve.drafters.model import DraftModelDrafter
+    from specserve.rpc.verifier import VerifierStream, open_channel
+
+    pair = tiny_pairs["llama"]
+    coordinator = Coordinator.spawn(config_for(Case("llama", 2, "ngram", "colocated", False), saved_pairs["llama"]))
+    replica = coordinator.replica
+    try:
+        prompt = pair.length_prompts[0]
+        params = SamplingParams(temperature=1.0, seed=7)
+        ray.get(replica.rank0.start_request.remote("r", list(prompt), params, 24, [EOS_ID]))
+        drafter = DraftModelDrafter(pair.draft, pair.target)
+        drafter.start(prompt, params, make_generators(params.seed).draft)
+        stream = VerifierStream(open_channel(replica.verifier_address))
+        committed = list(prompt)
+        sequence = ray.get(replica.rank0.sequence_id.remote("r"))
+        for cycle in range(40):
+            draft = propose_within(drafter, 3, 24 - (len(committed) - len(prompt)))
+            stream.send("r", cycle, draft)
+            info = stream.receive()
+            new = [*draft.tokens[: info.verdict.num_accepted].tolist(), info.verdict.next_token]
+            committed.extend(new[: info.committed_length - len(committed)])
+            assert ray.get(replica.rank0.committed.remote("r")) == committed
+
+            ray.get(replica.rank0.start_request.remote("fresh", committed, params, 1, [EOS_ID]))
+            fresh = ray.get(replica.rank0.sequence_id.remote("fresh"))
+            for rank, shard in enumerate(replica.shards):
+                got = ray.get(shard.kv_snapshot.remote(sequence))
+                want = ray.get(shard.kv_snapshot.remote(fresh))
+                assert len(got) == len(want) == pair.target.model.config.num_hidden_layers
+                for (keys, values), (fresh_keys, fresh_values) in zip(got, want, strict=True):
+                    assert keys.shape[-2] == len(committed) - 1, f"rank {rank} caches {keys.shape[-2]} positions"
+                    assert keys.shape[1] == 1, "each of 2 ranks holds 1 of the 2 KV heads"
+                    torch.testing.assert_close(keys, fresh_keys, rtol=0, atol=1e-10)
+                    torch.testing.assert_close(values, fresh_values, rtol=0, atol=1e-10)
+            ray.get(replica.rank0.finish_request.remote("fresh"))
+            if info.finished:
+                break
+            drafter.accept(new)
+        else:
+            pytest.fail("the request never finished")
+        stream.close()
+    finally:
+        coordinator.shutdown()
+
+
+def test_tp4_greedy_equals_transformers(
+    ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
+) -> None:
+    """4 ranks, 2 KV heads: each KV head is replicated on two ranks."""
+    pair = tiny_pairs["llama"]
+    coordinator = Coordinator.spawn(config_for(Case("llama", 4, "ngram", "separate", True), saved_pairs["llama"]))
+    try:
+        for prompt in pair.prompts[:4]:
+            got = coordinator.generate(prompt, SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=4))
+            assert got.output_ids == greedy_reference(pair, prompt, 16)
+    finally:
+        coordinator.shutdown()
+
+
+def test_bad_configurations_fail_clearly(ray_cluster: Any, saved_pairs: dict[str, Path]) -> None:
+    import ray
+
+    models = saved_pairs["llama"]
+    with pytest.raises(InvalidClusterSpec, match="tp_degree"):
+        ReplicaConfig(target=str(models / "target"), tp_degree=3)
+    before = ray.available_resources()
+    with pytest.raises(ReplicaStartError, match="cannot place a replica"):  # the session cluster has 8 "large"
+        Coordinator.spawn(ReplicaConfig(target=str(models / "target"), tp_degree=16, ready_timeout_s=2))
+    with pytest.raises(ReplicaStartError, match="4 attention heads, which do not divide by tensor parallel size 8"):
+        Coordinator.spawn(ReplicaConfig(target=str(models / "target"), tp_degree=8))
+    with pytest.raises(ReplicaStartError, match="does not exist"):
+        Coordinator.spawn(ReplicaConfig(target=str(models / "target"), draft=str(models / "missing")))
+    deadline = time.monotonic() + 30  # placement groups are removed asynchronously
+    while ray.available_resources().get("large") != before.get("large") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("large") == before.get("large"), "a failed start leaked its resources"
