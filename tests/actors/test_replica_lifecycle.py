@@ -97,14 +97,14 @@ def test_bad_configurations_fail_clearly(ray_cluster: Any, saved_pairs: dict[str
     models = saved_pairs["llama"]
     with pytest.raises(InvalidClusterSpec, match="tp_degree"):
         ReplicaConfig(target=str(models / "target"), tp_degree=3)
-    before = ray.available_resources()
     with pytest.raises(ReplicaStartError, match="cannot place a replica"):  # the session cluster has 8 "large"
         Coordinator.spawn(ReplicaConfig(target=str(models / "target"), tp_degree=16, ready_timeout_s=2))
     with pytest.raises(ReplicaStartError, match="4 attention heads, which do not divide by tensor parallel size 8"):
         Coordinator.spawn(ReplicaConfig(target=str(models / "target"), tp_degree=8))
     with pytest.raises(ReplicaStartError, match="does not exist"):
         Coordinator.spawn(ReplicaConfig(target=str(models / "target"), draft=str(models / "missing")))
+    total = ray.cluster_resources()["large"]  # no replica is alive in this module now
     deadline = time.monotonic() + 30  # placement groups are removed asynchronously
-    while ray.available_resources().get("large") != before.get("large") and time.monotonic() < deadline:
+    while ray.available_resources().get("large") != total and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("large") == before.get("large"), "a failed start leaked its resources"
+    assert ray.available_resources().get("large") == total, "a failed start leaked its resources"
