@@ -98,33 +98,34 @@ class Coordinator:
         finish: FinishReason | None = None
         try:
             for ref in replica.drafter.run.options(num_returns="streaming").remote(job):
-                report: CycleReport = ray.get(ref)
-                stats.record_cycle(
-                    report.gamma,
-                    report.num_accepted,
-                    report.draft_seconds,
-                    report.target_seconds,
-                    wire_seconds=report.wire_seconds,
-                    allreduce_seconds=report.allreduce_seconds,
-                    overlap_hit=report.overlap_hit,
-                )
-                new = report.new_tokens
-                if report.finished:  # the target cut at EOS (the last token) or at max_new_tokens
-                    finish = "eos" if new and new[-1] in eos else "length"
-                delta, keep = text.push(new)
-                if text.stopped:
-                    new, finish = new[:keep], "stop"
-                output.extend(new)
-                if finish is not None:
-                    delta += text.finish()
-                stats.new_tokens = len(output)
-                stats.total_seconds = time.perf_counter() - start
-                result = None
-                if finish is not None:
-                    result = GenerationResult(list(prompt_ids), output, text.text, finish, stats)
-                yield StreamChunk(delta, new, result)
-                if finish is not None:
-                    break
+                batch: list[CycleReport] = ray.get(ref)
+                for report in batch:
+                    stats.record_cycle(
+                        report.gamma,
+                        report.num_accepted,
+                        report.draft_seconds,
+                        report.target_seconds,
+                        wire_seconds=report.wire_seconds,
+                        allreduce_seconds=report.allreduce_seconds,
+                        overlap_hit=report.overlap_hit,
+                    )
+                    new = report.new_tokens
+                    if report.finished:  # the target cut at EOS (the last token) or at max_new_tokens
+                        finish = "eos" if new and new[-1] in eos else "length"
+                    delta, keep = text.push(new)
+                    if text.stopped:
+                        new, finish = new[:keep], "stop"
+                    output.extend(new)
+                    if finish is not None:
+                        delta += text.finish()
+                    stats.new_tokens = len(output)
+                    stats.total_seconds = time.perf_counter() - start
+                    result = None
+                    if finish is not None:
+                        result = GenerationResult(list(prompt_ids), output, text.text, finish, stats)
+                    yield StreamChunk(delta, new, result)
+                    if finish is not None:
+                        return
         finally:
             if finish != "eos" and finish != "length":  # stopped early, failed or abandoned by the caller
                 replica.drafter.cancel.remote(request_id)

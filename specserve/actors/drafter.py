@@ -4,9 +4,10 @@ For each request the actor opens one ``Speculate`` stream to its replica's rank 
 propose (within the budget the single-process engine would use) → send the tree → receive the
 verdict → hand the committed tokens back to the drafter. Each cycle is reported to the caller
 (the :class:`~specserve.actors.coordinator.Coordinator`) as a :class:`CycleReport` through a Ray
-streaming generator, so the caller never sits on the critical path of a cycle: a cycle's report
-is yielded once the next tree has been sent, while the target verifies it (tokens reach the
-caller one drafting step later, and the report's cost is hidden behind verification).
+streaming generator, so the caller never sits on the critical path of a cycle. Reports are
+yielded once the next tree has been sent, while the target verifies it; after the first cycle
+they are batched (``report_interval_s``, default 0.1 s), because each yield costs CPU that the
+target's verify would otherwise have.
 
 **Overlap mode.** Once a tree is sent, the drafter does not wait idle: it assumes the most likely
 verdict — every draft token accepted — and drafts one token past the tree's leaf (its guess at
@@ -49,6 +50,7 @@ class DraftJob:
     max_new_tokens: int
     verifier_address: str
     overlap: bool = False
+    report_interval_s: float = 0.1  # after the first cycle, reports are batched at most this often
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,8 @@ class DrafterActor:
         if request_id == self._current:
             self._cancelled.add(request_id)
 
-    def run(self, job: DraftJob) -> Iterator[CycleReport]:
-        """The draft-verify loop of one request; yields one report per cycle until the target finishes it."""
+    def run(self, job: DraftJob) -> Iterator[list[CycleReport]]:
+        """The draft-verify loop of one request; yields batches of cycle reports until the target finishes it."""
         with self._busy:
             self._current = job.request_id
             try:
@@ -115,7 +117,7 @@ class DrafterActor:
                 self._current = None
                 self._cancelled.discard(job.request_id)
 
-    def _loop(self, job: DraftJob) -> Iterator[CycleReport]:
+    def _loop(self, job: DraftJob) -> Iterator[list[CycleReport]]:
         drafter, device, run = self.drafter, self.device, self.compute.run
         generators = make_generators(job.params.seed, device)
         run(drafter.start, job.prompt_ids, job.params, generators.draft)
@@ -123,7 +125,11 @@ class DrafterActor:
         committed = len(job.prompt_ids)
         remaining = job.max_new_tokens
         ready: Draft | None = None
-        pending: CycleReport | None = None  # the previous cycle's report, yielded while the target verifies
+        # Reports not yet sent to the caller. Each yield costs about a millisecond of CPU in this process and
+        # the caller's, which on a small machine slows the target's verify: after the first cycle (time to
+        # first token) they go out in batches, at most every report_interval_s, while the target verifies.
+        pending: list[CycleReport] = []
+        last_report = 0.0
         cycle = 0
         try:
             while job.request_id not in self._cancelled:
@@ -141,9 +147,9 @@ class DrafterActor:
                     ahead = run(drafter.propose, job.gamma + 1)
                     ahead_seconds = time.perf_counter() - t1
 
-                if pending is not None:  # reporting costs ~1 ms: do it while the target is busy anyway
+                if pending and (cycle == 1 or time.perf_counter() - last_report >= job.report_interval_s):
                     yield pending
-                    pending = None
+                    pending, last_report = [], time.perf_counter()
 
                 info = stream.receive()
                 t2 = time.perf_counter()
@@ -152,32 +158,36 @@ class DrafterActor:
                 committed, remaining = info.committed_length, remaining - len(new)
 
                 ready = None
-                if ahead is not None:
+                if ahead is not None:  # the drafter's context holds the draft as if all of it were accepted
                     hit = (
                         not info.finished
                         and accepted == draft.gamma
                         and ahead.gamma > 0
                         and int(ahead.tokens[0]) == info.verdict.next_token
                     )
-                    if hit:
+                    if hit:  # the verdict is the assumed one: only the bonus token is new to the drafter
                         run(drafter.accept, new[-1:])
                         ready = _trim(ahead, 1, min(job.gamma, remaining - 1))
                     else:
                         run(drafter.rewind, committed - len(new))
-                if ready is None and not info.finished:
+                        if not info.finished:
+                            run(drafter.accept, new)
+                elif not info.finished:
                     run(drafter.accept, new)
 
                 busy = max(info.target_seconds, ahead_seconds)
-                pending = CycleReport(
-                    new_tokens=new,
-                    finished=info.finished,
-                    gamma=draft.gamma,
-                    num_accepted=accepted,
-                    draft_seconds=t1 - t0,
-                    target_seconds=info.target_seconds,
-                    allreduce_seconds=info.allreduce_seconds,
-                    wire_seconds=max(0.0, (t2 - t1) - busy),
-                    overlap_hit=overlap_hit,
+                pending.append(
+                    CycleReport(
+                        new_tokens=new,
+                        finished=info.finished,
+                        gamma=draft.gamma,
+                        num_accepted=accepted,
+                        draft_seconds=t1 - t0,
+                        target_seconds=info.target_seconds,
+                        allreduce_seconds=info.allreduce_seconds,
+                        wire_seconds=max(0.0, (t2 - t1) - busy),
+                        overlap_hit=overlap_hit,
+                    )
                 )
                 if info.finished:
                     yield pending

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -173,12 +174,8 @@ print("NODE", ray.get(probe.node.remote(), timeout=60))
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path) -> None:
-    import ray
-
-    own_ray = not ray.is_initialized()
-    if own_ray:  # the "other" Ray instance, as the rest of the test suite would use it
-        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path, ray_cluster: Any) -> None:
+    import ray  # the "other" Ray instance: the test session's shared cluster
 
     @ray.remote(num_cpus=0)
     def ping() -> int:
@@ -238,6 +235,4 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path) -> None:
     finally:
         if local.LocalCluster.load(state_dir) is not None:
             local.down(state_dir)
-        if own_ray:
-            ray.shutdown()
         shutil.rmtree(local.ray_temp_root(port), ignore_errors=True)  # Ray's session logs of this run
