@@ -16,7 +16,8 @@ spend), and the rest ("other": Ray streaming to the coordinator, Python bookkeep
 the cycle time minus the others. Outputs are checked token for token against the in-process
 engine, so a speed number never hides a wrong answer.
 
-Results: ``distributed.json`` and ``distributed.md`` under ``--out``.
+Results: ``distributed.json``, ``distributed.md`` and ``distributed.png`` (the per-cycle time
+split as stacked bars) under ``--out``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class DistributedBenchConfig:
     tp_degrees: tuple[int, ...] = (1, 2)
     threads: int = 2  # torch threads of the in-process engine and of a TP-1 shard
     out_dir: Path = Path("bench/results")
+    prompts: tuple[str, ...] | None = None  # default: the held-out standard-library prompts of `specserve bench`
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def methods(cfg: DistributedBenchConfig) -> list[Method]:
     return out
 
 
-def _generate_all(runner: Any, prompts: list[list[int]], cfg: DistributedBenchConfig, label: str) -> dict[str, Any]:
+def generate_all(runner: Any, prompts: list[list[int]], cfg: DistributedBenchConfig, label: str) -> dict[str, Any]:
     config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma)
     runner.generate(prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=cfg.gamma))  # warm-up
     stats = RequestStats()
@@ -81,7 +83,7 @@ def _generate_all(runner: Any, prompts: list[list[int]], cfg: DistributedBenchCo
     return {"stats": stats, "seconds": seconds, "outputs": outputs}
 
 
-def _row(method: Method, run: dict[str, Any], reference: list[list[int]] | None) -> dict[str, Any]:
+def summarise_run(method: Method, run: dict[str, Any], reference: list[list[int]] | None) -> dict[str, Any]:
     stats: RequestStats = run["stats"]
     decode = stats.total_seconds - stats.prefill_seconds
     cycles = max(stats.cycles, 1)
@@ -118,11 +120,12 @@ def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     target = CausalLM.load(cfg.target)
     engine = SpeculativeEngine(target, build_drafter(cfg.draft, target))
-    prompts = [engine.encode(p) for p in heldout_prompts(cfg.num_prompts)]
+    texts = list(cfg.prompts) if cfg.prompts is not None else heldout_prompts(cfg.num_prompts)
+    prompts = [engine.encode(p) for p in texts]
     # The in-process reference runs before Ray starts: Ray's start-up work would otherwise share its CPU.
-    in_process = _generate_all(engine, prompts, cfg, "in-process")
+    in_process = generate_all(engine, prompts, cfg, "in-process")
     reference: list[list[int]] = in_process["outputs"]
-    rows = [_row(Method("in-process"), in_process, None)]
+    rows = [summarise_run(Method("in-process"), in_process, None)]
     with connect_ray(tp_degree=max(cfg.tp_degrees)) as where:
         for method in methods(cfg)[1:]:
             config = ReplicaConfig(
@@ -137,7 +140,7 @@ def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
             )
             coordinator = Coordinator.spawn(config)
             try:
-                rows.append(_row(method, _generate_all(coordinator, prompts, cfg, method.name), reference))
+                rows.append(summarise_run(method, generate_all(coordinator, prompts, cfg, method.name), reference))
             finally:
                 coordinator.shutdown()
             print(json.dumps(rows[-1]), flush=True)
@@ -148,6 +151,7 @@ def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "distributed.json").write_text(json.dumps(report, indent=2))
     (cfg.out_dir / "distributed.md").write_text(markdown(rows))
+    plot(rows, cfg.out_dir / "distributed.png")
     print(markdown(rows))
     return report
 
@@ -169,3 +173,36 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{r['other_ms']:.1f} | {same} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Per-cycle time split per method (stacked bars), tokens/s on top of each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [
+        ("draft_ms", "draft"),
+        ("compute_ms", "verify (compute)"),
+        ("allreduce_ms", "verify (all-reduce)"),
+        ("wire_ms", "gRPC wire"),
+        ("other_ms", "other (Ray, Python)"),
+    ]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    names = [r["method"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, label in parts:
+        values = [(r["verify_ms"] - r["allreduce_ms"]) if key == "compute_ms" else max(0.0, r[key]) for r in rows]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r['tokens_per_second']:.0f} tok/s", (i, bottom[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per cycle (greedy, same cycles in every method)")
+    ax.set_title("in-process engine vs distributed runtime: where a cycle's time goes")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    plt.setp(ax.get_xticklabels(), rotation=15, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
