@@ -42,6 +42,9 @@ class ReplicaConfig:
     min_ngram: int = 1
     threads_per_shard: int = 1  # torch intra-op threads in each shard actor
     threads_per_drafter: int = 1
+    # Interface rank 0's gRPC verifier binds. Loopback keeps everything on this machine; on a multi-node
+    # cluster where drafters run on other ("cheap") nodes, set the cluster-network address or "0.0.0.0".
+    verifier_host: str = "127.0.0.1"
     cluster: ClusterSpec = field(default_factory=ClusterSpec)  # resource names and CPUs per actor
     ready_timeout_s: float = 120.0
 
@@ -147,7 +150,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
         actors.extend(shards)
         host, port = ray.get(shards[0].rendezvous.remote())
         ray.get([shard.init_tensor_parallel.remote(host, port) for shard in shards])
-        address: str = ray.get(shards[0].start_server.remote())
+        address: str = ray.get(shards[0].start_server.remote(config.verifier_host))
         info: ModelInfo = ray.get(shards[0].describe.remote())
 
         if plan.drafter is None:

@@ -165,12 +165,22 @@ class TargetShardActor:
             self._loop = self.compute.start(self._follow)  # the compute thread follows rank 0 from now on
 
     def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Rank 0: start the gRPC verifier; returns its ``host:port``."""
+        """Rank 0: start the gRPC verifier; returns the address drafters dial.
+
+        ``host`` is the interface to bind: loopback (default) when drafters share the node, the
+        node's cluster-network address (or ``0.0.0.0``) when a drafter runs on another node; with
+        ``0.0.0.0`` the returned address names this node's IP as Ray knows it.
+        """
         self._require_rank0()
         if self._server is None:
             self._server = VerifierServer(self, host=host, port=port, run_in=self.compute.run)
             self._server.start()
-        return self._server.address
+        address = self._server.address
+        if host == "0.0.0.0":
+            import ray
+
+            address = f"{ray.util.get_node_ip_address()}:{address.rsplit(':', 1)[1]}"
+        return address
 
     def describe(self) -> ModelInfo:
         return self.target.info
