@@ -1,0 +1,91 @@
+"""OpenAI semantics over a runner, checked with the in-process engine on the tiny models (no HTTP, no Ray)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from conftest import TinyPair
+
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.sampling import SamplingParams
+from specserve.drafters.model import DraftModelDrafter
+from specserve.serve.config import ServeConfig
+from specserve.serve.openai_api import OpenAIHandler, plain_chat_prompt
+from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError
+
+CONFIG = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=16)
+
+
+@pytest.fixture()
+def handler(pair: TinyPair) -> OpenAIHandler:
+    return OpenAIHandler(SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target)), CONFIG)
+
+
+def events(stream: Any) -> list[dict[str, Any]]:
+    lines = list(stream)
+    assert lines[-1] == "data: [DONE]\n\n"
+    assert all(line.startswith("data: ") and line.endswith("\n\n") for line in lines)
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+
+def test_completion_equals_the_engine(handler: OpenAIHandler, pair: TinyPair) -> None:
+    answer = handler.completion(CompletionRequest(model="tiny", prompt="abcab", temperature=0, max_tokens=12))
+    assert isinstance(answer, dict)
+    want = handler.runner.generate("abcab", SamplingParams(), GenerationConfig(max_new_tokens=12, gamma=3))
+    choice = answer["choices"][0]
+    assert choice["text"] == want.text and answer["object"] == "text_completion"
+    assert choice["finish_reason"] == {"eos": "stop", "length": "length"}[want.finish_reason]
+    assert answer["usage"] == {
+        "prompt_tokens": len(want.prompt_ids),
+        "completion_tokens": len(want.output_ids),
+        "total_tokens": len(want.prompt_ids) + len(want.output_ids),
+    }
+    spec = answer["speculation"]
+    assert spec["drafted_tokens"] > 0 and spec["mean_accepted_length"] >= 1 and spec["lossy"] is False
+
+
+def test_streamed_text_equals_the_whole_answer(handler: OpenAIHandler) -> None:
+    request = {"model": "tiny", "prompt": "hello wor", "temperature": 0, "max_tokens": 14}
+    whole = handler.completion(CompletionRequest(**request))
+    assert isinstance(whole, dict)
+    chunks = events(handler.completion(CompletionRequest(**request, stream=True)))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_uses_the_plain_template(handler: OpenAIHandler) -> None:
+    messages = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="hi")]
+    answer = handler.chat(ChatCompletionRequest(model="tiny", messages=messages, temperature=0, max_tokens=10))
+    assert isinstance(answer, dict) and answer["object"] == "chat.completion"
+    want = handler.runner.generate(plain_chat_prompt(messages), SamplingParams(), GenerationConfig(10, 3))
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    chunks = events(
+        handler.chat(ChatCompletionRequest(model="tiny", messages=messages, temperature=0, max_tokens=10, stream=True))
+    )
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == want.text
+
+
+def test_speculation_off_gives_the_same_text(handler: OpenAIHandler) -> None:
+    on = handler.completion(CompletionRequest(model="tiny", prompt="xyzxyz", temperature=0, max_tokens=12))
+    off = handler.completion(
+        CompletionRequest(model="tiny", prompt="xyzxyz", temperature=0, max_tokens=12, speculation={"enabled": False})
+    )
+    assert isinstance(on, dict) and isinstance(off, dict)
+    assert on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert off["speculation"]["drafted_tokens"] == 0
+
+
+def test_refusals(handler: OpenAIHandler) -> None:
+    with pytest.raises(RequestError) as info:
+        handler.completion(CompletionRequest(model="gpt-4", prompt="x"))
+    assert info.value.status == 404 and "tiny" in info.value.message
+    with pytest.raises(RequestError) as info:
+        handler.completion(CompletionRequest(model="tiny", prompt="x", max_tokens=10_000))
+    assert info.value.status == 400 and info.value.param == "max_tokens" and "context" in info.value.message
+    assert handler.models()["data"][0]["id"] == "tiny"
