@@ -11,12 +11,14 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from specserve import defaults
 from specserve.core.errors import UserError
+
+N = TypeVar("N", int, float)
 
 
 class UsageError(UserError):
@@ -109,6 +111,14 @@ def _read_prompt(args: argparse.Namespace) -> str:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UsageError(f"prompt file {path} is not UTF-8 text: {exc}") from exc
+
+
+def _number_list(text: str, kind: Callable[[str], N], flag: str) -> list[N]:
+    """A comma-separated list of numbers from the command line."""
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise UsageError(f"{flag} must be comma-separated numbers: {exc}") from exc
 
 
 def _check_common(args: argparse.Namespace) -> None:
@@ -210,11 +220,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from specserve.benchmarks import speculative
 
     _check_common(args)
-    try:
-        gammas = [int(g) for g in args.gammas.split(",") if g.strip()]
-        temperatures = [float(t) for t in args.temperatures.split(",") if t.strip()]
-    except ValueError as exc:
-        raise UsageError(f"--gammas/--temperatures must be comma-separated numbers: {exc}") from exc
+    gammas = _number_list(args.gammas, int, "--gammas")
+    temperatures = _number_list(args.temperatures, float, "--temperatures")
     if not gammas or any(not 1 <= g <= 64 for g in gammas):
         raise UsageError(f"--gammas must be between 1 and 64, got {args.gammas}")
     results = speculative.run(
@@ -243,10 +250,7 @@ def cmd_bench_distributed(args: argparse.Namespace) -> int:
     from specserve.benchmarks import distributed
 
     _check_common(args)
-    try:
-        tps = tuple(int(t) for t in args.tp.split(",") if t.strip())
-    except ValueError as exc:
-        raise UsageError(f"--tp must be comma-separated integers: {exc}") from exc
+    tps = tuple(_number_list(args.tp, int, "--tp"))
     distributed.run(
         distributed.DistributedBenchConfig(
             target=args.target,

@@ -16,10 +16,11 @@ Does not: make torch thread-safe in general, or schedule work fairly (calls run 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -46,6 +47,23 @@ class ComputeThread:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class HasComputeThread(Protocol):
+    compute: ComputeThread
+
+
+S = TypeVar("S", bound=HasComputeThread)
+
+
+def on_compute_thread(method: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[S, P], T]:
+    """Decorate a method of an object with a ``compute`` thread: every call runs there."""
+
+    @functools.wraps(method)
+    def run_there(self: S, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self.compute.run(method, self, *args, **kwargs)
+
+    return run_there
 
 
 @contextlib.contextmanager

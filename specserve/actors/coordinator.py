@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 from specserve.actors.drafter import CycleReport, DraftJob
 from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
 from specserve.core.detokenize import TextStream
-from specserve.core.engine import GenerationConfig, GenerationResult, StreamChunk
+from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, StreamChunk
 from specserve.core.model import load_tokenizer
 from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
@@ -34,7 +34,7 @@ from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason
 
 
-class Coordinator:
+class Coordinator(GenerationFrontend):
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self.prompts = PromptCodec(replica.target_info, load_tokenizer(replica.config.target))
@@ -42,29 +42,6 @@ class Coordinator:
     @classmethod
     def spawn(cls, config: ReplicaConfig) -> Coordinator:
         return cls(spawn_replica(config))
-
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        config: GenerationConfig | None = None,
-    ) -> GenerationResult:
-        for chunk in self.stream(prompt, params, config):
-            if chunk.result is not None:
-                return chunk.result
-        raise AssertionError("stream ended without a result")  # pragma: no cover
-
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        config: GenerationConfig | None = None,
-    ) -> Iterator[StreamChunk]:
-        params = params or SamplingParams()
-        config = config or GenerationConfig()
-        prompt_ids = self.prompts.encode(prompt)
-        self.prompts.check_length(prompt_ids, config.max_new_tokens)
-        return self._run(prompt_ids, params, config)
 
     def placement(self) -> dict[str, Any]:
         return self.replica.placement()

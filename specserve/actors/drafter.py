@@ -32,7 +32,6 @@ import grpc
 import torch
 
 from specserve.actors.compute import ComputeThread
-from specserve.actors.target_shard import offline_environment
 from specserve.core.draft import Draft, propose_within
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.sampling import SamplingParams, make_generators
@@ -84,7 +83,6 @@ class DrafterActor:
         min_ngram: int = 1,
         num_threads: int | None = None,
     ) -> None:
-        offline_environment()
         self.compute = ComputeThread(num_threads)
         self.device = torch.device(device)
         target = TargetDescription(target_info, load_tokenizer(target_dir), self.device)
@@ -92,8 +90,8 @@ class DrafterActor:
             build_drafter, drafter, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram
         )
         self._channels: dict[str, grpc.Channel] = {}
-        self._cancelled: set[str] = set()
-        self._current: str | None = None
+        self._current: str | None = None  # the request whose loop is running
+        self._cancel = False  # set by cancel(): stop that loop after its current cycle
         self._busy = threading.Lock()  # one request at a time: a drafter holds one request's state
 
     def node_id(self) -> str:
@@ -104,18 +102,17 @@ class DrafterActor:
     def cancel(self, request_id: str) -> None:
         """Stop a running request's loop after its current cycle (the caller no longer wants it)."""
         if request_id == self._current:
-            self._cancelled.add(request_id)
+            self._cancel = True
 
     def run(self, job: DraftJob) -> Iterator[list[CycleReport]]:
         """The draft-verify loop of one request; yields batches of cycle reports until the target finishes it."""
         with self._busy:
-            self._current = job.request_id
+            self._current, self._cancel = job.request_id, False
             try:
                 # The loop itself runs here (a Ray thread); every torch call goes to the compute thread.
                 yield from self._loop(job)
             finally:
                 self._current = None
-                self._cancelled.discard(job.request_id)
 
     def _loop(self, job: DraftJob) -> Iterator[list[CycleReport]]:
         drafter, device, run = self.drafter, self.device, self.compute.run
@@ -132,7 +129,7 @@ class DrafterActor:
         last_report = 0.0
         cycle = 0
         try:
-            while job.request_id not in self._cancelled:
+            while not self._cancel:
                 t0 = time.perf_counter()
                 draft = ready if ready is not None else run(propose_within, drafter, job.gamma, remaining, device)
                 overlap_hit = ready is not None

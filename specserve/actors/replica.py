@@ -195,12 +195,9 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
 
 
 def _actor_env(threads: int) -> dict[str, str]:
-    """Environment of an actor process. Ray sets ``OMP_NUM_THREADS`` to the actor's CPU count, and
-    OpenMP applies ``torch.set_num_threads`` only to the calling thread, so the gRPC threads that
-    run verification would compute on one thread: the thread count is set for the whole process."""
+    """Environment of an actor process (importing ``specserve`` already keeps it off the model hub).
+    Ray sets ``OMP_NUM_THREADS`` to the actor's CPU count; it is set to the thread count asked for."""
     env = {
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(threads),
         # libgomp's workers spin ~300k iterations after each parallel region by default; the drafter and the

@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch
 
-from specserve.actors.compute import ComputeThread, single_threaded
+from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
 from specserve.core.draft import Draft
 from specserve.core.model import CausalLM, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
@@ -49,12 +49,6 @@ OP_NEW = 3
 OP_FREE = 4
 OP_SHUTDOWN = 5
 HEADER_SIZE = 4
-
-
-def offline_environment() -> None:
-    """Actors run in fresh processes: make sure nothing there reaches the hub or phones home."""
-    for key in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "RAY_USAGE_STATS_ENABLED"):
-        os.environ.setdefault(key, "0" if key == "RAY_USAGE_STATS_ENABLED" else "1")
 
 
 class _Commands:
@@ -113,7 +107,6 @@ class TargetShardActor:
         device: str = "cpu",
         num_threads: int | None = None,
     ) -> None:
-        offline_environment()
         self.compute = ComputeThread(num_threads)
         self.rank, self.world_size = rank, world_size
         self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
@@ -197,6 +190,7 @@ class TargetShardActor:
     def vocab_size(self) -> int:
         return self.target.info.vocab_size
 
+    @on_compute_thread
     def start_request(
         self,
         request_id: str,
@@ -207,16 +201,6 @@ class TargetShardActor:
     ) -> None:
         """Admit a request and prefill its prompt on every rank."""
         self._require_rank0()
-        self.compute.run(self._start_request, request_id, prompt_ids, params, max_new_tokens, eos_token_ids)
-
-    def _start_request(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        max_new_tokens: int,
-        eos_token_ids: Sequence[int],
-    ) -> None:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already running")
@@ -228,11 +212,9 @@ class TargetShardActor:
             verifier.prefill()
             self._requests[request_id] = _Request(sequence, verifier)
 
+    @on_compute_thread  # the gRPC server already calls it there (run_in): then it runs in place
     def verify(self, request_id: str, cycle: int, draft: Draft) -> pb.Verdict:
         """One cycle (called by the gRPC verifier): forward on every rank, verify, commit, roll back."""
-        return self.compute.run(self._verify, request_id, cycle, draft)  # already there when gRPC calls
-
-    def _verify(self, request_id: str, cycle: int, draft: Draft) -> pb.Verdict:
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
@@ -251,11 +233,9 @@ class TargetShardActor:
                 allreduce_seconds=self._allreduce_seconds() - before,
             )
 
+    @on_compute_thread
     def finish_request(self, request_id: str) -> None:
         """Forget a request and free its KV on every rank (unknown ids are ignored)."""
-        self.compute.run(self._finish_request, request_id)
-
-    def _finish_request(self, request_id: str) -> None:
         with self._lock:
             request = self._requests.pop(request_id, None)
             if request is not None:

@@ -19,6 +19,7 @@ decoding is the same loop with the ``none`` drafter, so the two are measured lik
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +31,15 @@ from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
 
-__all__ = ["FinishReason", "GenerationConfig", "GenerationResult", "InvalidRequest", "SpeculativeEngine", "StreamChunk"]
+__all__ = [
+    "FinishReason",
+    "GenerationConfig",
+    "GenerationFrontend",
+    "GenerationResult",
+    "InvalidRequest",
+    "SpeculativeEngine",
+    "StreamChunk",
+]
 MAX_GAMMA = 64
 
 
@@ -66,16 +75,14 @@ class StreamChunk:
     result: GenerationResult | None = None  # set on the last chunk only
 
 
-class SpeculativeEngine:
-    """Runs one request at a time on a target model with one drafter."""
+class GenerationFrontend(ABC):
+    """A way to run requests — in this process or through the distributed runtime — behind one API.
 
-    def __init__(self, target: CausalLM, drafter: Drafter) -> None:
-        self.target = target
-        self.drafter = drafter
-        self.prompts = PromptCodec(target.info, target.tokenizer)
+    Subclasses own a :class:`~specserve.core.prompts.PromptCodec` and the generation loop
+    (``_run``); encoding, checks and the blocking ``generate`` are shared.
+    """
 
-    # -----------------------------------------------------------------------------------------
-    # Public API
+    prompts: PromptCodec
 
     def generate(
         self,
@@ -95,7 +102,7 @@ class SpeculativeEngine:
         params: SamplingParams | None = None,
         config: GenerationConfig | None = None,
     ) -> Iterator[StreamChunk]:
-        """Streaming call: one chunk of text per cycle; the last chunk carries the result."""
+        """Streaming call: chunks of new text as cycles commit; the last chunk carries the result."""
         params = params or SamplingParams()
         config = config or GenerationConfig()
         prompt_ids = self.encode(prompt)
@@ -110,6 +117,20 @@ class SpeculativeEngine:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.prompts.decode(ids)
+
+    @abstractmethod
+    def _run(
+        self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig
+    ) -> Iterator[StreamChunk]: ...
+
+
+class SpeculativeEngine(GenerationFrontend):
+    """Runs one request at a time on a target model with one drafter, in this process."""
+
+    def __init__(self, target: CausalLM, drafter: Drafter) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.prompts = PromptCodec(target.info, target.tokenizer)
 
     # -----------------------------------------------------------------------------------------
     # The loop

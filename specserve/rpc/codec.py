@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from google.protobuf.message import DecodeError
@@ -25,6 +26,8 @@ from specserve.core.draft import Draft
 from specserve.core.errors import UserError
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.rpc.gen import speculation_pb2 as pb
+
+M = TypeVar("M", pb.DraftTree, pb.Verdict)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # gRPC's default is 4 MiB: servers and channels set this explicitly
 PROB_SUM_TOLERANCE = 1e-3  # widened to the dtype's epsilon for q computed in bfloat16 / float16
@@ -143,12 +146,7 @@ def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | 
 
 def parse_draft(data: bytes, vocab_size: int, device: torch.device | str = "cpu") -> tuple[str, int, Draft]:
     """Bytes from the wire -> (request id, cycle, draft)."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    try:
-        message = pb.DraftTree.FromString(data)
-    except DecodeError as exc:
-        raise WireError(f"malformed DraftTree: {exc}") from exc
+    message = _parse(pb.DraftTree, data)
     return message.request_id, int(message.cycle), decode_draft(message, vocab_size, device)
 
 
@@ -205,12 +203,7 @@ def decode_verdict(message: pb.Verdict) -> ChainVerdict:
 
 def parse_verdict(data: bytes) -> VerdictInfo:
     """Bytes from the wire -> a validated :class:`VerdictInfo`."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    try:
-        message = pb.Verdict.FromString(data)
-    except DecodeError as exc:
-        raise WireError(f"malformed Verdict: {exc}") from exc
+    message = _parse(pb.Verdict, data)
     return VerdictInfo(
         request_id=message.request_id,
         cycle=int(message.cycle),
@@ -220,6 +213,16 @@ def parse_verdict(data: bytes) -> VerdictInfo:
         target_seconds=float(message.target_seconds),
         allreduce_seconds=float(message.allreduce_seconds),
     )
+
+
+def _parse(kind: type[M], data: bytes) -> M:
+    """Size check, then protobuf decoding; both failures become :class:`WireError`."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return kind.FromString(data)
+    except DecodeError as exc:
+        raise WireError(f"malformed {kind.__name__}: {exc}") from exc
 
 
 def _check_size(message: pb.DraftTree | pb.Verdict) -> None:

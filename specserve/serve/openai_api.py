@@ -1,7 +1,7 @@
 """The OpenAI API's semantics over a generation runner: completions and chat, whole or streamed, with usage.
 
 :class:`OpenAIHandler` turns validated requests (:mod:`specserve.serve.schemas`) into calls on a
-*runner* — anything with ``generate``/``stream`` and a ``prompts`` codec: the distributed
+:class:`~specserve.core.engine.GenerationFrontend`: the distributed
 :class:`~specserve.actors.coordinator.Coordinator` when served, the in-process
 :class:`~specserve.core.engine.SpeculativeEngine` in tests and tools — and shapes the answers as
 OpenAI's JSON (``text_completion`` / ``chat.completion`` objects, and server-sent-event chunks
@@ -18,29 +18,16 @@ import json
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from specserve.core.engine import GenerationConfig, GenerationResult, StreamChunk
+from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult
 from specserve.core.errors import UserError
-from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.serve.config import ServeConfig
 from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
-
-
-class Runner(Protocol):
-    prompts: PromptCodec
-
-    def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None, config: GenerationConfig | None
-    ) -> GenerationResult: ...
-
-    def stream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None, config: GenerationConfig | None
-    ) -> Iterator[StreamChunk]: ...
 
 
 def speculation_summary(stats: RequestStats) -> dict[str, Any]:
@@ -60,7 +47,7 @@ def plain_chat_prompt(messages: Sequence[ChatMessage]) -> str:
 
 
 class OpenAIHandler:
-    def __init__(self, runner: Runner, config: ServeConfig) -> None:
+    def __init__(self, runner: GenerationFrontend, config: ServeConfig) -> None:
         self.runner = runner
         self.config = config
 
