@@ -3,8 +3,9 @@
 GNU OpenMP (the CPU build of torch uses libgomp) keeps one team of worker threads per thread
 that has ever entered a parallel region. Once a process holds more such threads than it has
 CPUs, libgomp stops spinning between regions and parks its workers on futexes, and every
-parallel op pays a wake-up: measured here, a target forward that takes 16 ms when one thread
-does all the torch work took 22-23 ms as soon as a second thread had also run torch ops.
+parallel op pays a wake-up: measured here (``bench/openmp_threads.py``), a target forward that
+takes 15 ms when one thread does all the torch work takes 21-22 ms once a second thread has also
+run torch ops.
 Actors are exactly that case: Ray runs methods on its own threads and gRPC handlers on a pool.
 So each actor funnels its torch work through one :class:`ComputeThread`; code on other threads
 that must touch a tensor does so in :func:`single_threaded` (an OpenMP team of one has no

@@ -200,9 +200,9 @@ def _actor_env(threads: int) -> dict[str, str]:
     env = {
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": str(threads),
-        # libgomp's workers spin ~300k iterations after each parallel region by default; the drafter and the
-        # target alternate on the same cores, and a short spin stops one stealing the other's CPU (measured:
-        # draft 9.5 -> 8.2 ms and verify 19.3 -> 18.5 ms per cycle at TP 1 on 2 cores).
+        # libgomp's workers spin 300k iterations after each parallel region by default; the drafter and the
+        # target alternate on the same cores, and a short spin stops one stealing the other's CPU
+        # (BENCHMARKS.md §2: 77.9 -> 93.6 tok/s co-located at TP 1 on 2 cores).
         "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000"),
     }
     if "SPECSERVE_MODELS" in os.environ:
