@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 from specserve.actors.drafter import CycleReport, DraftJob
 from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
 from specserve.core.detokenize import TextStream
-from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, StreamChunk
+from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, GenerationResult, StreamChunk
 from specserve.core.model import load_tokenizer
 from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
@@ -49,9 +48,22 @@ class Coordinator(GenerationFrontend):
     def shutdown(self) -> None:
         self.replica.shutdown()
 
+    def active_requests(self) -> list[str]:
+        """Requests holding KV on rank 0 (every shard mirrors rank 0)."""
+        import ray
+
+        return list(ray.get(self.replica.rank0.active_requests.remote(), timeout=30))
+
+    def check_health(self, timeout_s: float = 30.0) -> None:
+        """Raises when any of the replica's actors is dead or does not answer within ``timeout_s``."""
+        import ray
+
+        actors = [*self.replica.shards, self.replica.drafter]
+        ray.get([actor.node_id.remote() for actor in actors], timeout=timeout_s)
+
     # -----------------------------------------------------------------------------------------
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> Iterator[StreamChunk]:
+    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
         import ray
 
         replica = self.replica

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 from specserve.core.detokenize import TextStream
@@ -32,6 +32,7 @@ from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
 
 __all__ = [
+    "ChunkStream",
     "FinishReason",
     "GenerationConfig",
     "GenerationFrontend",
@@ -75,6 +76,9 @@ class StreamChunk:
     result: GenerationResult | None = None  # set on the last chunk only
 
 
+ChunkStream = Generator[StreamChunk, None, None]  # a generation: close it to stop early and free its state
+
+
 class GenerationFrontend(ABC):
     """A way to run requests — in this process or through the distributed runtime — behind one API.
 
@@ -101,7 +105,7 @@ class GenerationFrontend(ABC):
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         config: GenerationConfig | None = None,
-    ) -> Iterator[StreamChunk]:
+    ) -> ChunkStream:
         """Streaming call: chunks of new text as cycles commit; the last chunk carries the result."""
         params = params or SamplingParams()
         config = config or GenerationConfig()
@@ -119,9 +123,7 @@ class GenerationFrontend(ABC):
         return self.prompts.decode(ids)
 
     @abstractmethod
-    def _run(
-        self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig
-    ) -> Iterator[StreamChunk]: ...
+    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream: ...
 
 
 class SpeculativeEngine(GenerationFrontend):
@@ -135,7 +137,7 @@ class SpeculativeEngine(GenerationFrontend):
     # -----------------------------------------------------------------------------------------
     # The loop
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> Iterator[StreamChunk]:
+    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
         target, drafter = self.target, self.drafter
         device = target.device
         stats = RequestStats()

@@ -36,6 +36,9 @@ class ServeConfig(BaseModel):
     default_max_tokens: int = Field(
         defaults.DEFAULT_MAX_NEW_TOKENS, ge=1, description="max_tokens of a request that does not set it"
     )
+    max_ongoing_requests: int = Field(
+        8, ge=1, description="requests one model replica holds at once: one generates, the rest wait in its queue"
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused with 413")
     api_key: str | None = Field(
         None, description=f"require `Authorization: Bearer <key>`; default: ${API_KEY_ENV} if set, else no key"

@@ -1,15 +1,20 @@
-"""The OpenAI API's semantics over a generation runner: completions and chat, whole or streamed, with usage.
+"""The OpenAI API's semantics: validated requests in, OpenAI-shaped JSON and server-sent events out.
 
-:class:`OpenAIHandler` turns validated requests (:mod:`specserve.serve.schemas`) into calls on a
-:class:`~specserve.core.engine.GenerationFrontend`: the distributed
-:class:`~specserve.actors.coordinator.Coordinator` when served, the in-process
-:class:`~specserve.core.engine.SpeculativeEngine` in tests and tools — and shapes the answers as
-OpenAI's JSON (``text_completion`` / ``chat.completion`` objects, and server-sent-event chunks
-ending in ``data: [DONE]``). Every answer carries ``usage`` and a ``speculation`` summary.
+:meth:`OpenAIHandler.prepare` turns a validated request (:mod:`specserve.serve.schemas`) into a
+:class:`PreparedRequest`: the served model is checked, chat messages are rendered (the
+tokenizer's own chat template when it has one, a plain ``<|role|>`` template otherwise — the
+shipped default models have none), the prompt is tokenised and checked against the context, and
+the sampling parameters and generation config are fixed. Every refusal is a
+:class:`~specserve.serve.schemas.RequestError` raised here, before anything runs.
 
-Chat prompts use the tokenizer's own chat template when it has one and a plain
-``<|role|>`` template otherwise (the shipped default models have none). Does not: speak HTTP,
-check API keys or body sizes (the ingress does), or batch requests.
+A :class:`PreparedRequest` then shapes whatever stream of
+:class:`~specserve.core.engine.StreamChunk` a runner produced: as one ``text_completion`` /
+``chat.completion`` object, or as ``text_completion`` / ``chat.completion.chunk`` events ending
+in ``data: [DONE]``. Every answer carries ``usage`` and a ``speculation`` summary.
+
+Pure: no HTTP, no threads, no Ray. The ingress (:mod:`specserve.serve.ingress`) drives it
+asynchronously; :meth:`OpenAIHandler.run` drives it synchronously over a local runner (tests and
+tools).
 """
 
 from __future__ import annotations
@@ -17,17 +22,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult
+from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, StreamChunk
 from specserve.core.errors import UserError
+from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.serve.config import ServeConfig
 from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+DONE_EVENT = "data: [DONE]\n\n"
 
 
 def speculation_summary(stats: RequestStats) -> dict[str, Any]:
@@ -37,7 +45,7 @@ def speculation_summary(stats: RequestStats) -> dict[str, Any]:
         "accepted_tokens": stats.accepted_tokens,
         "mean_accepted_length": stats.mean_accepted,
         "acceptance_by_position": stats.acceptance_by_position,
-        "lossy": False,
+        "lossy": False,  # no lossy acceptance mode exists yet; every answer is exact
     }
 
 
@@ -46,9 +54,99 @@ def plain_chat_prompt(messages: Sequence[ChatMessage]) -> str:
     return "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages) + "<|assistant|>\n"
 
 
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def error_event(error: RequestError) -> str:
+    """A failure after the stream started (the status line is already sent): an event with OpenAI's error body."""
+    return sse(error.body())
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """One admitted request: what to run, and how to shape what comes back."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    generation: GenerationConfig
+    chat: bool
+    stream: bool
+    model: str
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def kind(self) -> str:
+        if self.chat:
+            return "chat.completion.chunk" if self.stream else "chat.completion"
+        return "text_completion"
+
+    def _meta(self) -> dict[str, Any]:
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        return {"id": f"{prefix}-{self.request_id}", "object": self.kind, "created": self.created, "model": self.model}
+
+    # Whole answers ------------------------------------------------------------------------------
+
+    def response(self, result: GenerationResult) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS[result.finish_reason]}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": result.text}
+        else:
+            choice["text"] = result.text
+            choice["logprobs"] = None
+        return {
+            **self._meta(),
+            "choices": [choice],
+            "usage": usage(result),
+            "speculation": speculation_summary(result.stats),
+        }
+
+    def collect(self, chunks: Iterable[StreamChunk]) -> dict[str, Any]:
+        for chunk in chunks:
+            if chunk.result is not None:
+                return self.response(chunk.result)
+        raise RuntimeError("the generation ended without a result")
+
+    # Streamed answers ---------------------------------------------------------------------------
+
+    def opening_events(self) -> list[str]:
+        """Events sent before any text: chat streams announce the assistant's role first."""
+        if not self.chat:
+            return []
+        return [sse({**self._meta(), "choices": [{"index": 0, "delta": {"role": "assistant"}}]})]
+
+    def chunk_event(self, chunk: StreamChunk) -> str | None:
+        """The event for one chunk of new text; ``None`` when it carries nothing to send."""
+        result = chunk.result
+        finish = FINISH_REASONS[result.finish_reason] if result is not None else None
+        if not chunk.text and finish is None:
+            return None
+        choice: dict[str, Any] = (
+            {"index": 0, "delta": {"content": chunk.text} if chunk.text else {}, "finish_reason": finish}
+            if self.chat
+            else {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": finish}
+        )
+        body: dict[str, Any] = {**self._meta(), "choices": [choice]}
+        if result is not None:
+            body["usage"] = usage(result)
+            body["speculation"] = speculation_summary(result.stats)
+        return sse(body)
+
+    def events(self, chunks: Iterable[StreamChunk]) -> Iterator[str]:
+        yield from self.opening_events()
+        for chunk in chunks:
+            event = self.chunk_event(chunk)
+            if event is not None:
+                yield event
+        yield DONE_EVENT
+
+
 class OpenAIHandler:
-    def __init__(self, runner: GenerationFrontend, config: ServeConfig) -> None:
-        self.runner = runner
+    """Admits OpenAI requests for one served model whose prompts ``prompts`` encodes."""
+
+    def __init__(self, prompts: PromptCodec, config: ServeConfig) -> None:
+        self.prompts = prompts
         self.config = config
 
     def models(self) -> dict[str, Any]:
@@ -57,27 +155,7 @@ class OpenAIHandler:
             "data": [{"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specserve"}],
         }
 
-    # -----------------------------------------------------------------------------------------
-
-    def completion(self, request: CompletionRequest) -> dict[str, Any] | Iterator[str]:
-        prompt = request.prompt
-        return self._answer(request, prompt, chat=False)
-
-    def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | Iterator[str]:
-        return self._answer(request, self.chat_prompt(request.messages), chat=True)
-
-    def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        tokenizer = self.runner.prompts.tokenizer
-        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            turns = [{"role": m.role, "content": m.content} for m in messages]
-            return str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
-        return plain_chat_prompt(messages)
-
-    # -----------------------------------------------------------------------------------------
-
-    def _answer(
-        self, request: CompletionRequest | ChatCompletionRequest, prompt: str | list[int], chat: bool
-    ) -> dict[str, Any] | Iterator[str]:
+    def prepare(self, request: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
         if request.model != self.config.model_name:
             raise RequestError(
                 f"model {request.model!r} is not served here; use {self.config.model_name!r} (see GET /v1/models)",
@@ -85,62 +163,35 @@ class OpenAIHandler:
                 param="model",
                 code="model_not_found",
             )
-        params = request.sampling()
+        chat = isinstance(request, ChatCompletionRequest)
+        prompt = self.chat_prompt(request.messages) if isinstance(request, ChatCompletionRequest) else request.prompt
         generation = request.generation(self.config.default_max_tokens, self.config.gamma)
         try:
-            ids = self.runner.prompts.encode(prompt)
-            self.runner.prompts.check_length(ids, generation.max_new_tokens)
+            ids = self.prompts.encode(prompt)
         except UserError as exc:
-            raise RequestError(str(exc), param="max_tokens" if "context" in str(exc) else "prompt") from exc
-        meta = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "created": int(time.time()),
-            "model": self.config.model_name,
-        }
-        if request.stream:
-            return self._stream(ids, params, generation, meta, chat)
-        result = self.runner.generate(ids, params, generation)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS[result.finish_reason]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-        else:
-            choice["text"] = result.text
-            choice["logprobs"] = None
-        return {
-            **meta,
-            "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice],
-            "usage": _usage(result),
-            "speculation": speculation_summary(result.stats),
-        }
+            raise RequestError(str(exc), param="messages" if chat else "prompt") from exc
+        try:
+            self.prompts.check_length(ids, generation.max_new_tokens)
+        except UserError as exc:
+            raise RequestError(str(exc), param="max_tokens", code="context_length_exceeded") from exc
+        return PreparedRequest(ids, request.sampling(), generation, chat, request.stream, self.config.model_name)
 
-    def _stream(
-        self, ids: list[int], params: SamplingParams, generation: GenerationConfig, meta: dict[str, Any], chat: bool
-    ) -> Iterator[str]:
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        if chat:
-            yield _sse({**meta, "object": kind, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-        for chunk in self.runner.stream(ids, params, generation):
-            result = chunk.result
-            finish = FINISH_REASONS[result.finish_reason] if result is not None else None
-            if chunk.text or finish is not None:
-                delta: dict[str, Any] = (
-                    {"index": 0, "delta": {"content": chunk.text} if chunk.text else {}, "finish_reason": finish}
-                    if chat
-                    else {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": finish}
-                )
-                body: dict[str, Any] = {**meta, "object": kind, "choices": [delta]}
-                if result is not None:
-                    body["usage"] = _usage(result)
-                    body["speculation"] = speculation_summary(result.stats)
-                yield _sse(body)
-        yield "data: [DONE]\n\n"
+    def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        tokenizer = self.prompts.tokenizer
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            turns = [{"role": m.role, "content": m.content} for m in messages]
+            return str(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True))
+        return plain_chat_prompt(messages)
+
+    def run(
+        self, runner: GenerationFrontend, request: CompletionRequest | ChatCompletionRequest
+    ) -> dict[str, Any] | Iterator[str]:
+        """Synchronously, in this process: the whole answer, or the stream of events when ``stream`` is set."""
+        prepared = self.prepare(request)
+        chunks = runner.stream(prepared.prompt_ids, prepared.params, prepared.generation)
+        return prepared.events(chunks) if prepared.stream else prepared.collect(chunks)
 
 
-def _usage(result: GenerationResult) -> dict[str, int]:
+def usage(result: GenerationResult) -> dict[str, int]:
     prompt, completion = len(result.prompt_ids), len(result.output_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body)}\n\n"

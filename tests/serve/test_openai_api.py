@@ -18,9 +18,26 @@ from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, Completi
 CONFIG = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=16)
 
 
+class Api:
+    """The handler driven synchronously over the in-process engine."""
+
+    def __init__(self, pair: TinyPair) -> None:
+        self.runner = SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target))
+        self.handler = OpenAIHandler(self.runner.prompts, CONFIG)
+
+    def completion(self, request: CompletionRequest) -> Any:
+        return self.handler.run(self.runner, request)
+
+    def chat(self, request: ChatCompletionRequest) -> Any:
+        return self.handler.run(self.runner, request)
+
+    def models(self) -> dict[str, Any]:
+        return self.handler.models()
+
+
 @pytest.fixture()
-def handler(pair: TinyPair) -> OpenAIHandler:
-    return OpenAIHandler(SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target)), CONFIG)
+def handler(pair: TinyPair) -> Api:
+    return Api(pair)
 
 
 def events(stream: Any) -> list[dict[str, Any]]:
@@ -30,7 +47,7 @@ def events(stream: Any) -> list[dict[str, Any]]:
     return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
-def test_completion_equals_the_engine(handler: OpenAIHandler, pair: TinyPair) -> None:
+def test_completion_equals_the_engine(handler: Api, pair: TinyPair) -> None:
     answer = handler.completion(CompletionRequest(model="tiny", prompt="abcab", temperature=0, max_tokens=12))
     assert isinstance(answer, dict)
     want = handler.runner.generate("abcab", SamplingParams(), GenerationConfig(max_new_tokens=12, gamma=3))
@@ -46,7 +63,7 @@ def test_completion_equals_the_engine(handler: OpenAIHandler, pair: TinyPair) ->
     assert spec["drafted_tokens"] > 0 and spec["mean_accepted_length"] >= 1 and spec["lossy"] is False
 
 
-def test_streamed_text_equals_the_whole_answer(handler: OpenAIHandler) -> None:
+def test_streamed_text_equals_the_whole_answer(handler: Api) -> None:
     request = {"model": "tiny", "prompt": "hello wor", "temperature": 0, "max_tokens": 14}
     whole = handler.completion(CompletionRequest(**request))
     assert isinstance(whole, dict)
@@ -57,7 +74,7 @@ def test_streamed_text_equals_the_whole_answer(handler: OpenAIHandler) -> None:
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
-def test_chat_uses_the_plain_template(handler: OpenAIHandler) -> None:
+def test_chat_uses_the_plain_template(handler: Api) -> None:
     messages = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="hi")]
     answer = handler.chat(ChatCompletionRequest(model="tiny", messages=messages, temperature=0, max_tokens=10))
     assert isinstance(answer, dict) and answer["object"] == "chat.completion"
@@ -71,7 +88,7 @@ def test_chat_uses_the_plain_template(handler: OpenAIHandler) -> None:
     assert text == want.text
 
 
-def test_speculation_off_gives_the_same_text(handler: OpenAIHandler) -> None:
+def test_speculation_off_gives_the_same_text(handler: Api) -> None:
     on = handler.completion(CompletionRequest(model="tiny", prompt="xyzxyz", temperature=0, max_tokens=12))
     off = handler.completion(
         CompletionRequest(model="tiny", prompt="xyzxyz", temperature=0, max_tokens=12, speculation={"enabled": False})
@@ -81,7 +98,7 @@ def test_speculation_off_gives_the_same_text(handler: OpenAIHandler) -> None:
     assert off["speculation"]["drafted_tokens"] == 0
 
 
-def test_refusals(handler: OpenAIHandler) -> None:
+def test_refusals(handler: Api) -> None:
     with pytest.raises(RequestError) as info:
         handler.completion(CompletionRequest(model="gpt-4", prompt="x"))
     assert info.value.status == 404 and "tiny" in info.value.message

@@ -1,0 +1,60 @@
+"""The Ray Serve application: ``serve.deployment`` applied to the plain classes, in one builder.
+
+Two deployments, as in Ray Serve LLM's design:
+
+* ``OpenAIIngress`` (:mod:`specserve.serve.ingress`) — the HTTP routes; light, one replica is
+  plenty;
+* ``ModelServer`` (:mod:`specserve.serve.model_server`) — one target replica each (its TP
+  shards and drafter are Ray actors it places when it starts); this is the deployment that
+  Serve's autoscaling grows and shrinks with load.
+
+:func:`build_app` is the ``import_path`` of ``deploy/serve.yaml``: Ray's ``serve run`` /
+``serve deploy`` call it with the YAML's ``args``, which are :class:`ServeConfig` one to one;
+per-deployment settings (``autoscaling_config``, ``max_ongoing_requests``...) come from the
+YAML's ``deployments`` list as Serve applies them. :func:`application` takes the same options
+in code (the ``specserve serve`` command and the tests use it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from specserve.serve.config import ServeConfig
+from specserve.serve.ingress import OpenAIIngress
+from specserve.serve.model_server import ModelServer, spawn_coordinator
+
+INGRESS = "OpenAIIngress"
+MODEL = "ModelServer"
+DEPLOYMENTS = (INGRESS, MODEL)
+
+
+def build_app(args: Mapping[str, Any] | None = None) -> Application:
+    """Serve's application builder: ``args`` are the Serve config YAML's, validated by :class:`ServeConfig`."""
+    return application(ServeConfig.model_validate(dict(args or {})))
+
+
+def application(config: ServeConfig, deployment_options: Mapping[str, Mapping[str, Any]] | None = None) -> Application:
+    """The application for ``config``; ``deployment_options`` maps a deployment name to ``.options()`` overrides."""
+    options = dict(deployment_options or {})
+    unknown = set(options) - set(DEPLOYMENTS)
+    if unknown:
+        raise ValueError(f"unknown deployment(s) {sorted(unknown)}; this application has {list(DEPLOYMENTS)}")
+    args = config.model_dump()
+    model = serve.deployment(
+        name=MODEL,
+        ray_actor_options={"num_cpus": 0},  # the compute lives in the actors each replica places
+        max_ongoing_requests=config.max_ongoing_requests,
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=30,
+    )(ModelServer).options(**options.get(MODEL, {}))
+    ingress = serve.deployment(
+        name=INGRESS,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1024,  # the ingress only forwards; the model replicas' queues bound the work
+    )(serve.ingress()(OpenAIIngress)).options(**options.get(INGRESS, {}))
+    return ingress.bind(args, model.bind(args, spawn_coordinator, True))

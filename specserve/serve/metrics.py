@@ -1,0 +1,102 @@
+"""Prometheus metrics of the served model, through Ray's metrics API (``ray.util.metrics``).
+
+Ray exports them from every node's metrics agent with a ``ray_`` prefix (e.g.
+``ray_specserve_accepted_tokens_total``); Ray adds the node and worker tags. Each metric here
+carries ``model`` and ``lossy`` tags — ``lossy="true"`` marks anything produced by a lossy
+acceptance mode, so exact and lossy runs never mix on a dashboard.
+
+Recorded per request when it finishes (counts and per-request histograms), at its first token
+(time to first token), and whenever the replica's queue changes. Needs a connected Ray: the
+Serve deployment creates a :class:`ServeMetrics`; in-process runs pass none. Does not compute
+anything that :class:`~specserve.core.stats.RequestStats` does not already hold.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.core.stats import RequestStats
+
+TAGS = ("model", "lossy")
+LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+LENGTH_BOUNDARIES = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0]
+RATE_BOUNDARIES = [1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0]
+
+
+class ServeMetrics:
+    def __init__(self, model: str, lossy: bool = False) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.tags = {"model": model, "lossy": "true" if lossy else "false"}
+        self.requests = Counter(
+            "specserve_requests", "requests finished, by finish reason (stop, length, cancelled, error)",
+            (*TAGS, "finish_reason"),
+        )  # fmt: skip
+        self.generated_tokens = Counter("specserve_generated_tokens", "tokens delivered to clients", TAGS)
+        self.drafts = Counter("specserve_drafts", "draft proposals verified (cycles that drafted >= 1 token)", TAGS)
+        self.draft_tokens = Counter("specserve_draft_tokens", "draft tokens proposed to the target", TAGS)
+        self.accepted_tokens = Counter("specserve_accepted_tokens", "draft tokens the target accepted", TAGS)
+        self.reached_by_position = Counter(
+            "specserve_reached_by_position",
+            "cycles whose draft reached position i with every earlier token accepted",
+            (*TAGS, "position"),
+        )
+        self.accepted_by_position = Counter(
+            "specserve_accepted_by_position",
+            "cycles that accepted draft position i; divide by reached_by_position for acceptance per position",
+            (*TAGS, "position"),
+        )
+        self.mean_accepted_length = Histogram(
+            "specserve_mean_accepted_length",
+            "per request: mean tokens committed per target pass (accepted drafts + 1)",
+            LENGTH_BOUNDARIES,
+            TAGS,
+        )
+        self.gamma = Histogram(
+            "specserve_gamma", "draft tokens proposed per cycle (the chosen gamma)", LENGTH_BOUNDARIES, TAGS
+        )
+        self.tokens_per_second = Histogram(
+            "specserve_tokens_per_second", "per request: generated tokens / generation time", RATE_BOUNDARIES, TAGS
+        )
+        self.time_to_first_token = Histogram(
+            "specserve_time_to_first_token_seconds",
+            "from the replica receiving a request (queue wait included) to its first token",
+            LATENCY_BOUNDARIES,
+            TAGS,
+        )
+        self.queue_length = Gauge("specserve_queue_length", "requests waiting for this replica's generation slot", TAGS)
+        self.running = Gauge("specserve_running_requests", "requests this replica is generating right now", TAGS)
+
+    def queue(self, waiting: int, running: int) -> None:
+        self.queue_length.set(waiting, self.tags)
+        self.running.set(running, self.tags)
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds, self.tags)
+
+    def finished(self, finish_reason: str, stats: RequestStats | None) -> None:
+        """One request ended; ``stats`` is ``None`` when it ended without a result (cancelled, failed)."""
+        self.requests.inc(1, {**self.tags, "finish_reason": finish_reason})
+        if stats is None:
+            return
+        tags = self.tags
+        drafts = sum(count for length, count in stats.draft_length_histogram.items() if length > 0)
+        _inc(self.generated_tokens, stats.new_tokens, tags)
+        _inc(self.drafts, drafts, tags)
+        _inc(self.draft_tokens, stats.drafted_tokens, tags)
+        _inc(self.accepted_tokens, stats.accepted_tokens, tags)
+        for position, (reached, accepted) in enumerate(zip(stats.reached, stats.accepted, strict=True)):
+            _inc(self.reached_by_position, reached, {**tags, "position": str(position)})
+            _inc(self.accepted_by_position, accepted, {**tags, "position": str(position)})
+        if stats.cycles:
+            self.mean_accepted_length.observe(stats.mean_accepted, tags)
+        for length, count in stats.draft_length_histogram.items():
+            for _ in range(count):
+                self.gamma.observe(length, tags)
+        if stats.total_seconds > 0:
+            self.tokens_per_second.observe(stats.tokens_per_second, tags)
+
+
+def _inc(counter: Any, value: float, tags: dict[str, str]) -> None:
+    if value > 0:  # Ray's Counter refuses increments <= 0
+        counter.inc(value, tags)
