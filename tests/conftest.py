@@ -245,9 +245,25 @@ def ray_cluster() -> Iterator[Any]:
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
+            _system_config={"metrics_report_interval_ms": 1000},  # metrics reach the exporter within ~1 s
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster: Any) -> Iterator[str]:
+    """Ray Serve's HTTP proxy on 127.0.0.1 (a free port) in the session's Ray; test modules run their own apps."""
+    import socket
+
+    from ray import serve
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -73,14 +74,14 @@ class ModelServer:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-generation")
         self._waiting = 0
         self._running = 0
-        self._served = 0
+        self._finished: Counter[str] = Counter()  # finish reason (stop, length, eos, cancelled, error) -> requests
 
     def describe(self) -> PromptCodec:
         """How prompts are encoded and checked for this model (the ingress validates requests with it)."""
         return self.runner.prompts
 
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"waiting": self._waiting, "running": self._running, "served": self._served}
+        out: dict[str, Any] = {"waiting": self._waiting, "running": self._running, "finished": dict(self._finished)}
         active = getattr(self.runner, "active_requests", None)
         if active is not None:
             out["active_requests"] = active()
@@ -137,7 +138,7 @@ class ModelServer:
             if finish in ("cancelled", "error") and self.metrics is not None:
                 self.metrics.finished(finish, None)
             self._running -= 1
-            self._served += 1
+            self._finished[finish] += 1
             self._slot.release()
             self._report_queue()
 

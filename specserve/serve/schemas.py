@@ -39,11 +39,29 @@ class RequestError(Exception):
 
     @classmethod
     def from_validation(cls, exc: ValidationError) -> RequestError:
-        """The first problem pydantic found, phrased as what to fix."""
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        """The first field pydantic found wrong, phrased as what to fix.
+
+        A value that fits no member of a union (``prompt: 5``) fails once per member, at
+        ``prompt.str``, ``prompt.list[int]``...: those are reported together, at the field.
+        """
+        errors = exc.errors()
+        field = errors[0]["loc"][:1]
+        same_field = [error for error in errors if error["loc"][:1] == field]
+        loc = _common_prefix([tuple(error["loc"]) for error in same_field])
+        param = ".".join(str(part) for part in loc) or None
+        reasons = " or ".join(dict.fromkeys(str(error["msg"]) for error in same_field))
+        message = f"{param}: {reasons}" if param else reasons
         return cls(message, status=400, param=param, code="invalid_value")
+
+
+def _common_prefix(locs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    prefix = locs[0]
+    for loc in locs[1:]:
+        n = 0
+        while n < min(len(prefix), len(loc)) and prefix[n] == loc[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
 
 
 class SpeculationOptions(BaseModel):

@@ -1,0 +1,279 @@
+"""The Serve application end to end: real Ray Serve on 127.0.0.1, the official ``openai`` client, raw HTTP.
+
+One application (ingress + one ModelServer replica placing its target shard and drafter as Ray
+actors) serves the shipped default models with an API key for the whole module. Checks: greedy
+answers equal ``specserve generate`` and transformers' greedy decoding token for token; streamed
+text equals the whole answer; every bad request gets OpenAI's error JSON with a 4xx and the
+server keeps serving; the API key; a client that disconnects mid-stream cancels its generation
+and frees its KV; Prometheus metrics reach Ray's exporter.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import openai
+import pytest
+import requests
+import torch
+
+from specserve import cli, defaults
+from specserve.core.model import CausalLM
+from specserve.serve.app import MODEL, application
+from specserve.serve.config import ServeConfig
+
+pytestmark = pytest.mark.timeout(600)
+
+APP = "http-api"
+KEY = "sk-test-key"
+MODEL_NAME = "specserve-test"
+MAX_BODY = 4096
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):"]
+
+
+@pytest.fixture(scope="module")
+def url(serve_url: str) -> Iterator[str]:
+    from ray import serve
+
+    config = ServeConfig(model_name=MODEL_NAME, api_key=KEY, default_max_tokens=24, max_body_bytes=MAX_BODY)
+    serve.run(application(config), name=APP, route_prefix="/")
+    yield serve_url
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(url: str, path: str, body: Any, key: str | None = KEY, **kwargs: Any) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(f"{url}{path}", data=data, headers=headers, timeout=120, **kwargs)
+
+
+def model_status() -> dict[str, Any]:
+    from ray import serve
+
+    return dict(serve.get_deployment_handle(MODEL, APP).status.remote().result(timeout_s=60))
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers
+
+
+def specserve_generate(prompt: str, max_new_tokens: int, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    args = ["generate", "--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--temperature", "0", "--json"]
+    assert cli.main(args) == 0
+    return dict(json.loads(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_completion_equals_specserve_generate(
+    client: openai.OpenAI, prompt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0)
+    want = specserve_generate(prompt, 40, capsys)
+    assert answer.choices[0].text == want["text"]
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == len(want["output_ids"])
+    assert answer.usage.prompt_tokens == len(want["prompt_ids"])
+    assert answer.choices[0].finish_reason == ("stop" if want["finish_reason"] in ("eos", "stop") else "length")
+    # ... and `specserve generate` is transformers' own greedy decoding, token for token
+    target = CausalLM.load(defaults.DEFAULT_TARGET)
+    ref = target.model.generate(
+        torch.tensor([want["prompt_ids"]]), do_sample=False, max_new_tokens=40, eos_token_id=None, pad_token_id=0
+    )[0, len(want["prompt_ids"]) :].tolist()
+    assert want["output_ids"] == ref[: len(want["output_ids"])]
+    spec = answer.model_extra["speculation"] if answer.model_extra else None
+    assert spec is not None and spec["drafted_tokens"] > 0 and spec["lossy"] is False
+    assert len(spec["acceptance_by_position"]) == defaults.DEFAULT_GAMMA
+
+
+def test_streamed_text_equals_the_whole_answer(client: openai.OpenAI) -> None:
+    for prompt in PROMPTS[:2]:
+        whole = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=48, temperature=0)
+        parts = list(
+            client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=48, temperature=0, stream=True)
+        )
+        assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+        assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        assert all(p.choices[0].finish_reason is None for p in parts[:-1])
+
+
+def test_chat_whole_and_streamed(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A loop:"}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=32, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    parts = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=32, temperature=0, stream=True
+        )
+    )
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
+    assert whole.usage is not None and whole.usage.completion_tokens > 0
+
+
+def test_speculation_off_and_sampling_options(client: openai.OpenAI) -> None:
+    prompt = PROMPTS[0]
+    on = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+    off = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, extra_body={"speculation": {"enabled": False}}
+    )
+    assert on.choices[0].text == off.choices[0].text
+    assert off.model_extra is not None and off.model_extra["speculation"]["drafted_tokens"] == 0
+    seeded = [
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0.8,
+            top_p=0.9,
+            seed=7,
+            extra_body={"top_k": 50, "speculation": {"gamma": 2}},
+        ).choices[0].text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]  # a seed makes sampling reproducible
+    stopped = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0, stop=["\n"])
+    assert "\n" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_readiness(client: openai.OpenAI, url: str) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL_NAME]
+    assert requests.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
+    ready = requests.get(f"{url}/ready", timeout=30)
+    assert ready.status_code == 200 and ready.json()["model"] == MODEL_NAME
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusals
+
+
+GOOD = {"model": MODEL_NAME, "prompt": "x = 1", "max_tokens": 4}
+BAD_REQUESTS = [
+    # (body, status, param or None, words the message must contain)
+    (b"{not json", 400, None, "not valid JSON"),
+    ({**GOOD, "prompt": 5}, 400, "prompt", "prompt"),
+    ({**GOOD, "max_tokens": "many"}, 400, "max_tokens", "integer"),
+    ({**GOOD, "model": "gpt-4"}, 404, "model", "GET /v1/models"),
+    ({"model": MODEL_NAME, "max_tokens": 4}, 400, "prompt", "prompt"),
+    ({**GOOD, "prompt": ""}, 400, "prompt", "empty"),
+    ({**GOOD, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ({**GOOD, "max_tokens": 5000}, 400, "max_tokens", "context"),
+    ({**GOOD, "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
+    ({**GOOD, "top_p": 0}, 400, "top_p", "greater than 0"),
+    ({**GOOD, "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
+    ({**GOOD, "n": 2}, 400, "n", "only n = 1"),
+    ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ({**GOOD, "speculation": {"gamma": 0}}, 400, "speculation.gamma", "greater than or equal to 1"),
+    ({**GOOD, "speculation": {"drafter": "eagle"}}, 400, "speculation.drafter", "Extra inputs"),
+    ({**GOOD, "prompt": "x" * (MAX_BODY + 10)}, 413, None, "exceeds the limit"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "words"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(url: str, body: Any, status: int, param: str | None, words: str) -> None:
+    answer = post(url, "/v1/completions", body)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert words in error["message"] and error["param"] == param and error["type"]
+    assert post(url, "/v1/completions", GOOD).status_code == 200  # and the server keeps serving
+
+
+def test_bad_chat_requests(url: str) -> None:
+    for body, param in [
+        ({"model": MODEL_NAME, "messages": []}, "messages"),
+        ({"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"model": MODEL_NAME, "messages": [{"role": "user"}]}, "messages.0.content"),
+    ]:
+        answer = post(url, "/v1/chat/completions", body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def test_unknown_routes_and_methods(url: str) -> None:
+    missing = requests.get(f"{url}/v1/engines", timeout=30)
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong = requests.get(f"{url}/v1/completions", timeout=30)
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI, url: str) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, temperature=-1)
+    wrong_key = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong_key.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+
+
+def test_api_key(url: str) -> None:
+    for key in (None, "sk-wrong", KEY + "x"):
+        answer = post(url, "/v1/completions", GOOD, key=key)
+        assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer"
+        assert "Authorization: Bearer" in answer.json()["error"]["message"]
+    assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401
+    assert post(url, "/v1/completions", GOOD).status_code == 200
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200  # probes need no key
+
+
+# ---------------------------------------------------------------------------------------------
+# Disconnects and metrics
+
+
+def test_disconnect_cancels_the_generation_and_frees_kv(url: str, client: openai.OpenAI) -> None:
+    before = model_status()["finished"].get("cancelled", 0)
+    body = {**GOOD, "prompt": PROMPTS[0], "max_tokens": 900, "stream": True, "ignore_eos": True}
+    with post(url, "/v1/completions", body, stream=True) as answer:
+        assert answer.status_code == 200
+        events = answer.iter_lines()
+        received = [line for line, _ in zip(events, range(6), strict=False) if line]
+        assert received and all(line.startswith(b"data: {") for line in received)
+    # the connection is closed after a few events of a ~900-token generation
+    wait_for(lambda: model_status()["finished"].get("cancelled", 0) == before + 1, 60, "the cancellation")
+    status = model_status()
+    assert status["running"] == 0 and status["active_requests"] == []  # KV freed on every shard
+    again = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert again.usage is not None and again.usage.completion_tokens == 8
+
+
+def test_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any) -> None:
+    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=16, temperature=0)
+    port = ray_cluster.nodes()[0]["MetricsExportPort"]
+    names = {
+        "ray_specserve_requests_total",
+        "ray_specserve_drafts_total",
+        "ray_specserve_draft_tokens_total",
+        "ray_specserve_accepted_tokens_total",
+        "ray_specserve_accepted_by_position_total",
+        "ray_specserve_mean_accepted_length_bucket",
+        "ray_specserve_gamma_bucket",
+        "ray_specserve_tokens_per_second_bucket",
+        "ray_specserve_time_to_first_token_seconds_bucket",
+        "ray_specserve_queue_length",
+    }
+    seen: set[str] = set()
+
+    def exported() -> bool:
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in names and f'model="{MODEL_NAME}"' in line and 'lossy="false"' in line:
+                seen.add(name)
+        return seen == names
+
+    wait_for(exported, 60, f"the metrics {sorted(names)} (missing: {sorted(names - seen)})")
