@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specserve import defaults
 from specserve.actors.replica import ReplicaConfig
@@ -23,8 +23,12 @@ class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_name: str = Field("specserve-default", min_length=1, description="the name clients pass as `model`")
-    target: str = Field(str(defaults.DEFAULT_TARGET), description="target model directory (a local HF checkpoint)")
-    draft: str = Field(str(defaults.DEFAULT_DRAFT), description="draft model directory, 'ngram' or 'none'")
+    target: str = Field(
+        str(defaults.DEFAULT_TARGET),
+        description="target model directory (a local HF checkpoint; relative paths are resolved where the config is "
+        "first read, and must exist on every node)",
+    )
+    draft: str = Field(str(defaults.DEFAULT_DRAFT), description="draft model directory (as target), 'ngram' or 'none'")
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field("float32", description="weights dtype")
     device: str = Field("cpu", description="cpu or cuda")
     tp_degree: int = Field(1, ge=1, le=64, description="tensor-parallel shards per target replica")
@@ -43,8 +47,21 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(
         None, description=f"require `Authorization: Bearer <key>`; default: ${API_KEY_ENV} if set, else no key"
     )
+    verifier_host: str = Field(
+        "127.0.0.1",
+        description="interface rank 0's gRPC verifier binds: loopback when drafters share the node; '0.0.0.0' "
+        "(advertised as the node's IP) when drafters run on other nodes (drafter_placement: separate on a cluster)",
+    )
     threads_per_shard: int = Field(1, ge=1, description="torch threads in each target shard actor")
     threads_per_drafter: int = Field(1, ge=1, description="torch threads in the drafter actor")
+
+    @field_validator("target", "draft")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        """A relative model directory that exists here becomes absolute, so replicas started elsewhere find it."""
+        if value in ("ngram", "none") or os.path.isabs(value) or not os.path.isdir(value):
+            return value
+        return os.path.abspath(value)
 
     def replica(self) -> ReplicaConfig:
         return ReplicaConfig(
@@ -55,6 +72,7 @@ class ServeConfig(BaseModel):
             tp_degree=self.tp_degree,
             drafter_placement=self.drafter_placement,
             overlap=self.overlap,
+            verifier_host=self.verifier_host,
             threads_per_shard=self.threads_per_shard,
             threads_per_drafter=self.threads_per_drafter,
         )
