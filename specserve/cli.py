@@ -97,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--draft-steps", type=int, default=400)
     train.add_argument("--seed", type=int, default=0)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve until Ctrl-C")
+    srv.add_argument("--config", help="Serve config YAML (as deploy/serve.yaml; default: the default models)")
+    srv.add_argument("--host", help="interface for the HTTP proxy (default: the config's, else 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="HTTP port (default: the config's, else 8000)")
+    srv.add_argument(
+        "--ray-address",
+        help="Ray cluster to join (default: the `specserve cluster up` cluster if running, else a private local one)",
+    )
+
     _add_cluster_parser(sub)
     return parser
 
@@ -216,6 +225,33 @@ def _print_generation(runner: Any, prompt: str, params: Any, config: Any, as_jso
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.serve.config import ServeConfig
+    from specserve.serve.deploy_file import ServeFile, load_serve_file
+    from specserve.serve.launch import serving, wait_for_interrupt
+
+    file = load_serve_file(args.config) if args.config else ServeFile(config=ServeConfig())
+    if args.host:
+        file.host = args.host
+    if args.port is not None:
+        if not 0 < args.port < 65536:
+            raise UsageError(f"--port must be between 1 and 65535, got {args.port}")
+        file.port = args.port
+    if not Path(file.config.target).is_dir():
+        raise UsageError(f"model directory {file.config.target} does not exist")
+    print(f"starting {file.config.model_name!r} (target {file.config.target}) ...", file=sys.stderr, flush=True)
+    with serving(file, args.ray_address) as where:
+        print(f"specserve: serving {where['model']!r} at {where['url']}  ({where['ray']})", flush=True)
+        print(f"  health: {where['health']}", flush=True)
+        if where["metrics"]:
+            print(f"  Prometheus metrics: {where['metrics']}", flush=True)
+        print("Press Ctrl-C to stop.", flush=True)
+        wait_for_interrupt()
+        print("stopping ...", file=sys.stderr, flush=True)
+    print("stopped", file=sys.stderr, flush=True)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from specserve.benchmarks import speculative
 
@@ -331,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench-distributed": cmd_bench_distributed,
         "train": cmd_train,
         "cluster": _cmd_cluster,
+        "serve": cmd_serve,
     }
     try:
         return handlers[args.command](args)

@@ -2,7 +2,7 @@
 
 Order: ``--ray-address`` if given; else the cluster ``specserve cluster up`` started (found
 through its state file); else a private single-node Ray on 127.0.0.1 that declares enough of the
-"large" and "cheap" resources for one replica, shut down again on exit. Ray never reports usage
+"large" and "cheap" resources for the replicas asked for, shut down again on exit. Ray never reports usage
 statistics and binds to loopback when started here.
 """
 
@@ -16,8 +16,13 @@ from specserve.cluster.placement import ClusterSpec
 
 
 @contextlib.contextmanager
-def connect_ray(address: str | None = None, tp_degree: int = 1, spec: ClusterSpec | None = None) -> Iterator[str]:
-    """Connected Ray for the duration of the block; yields a description of where it runs."""
+def connect_ray(
+    address: str | None = None, tp_degree: int = 1, spec: ClusterSpec | None = None, replicas: int = 1
+) -> Iterator[str]:
+    """Connected Ray for the duration of the block; yields a description of where it runs.
+
+    A private Ray declares room for ``replicas`` replicas of ``tp_degree`` shards (and their drafters).
+    """
     import ray
 
     from specserve.cluster.local import connect_address
@@ -33,8 +38,8 @@ def connect_ray(address: str | None = None, tp_degree: int = 1, spec: ClusterSpe
         where = f"Ray cluster at {address}"
     else:
         ray.init(
-            num_cpus=max(4, tp_degree + 2),  # logical CPUs: every actor asks for one
-            resources={spec.large_resource: float(tp_degree), spec.cheap_resource: 1.0},
+            num_cpus=max(4, replicas * (tp_degree + 1) + 2),  # logical CPUs: every actor asks for one
+            resources={spec.large_resource: float(tp_degree * replicas), spec.cheap_resource: float(replicas)},
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             log_to_driver=False,

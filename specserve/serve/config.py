@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specserve import defaults
 from specserve.actors.replica import ReplicaConfig
 from specserve.core.engine import MAX_GAMMA
+from specserve.core.errors import UserError
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
 
@@ -62,6 +63,15 @@ class ServeConfig(BaseModel):
         if value in ("ngram", "none") or os.path.isabs(value) or not os.path.isdir(value):
             return value
         return os.path.abspath(value)
+
+    @model_validator(mode="after")
+    def _placeable(self) -> ServeConfig:
+        """What only the replica's placement spec checks (tp_degree a power of two...), at the edge."""
+        try:
+            self.replica()
+        except UserError as exc:
+            raise ValueError(str(exc)) from exc
+        return self
 
     def replica(self) -> ReplicaConfig:
         return ReplicaConfig(

@@ -48,7 +48,7 @@ def load_serve_file(path: str | Path) -> ServeFile:
     except yaml.YAMLError as exc:
         raise DeployFileError(f"{path} is not valid YAML: {exc}") from exc
     try:
-        schema = ServeDeploySchema.parse_obj(raw)
+        schema = ServeDeploySchema.model_validate(raw)
     except Exception as exc:  # Ray's schema (pydantic) error: already names the field
         raise DeployFileError(f"{path} is not a valid Serve config: {exc}") from exc
     apps = [app for app in schema.applications if app.import_path == IMPORT_PATH]
@@ -65,7 +65,7 @@ def load_serve_file(path: str | Path) -> ServeFile:
             raise DeployFileError(
                 f"{path}: deployment {deployment.name!r} does not exist; this application has {list(DEPLOYMENTS)}"
             )
-        options[deployment.name] = deployment.dict(exclude_unset=True, exclude={"name"})
+        options[deployment.name] = deployment.model_dump(exclude_unset=True, exclude={"name"})
     http = schema.http_options
     return ServeFile(
         config=config,

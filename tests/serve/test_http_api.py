@@ -118,9 +118,7 @@ def test_chat_whole_and_streamed(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=32, temperature=0)
     assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
     parts = list(
-        client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=32, temperature=0, stream=True
-        )
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=32, temperature=0, stream=True)
     )
     assert parts[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
@@ -144,7 +142,9 @@ def test_speculation_off_and_sampling_options(client: openai.OpenAI) -> None:
             top_p=0.9,
             seed=7,
             extra_body={"top_k": 50, "speculation": {"gamma": 2}},
-        ).choices[0].text
+        )
+        .choices[0]
+        .text
         for _ in range(2)
     ]
     assert seeded[0] == seeded[1]  # a seed makes sampling reproducible
@@ -163,8 +163,8 @@ def test_models_health_and_readiness(client: openai.OpenAI, url: str) -> None:
 # Refusals
 
 
-GOOD = {"model": MODEL_NAME, "prompt": "x = 1", "max_tokens": 4}
-BAD_REQUESTS = [
+GOOD: dict[str, Any] = {"model": MODEL_NAME, "prompt": "x = 1", "max_tokens": 4}
+BAD_REQUESTS: list[tuple[Any, int, str | None, str]] = [
     # (body, status, param or None, words the message must contain)
     (b"{not json", 400, None, "not valid JSON"),
     ({**GOOD, "prompt": 5}, 400, "prompt", "prompt"),
