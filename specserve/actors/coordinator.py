@@ -12,7 +12,8 @@ be made remote like the other actors. For each request it
    yields the same :class:`~specserve.core.engine.StreamChunk` the engine yields;
 5. frees the request's KV on every shard when it ends, however it ends.
 
-The γ policy is a fixed ``gamma`` from the request's :class:`GenerationConfig` for now.
+The γ policy is a fixed ``gamma`` from the request's :class:`GenerationConfig` for now; the
+request's ``drafter`` (configured, ``ngram`` or ``none``) is passed to the drafter actor.
 Requests to one replica are served one at a time (a drafter holds one request's state).
 """
 
@@ -82,6 +83,7 @@ class Coordinator(GenerationFrontend):
             max_new_tokens=config.max_new_tokens,
             verifier_address=replica.verifier_address,
             overlap=replica.config.overlap,
+            drafter=config.drafter,
         )
         output: list[int] = []
         finish: FinishReason | None = None

@@ -1,5 +1,10 @@
 """``DrafterActor``: holds any drafter from ``specserve.drafters`` and runs a request's draft-verify loop.
 
+The actor holds its replica's configured drafter and, for requests that name them
+(:attr:`DraftJob.drafter`), the model-free ``ngram`` and ``none`` drafters, each built on the
+first request that asks for it and kept (a :class:`~specserve.core.draft.DrafterSet`). Every
+torch call — building drafters included — runs on the actor's compute thread.
+
 For each request the actor opens one ``Speculate`` stream to its replica's rank 0 and loops:
 propose (within the budget the single-process engine would use) → send the tree → receive the
 verdict → hand the committed tokens back to the drafter. Each cycle is reported to the caller
@@ -35,7 +40,7 @@ from specserve.actors.compute import ComputeThread
 from specserve.core.draft import Draft, propose_within
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.drafters.registry import build_drafter
+from specserve.drafters.registry import build_drafter_set
 from specserve.rpc.codec import encode_draft
 from specserve.rpc.verifier import VerifierStream, open_channel
 
@@ -50,6 +55,7 @@ class DraftJob:
     verifier_address: str
     overlap: bool = False
     report_interval_s: float = 0.1  # after the first cycle, reports are batched at most this often
+    drafter: str = "default"  # the configured drafter, "ngram" or "none" (REQUEST_DRAFTERS)
 
 
 @dataclass(frozen=True)
@@ -86,8 +92,8 @@ class DrafterActor:
         self.compute = ComputeThread(num_threads)
         self.device = torch.device(device)
         target = TargetDescription(target_info, load_tokenizer(target_dir), self.device)
-        self.drafter = self.compute.run(
-            build_drafter, drafter, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram
+        self.drafters = self.compute.run(
+            build_drafter_set, drafter, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram
         )
         self._channels: dict[str, grpc.Channel] = {}
         self._current: str | None = None  # the request whose loop is running
@@ -115,7 +121,8 @@ class DrafterActor:
                 self._current = None
 
     def _loop(self, job: DraftJob) -> Iterator[list[CycleReport]]:
-        drafter, device, run = self.drafter, self.device, self.compute.run
+        device, run = self.device, self.compute.run
+        drafter = run(self.drafters.get, job.drafter)  # built here on first use, then kept
         generators = make_generators(job.params.seed, device)
         run(drafter.start, job.prompt_ids, job.params, generators.draft)
         stream = VerifierStream(self._channel(job.verifier_address))

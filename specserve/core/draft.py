@@ -12,18 +12,26 @@ A drafter serves one request at a time:
 4. ``rewind(length)`` drops committed text beyond ``length`` tokens (used when a drafter has
    been told an assumed verdict in overlap mode and the real one differs).
 
-Drafter implementations live in ``specserve.drafters``; this module defines only the contract.
+A request may choose among the drafters of a :class:`DrafterSet` by name (``REQUEST_DRAFTERS``):
+the configured one (``default``), or the model-free ``ngram`` and ``none``, built on first use by
+a builder the caller supplies. Drafter implementations live in ``specserve.drafters`` (whose
+registry supplies that builder); this module defines only the contract and the set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams
+
+# The drafters a request may choose: the deployment's configured one, prompt lookup, or none (plain
+# decoding). A draft model other than the configured one cannot be chosen per request.
+REQUEST_DRAFTERS = ("default", "ngram", "none")
 
 
 @dataclass(frozen=True)
@@ -69,3 +77,46 @@ def propose_within(drafter: Drafter, gamma: int, remaining: int, device: torch.d
         probs = draft.draft_probs[:budget] if draft.draft_probs is not None else None
         draft = Draft(draft.tokens[:budget], probs)
     return draft
+
+
+def check_drafter_name(name: str) -> None:
+    """Raises :class:`InvalidRequest` unless ``name`` is one of ``REQUEST_DRAFTERS``."""
+    if name not in REQUEST_DRAFTERS:
+        allowed = ", ".join(repr(n) for n in REQUEST_DRAFTERS)
+        raise InvalidRequest(
+            f"drafter must be one of {allowed} (a draft model is chosen when the deployment starts), got {name!r}"
+        )
+
+
+class DrafterSet:
+    """The drafters requests may choose by name: the configured one, and the others built once, on first use.
+
+    ``build(name)`` makes the drafter called ``name`` (``"ngram"`` or ``"none"``); without it only the
+    configured drafter can be chosen. When the configured drafter is itself ``ngram`` or ``none``,
+    ``default`` and that name are the same object. Not thread-safe: like a drafter, a set serves
+    one request at a time.
+    """
+
+    def __init__(self, configured: Drafter, build: Callable[[str], Drafter] | None = None) -> None:
+        self.configured = configured
+        self._build = build
+        self._built: dict[str, Drafter] = {"default": configured}
+        if configured.name in REQUEST_DRAFTERS:
+            self._built[configured.name] = configured
+
+    def check(self, name: str) -> None:
+        """Raises :class:`InvalidRequest` when ``get(name)`` cannot give a drafter (builds nothing)."""
+        check_drafter_name(name)
+        if name not in self._built and self._build is None:
+            raise InvalidRequest(
+                f"drafter {name!r} is not available here: only the configured drafter "
+                f"({self.configured.name!r}, request it as 'default') can be used"
+            )
+
+    def get(self, name: str = "default") -> Drafter:
+        """The drafter called ``name``, built on the first request that asks for it and kept."""
+        self.check(name)
+        if name not in self._built:
+            assert self._build is not None
+            self._built[name] = self._build(name)
+        return self._built[name]

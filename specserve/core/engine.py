@@ -14,6 +14,12 @@ The target's cache always holds every committed token except the last, which is 
 head of the next verify block. The engine knows nothing about where drafts come from (any
 :class:`~specserve.core.draft.Drafter`) nor about tokenisation beyond a decode function. Plain
 decoding is the same loop with the ``none`` drafter, so the two are measured like for like.
+
+Each request names its drafter (:attr:`GenerationConfig.drafter`): ``default`` (the engine's
+configured drafter), ``ngram`` or ``none``. The engine takes them from a
+:class:`~specserve.core.draft.DrafterSet`; given a bare drafter, it can serve only that one
+(``specserve.drafters.build_drafter_set`` makes a set that builds the others on first use).
+Output is exact whichever drafter runs; the choice only changes speed.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import Drafter, propose_within
+from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_drafter_name, propose_within
 from specserve.core.model import CausalLM
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
@@ -32,6 +38,7 @@ from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
 
 __all__ = [
+    "REQUEST_DRAFTERS",
     "ChunkStream",
     "FinishReason",
     "GenerationConfig",
@@ -50,6 +57,7 @@ class GenerationConfig:
     gamma: int = 4  # draft tokens per cycle (the drafter may return fewer)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    drafter: str = "default"  # one of REQUEST_DRAFTERS: the configured drafter, "ngram" or "none"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -58,6 +66,7 @@ class GenerationConfig:
             raise InvalidRequest(f"gamma must be between 1 and {MAX_GAMMA} (0 = no drafting), got {self.gamma}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
+        check_drafter_name(self.drafter)
 
 
 @dataclass
@@ -127,18 +136,27 @@ class GenerationFrontend(ABC):
 
 
 class SpeculativeEngine(GenerationFrontend):
-    """Runs one request at a time on a target model with one drafter, in this process."""
+    """Runs one request at a time on a target model, in this process, with the drafter each request names.
 
-    def __init__(self, target: CausalLM, drafter: Drafter) -> None:
+    ``drafter`` is the configured drafter, or a :class:`DrafterSet` around it that can also build
+    the ``ngram`` and ``none`` drafters requests may ask for.
+    """
+
+    def __init__(self, target: CausalLM, drafter: Drafter | DrafterSet) -> None:
         self.target = target
-        self.drafter = drafter
+        self.drafters = drafter if isinstance(drafter, DrafterSet) else DrafterSet(drafter)
+        self.drafter = self.drafters.configured
         self.prompts = PromptCodec(target.info, target.tokenizer)
+
+    def validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+        super().validate(prompt_ids, config)
+        self.drafters.check(config.drafter)
 
     # -----------------------------------------------------------------------------------------
     # The loop
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
-        target, drafter = self.target, self.drafter
+        target, drafter = self.target, self.drafters.get(config.drafter)
         device = target.device
         stats = RequestStats()
         text = TextStream(self.decode, config.stop)

@@ -3,6 +3,6 @@
 from specserve.drafters.model import DraftModelDrafter, VocabularyMismatch
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
-from specserve.drafters.registry import build_drafter
+from specserve.drafters.registry import build_drafter, build_drafter_set
 
-__all__ = ["DraftModelDrafter", "NgramDrafter", "NoDrafter", "VocabularyMismatch", "build_drafter"]
+__all__ = ["DraftModelDrafter", "NgramDrafter", "NoDrafter", "VocabularyMismatch", "build_drafter", "build_drafter_set"]

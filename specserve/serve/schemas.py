@@ -4,7 +4,9 @@ Requests are pydantic models whose every field carries a description; a request 
 one (missing prompt, ``max_tokens`` <= 0, ``temperature`` < 0, ``top_p`` outside (0, 1], ``n``
 > 1, an unknown field type) becomes a :class:`RequestError` with the OpenAI error shape
 (``{"error": {"message", "type", "param", "code"}}``) and a 4xx status. Extensions beyond the
-OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off and γ).
+OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, and
+the drafter: the deployment's configured one, ``ngram`` or ``none``; a draft model cannot be
+chosen per request).
 
 What a validated request means for the engine — sampling parameters and the generation config —
 is decided here once (:meth:`CompletionRequest.sampling` / :meth:`CompletionRequest.generation`),
@@ -73,6 +75,13 @@ class SpeculationOptions(BaseModel):
     gamma: int | None = Field(
         None, ge=1, le=MAX_GAMMA, description="draft tokens per cycle; default: the deployment's configured gamma"
     )
+    drafter: Literal["default", "ngram", "none"] = Field(
+        "default",
+        description=(
+            "who drafts: the deployment's configured drafter (default), prompt-lookup n-grams (ngram), or"
+            " nobody (none: plain decoding); output is the same, only speed differs"
+        ),
+    )
 
 
 class _Request(BaseModel):
@@ -118,6 +127,7 @@ class _Request(BaseModel):
             gamma=gamma,
             stop=self.stop_strings(),
             ignore_eos=self.ignore_eos,
+            drafter=self.speculation.drafter,
         )
 
 

@@ -21,6 +21,7 @@ import requests
 import torch
 
 from specserve import cli, defaults
+from specserve.benchmarks.serve_load import LoadConfig, compare, markdown, run_load
 from specserve.core.model import CausalLM
 from specserve.serve.app import MODEL, application
 from specserve.serve.config import ServeConfig
@@ -277,3 +278,25 @@ def test_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any) -> No
         return seen == names
 
     wait_for(exported, 60, f"the metrics {sorted(names)} (missing: {sorted(names - seen)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The load generator of `specserve bench-serve`, against this application
+
+
+def test_load_generator_counts_what_the_server_generated(url: str) -> None:
+    cfg = LoadConfig(max_tokens=12, concurrency=(1, 2), requests_per_level=(2, 3), level_time_limit_s=120)
+    rows = run_load(url, MODEL_NAME, PROMPTS, cfg, api_key=KEY)
+    assert [(r["concurrency"], r["speculation"], r["requests"]) for r in rows] == [
+        (1, False, 2), (1, True, 2), (2, False, 3), (2, True, 3)
+    ]  # fmt: skip
+    for row in rows:
+        assert row["errors"] == 0 and row["tokens"] == 12 * row["requests"]  # EOS ignored: exactly max_tokens
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and 0 < row["itl_p50_s"] <= row["itl_p99_s"]
+        assert row["throughput_tok_s"] == pytest.approx(row["tokens"] / row["wall_s"])
+        assert (row["mean_accepted_length"] > 1) == row["speculation"]
+    report = {"rows": rows, "comparison": compare(rows)}
+    assert [c["concurrency"] for c in report["comparison"]] == [1, 2]
+    assert markdown(report).count("\n| 1 |") == 3  # two rows and one comparison at concurrency 1
+    unauthorised = run_load(url, MODEL_NAME, PROMPTS, LoadConfig(concurrency=(1,), requests_per_level=(1,)))
+    assert unauthorised[0]["errors"] == 1 and "401" in unauthorised[0]["errors_seen"][0]

@@ -1,0 +1,305 @@
+"""Load benchmark of the HTTP API: throughput, time to first token and inter-token latency under concurrency.
+
+A closed-loop load generator on loopback: at each concurrency level ``c``, ``c`` clients send
+streaming completions back to back until the level's request count is reached or its time
+limit passes (nothing new starts after it). Every level runs twice against the same
+deployment — speculation off (``"speculation": {"enabled": false}``: the same drafter loop with
+γ = 0) and on — so the comparison is like for like.
+
+Per request: **TTFT** = send → first event carrying text; **ITL** = (last token time − first
+token time) / (completion tokens − 1), i.e. the mean gap per token after the first (what
+vLLM's benchmark calls TPOT). Speculation delivers tokens in bursts, so the raw gap between
+events is not a per-token latency and is not reported. Per level: **throughput** = completion
+tokens of all requests / wall time of the level.
+
+:func:`run_load` drives a URL (any running application); :func:`run` starts the application
+itself (:func:`~specserve.serve.launch.serving`) and writes JSON, Markdown and a plot. Does not
+assert anything: BENCHMARKS.md records what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import requests
+from tqdm import tqdm
+
+from specserve import defaults
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    target: str = str(defaults.DEFAULT_TARGET)
+    draft: str = str(defaults.DEFAULT_DRAFT)
+    gamma: int = defaults.DEFAULT_GAMMA
+    max_tokens: int = 128
+    temperature: float = 0.0
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    requests_per_level: tuple[int, ...] = (8, 16, 32)  # one per concurrency level
+    num_prompts: int = 32
+    level_time_limit_s: float = 300.0  # no request starts after this; the level's numbers cover what ran
+    port: int = 8123
+    out_dir: Path = Path("bench/results")
+
+
+@dataclass
+class RequestTiming:
+    sent: float
+    first: float | None = None  # first event with text
+    last: float | None = None  # last event with text
+    tokens: int = 0  # completion tokens (from usage)
+    mean_accepted_length: float | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def itl(self) -> float | None:
+        if self.first is None or self.last is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
+def stream_completion(
+    url: str, body: dict[str, Any], api_key: str | None = None, timeout_s: float = 600.0
+) -> RequestTiming:
+    """One streaming completion, timed event by event."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timing = RequestTiming(sent=time.perf_counter())
+    try:
+        with requests.post(
+            f"{url}/v1/completions", json={**body, "stream": True}, headers=headers, stream=True, timeout=timeout_s
+        ) as r:
+            if r.status_code != 200:
+                timing.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                return timing
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                event = json.loads(line[len(b"data: ") :])
+                if "error" in event:
+                    timing.error = str(event["error"].get("message"))
+                    continue
+                now = time.perf_counter()
+                if event["choices"][0].get("text"):
+                    timing.first = timing.first if timing.first is not None else now
+                    timing.last = now
+                if "usage" in event:
+                    timing.tokens = int(event["usage"]["completion_tokens"])
+                    timing.mean_accepted_length = event.get("speculation", {}).get("mean_accepted_length")
+    except requests.RequestException as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    return timing
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarise_level(timings: list[RequestTiming], wall_s: float) -> dict[str, Any]:
+    ok = [t for t in timings if t.error is None]
+    ttft = [t.ttft for t in ok if t.ttft is not None]
+    itl = [t.itl for t in ok if t.itl is not None]
+    accepted = [t.mean_accepted_length for t in ok if t.mean_accepted_length is not None]
+    tokens = sum(t.tokens for t in ok)
+    return {
+        "requests": len(timings),
+        "errors": len(timings) - len(ok),
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "throughput_tok_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50),
+        "itl_p99_s": percentile(itl, 99),
+        "mean_accepted_length": float(np.mean(accepted)) if accepted else None,
+    }
+
+
+def run_level(
+    url: str,
+    bodies: list[dict[str, Any]],
+    concurrency: int,
+    time_limit_s: float,
+    progress: tqdm | None = None,
+    api_key: str | None = None,
+) -> dict[str, Any]:
+    """``concurrency`` closed-loop clients work through ``bodies``; returns the level's summary."""
+    lock = threading.Lock()
+    pending = list(reversed(bodies))
+    timings: list[RequestTiming] = []
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not pending or time.perf_counter() > deadline:
+                    return
+                body = pending.pop()
+            timing = stream_completion(url, body, api_key)
+            with lock:
+                timings.append(timing)
+                if progress is not None:
+                    progress.update(1)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for future in [pool.submit(client) for _ in range(concurrency)]:
+            future.result()
+    summary = summarise_level(timings, time.perf_counter() - start)
+    summary["concurrency"] = concurrency
+    summary["errors_seen"] = sorted({t.error for t in timings if t.error})[:3]
+    return summary
+
+
+def request_bodies(
+    model: str, prompts: list[str], count: int, cfg: LoadConfig, speculation: bool
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "model": model,
+            "prompt": prompts[i % len(prompts)],
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+            "seed": i,
+            "ignore_eos": True,  # every request generates max_tokens: levels compare equal work
+            "speculation": {"enabled": speculation, "gamma": cfg.gamma},
+        }
+        for i in range(count)
+    ]
+
+
+def run_load(
+    url: str, model: str, prompts: list[str], cfg: LoadConfig, api_key: str | None = None
+) -> list[dict[str, Any]]:
+    """Every level, speculation off then on; one row per (level, mode)."""
+    if len(cfg.requests_per_level) != len(cfg.concurrency):
+        raise ValueError("requests_per_level needs one count per concurrency level")
+    total = 2 * sum(cfg.requests_per_level)
+    rows = []
+    with tqdm(total=total, desc="requests", unit="req") as progress:
+        for concurrency, count in zip(cfg.concurrency, cfg.requests_per_level, strict=True):
+            for speculation in (False, True):
+                bodies = request_bodies(model, prompts, count, cfg, speculation)
+                row = run_level(url, bodies, concurrency, cfg.level_time_limit_s, progress, api_key)
+                row["speculation"] = speculation
+                rows.append(row)
+    return rows
+
+
+def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per level: speculation on over off (throughput up, latencies down => ratios > 1 are better)."""
+    out = []
+    for concurrency in sorted({r["concurrency"] for r in rows}):
+        off = next(r for r in rows if r["concurrency"] == concurrency and not r["speculation"])
+        on = next(r for r in rows if r["concurrency"] == concurrency and r["speculation"])
+        out.append(
+            {
+                "concurrency": concurrency,
+                "throughput_x": _ratio(on["throughput_tok_s"], off["throughput_tok_s"]),
+                "itl_p50_x": _ratio(off["itl_p50_s"], on["itl_p50_s"]),
+                "ttft_p50_x": _ratio(off["ttft_p50_s"], on["ttft_p50_s"]),
+            }
+        )
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run(cfg: LoadConfig) -> dict[str, Any]:
+    from specserve.benchmarks.prompts import heldout_prompts
+    from specserve.serve.config import ServeConfig
+    from specserve.serve.deploy_file import ServeFile
+    from specserve.serve.launch import serving
+
+    prompts = heldout_prompts(cfg.num_prompts)
+    config = ServeConfig(
+        model_name="bench",
+        target=cfg.target,
+        draft=cfg.draft,
+        gamma=cfg.gamma,
+        default_max_tokens=cfg.max_tokens,
+        max_ongoing_requests=max(cfg.concurrency),
+    )
+    with serving(ServeFile(config=config, port=cfg.port)) as where:
+        url = where["url"].removesuffix("/v1")
+        for speculation in (False, True):  # warm-up: first requests pay for lazy initialisation
+            for body in request_bodies("bench", prompts, 2, cfg, speculation):
+                stream_completion(url, {**body, "max_tokens": 16})
+        rows = run_load(url, "bench", prompts, cfg)
+    report = {"config": {**asdict(cfg), "out_dir": str(cfg.out_dir)}, "rows": rows, "comparison": compare(rows)}
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "serve_load.json").write_text(json.dumps(report, indent=2))
+    (cfg.out_dir / "serve_load.md").write_text(markdown(report))
+    plot(rows, cfg.out_dir / "serve_load.png")
+    return report
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{1000 * value:.1f}"
+
+
+def _x(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "| concurrency | speculation | requests | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        "| mean acc. len | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        acc = "–" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        lines.append(
+            f"| {r['concurrency']} | {'on' if r['speculation'] else 'off'} | {r['requests']} "
+            f"| {r['throughput_tok_s']:.1f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} "
+            f"| {_ms(r['itl_p50_s'])} | {_ms(r['itl_p99_s'])} | {acc} | {r['errors']} |"
+        )
+    lines += ["", "| concurrency | throughput on/off | ITL p50 off/on | TTFT p50 off/on |", "|---|---|---|---|"]
+    for c in report["comparison"]:
+        lines.append(f"| {c['concurrency']} | {_x(c['throughput_x'])} | {_x(c['itl_p50_x'])} | {_x(c['ttft_p50_x'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [
+        ("throughput_tok_s", "throughput (tok/s)", 1.0),
+        ("itl_p50_s", "inter-token latency p50 (ms)", 1000.0),
+        ("ttft_p50_s", "time to first token p50 (ms)", 1000.0),
+    ]
+    for ax, (key, title, scale) in zip(axes, panels, strict=True):
+        for speculation, style in ((False, "o--"), (True, "s-")):
+            points = sorted((r["concurrency"], r[key]) for r in rows if r["speculation"] == speculation)
+            xs = [c for c, v in points if v is not None]
+            ys = [v * scale for _, v in points if v is not None]
+            ax.plot(xs, ys, style, label=f"speculation {'on' if speculation else 'off'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
