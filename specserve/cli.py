@@ -91,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     dbench.add_argument("--threads", type=int, default=2, help="torch threads in process and per TP-1 shard")
     dbench.add_argument("--out", default="bench/results")
 
+    sbench = sub.add_parser("bench-serve", help="load test of the HTTP API: speculation on vs off by concurrency")
+    sbench.add_argument("--target", default=str(defaults.DEFAULT_TARGET))
+    sbench.add_argument("--draft", default=str(defaults.DEFAULT_DRAFT))
+    sbench.add_argument("--gamma", type=int, default=defaults.DEFAULT_GAMMA)
+    sbench.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored)")
+    sbench.add_argument("--temperature", type=float, default=0.0)
+    sbench.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
+    sbench.add_argument("--requests", default="8,16,32", help="requests per level (one per concurrency level)")
+    sbench.add_argument("--time-limit", type=float, default=300.0, help="seconds per level; no request starts after")
+    sbench.add_argument("--port", type=int, default=8123, help="HTTP port on 127.0.0.1")
+    sbench.add_argument("--out", default="bench/results")
+
     train = sub.add_parser("train", help="train the default model pair on the Python standard library")
     train.add_argument("--out", default=str(defaults.MODELS_DIR))
     train.add_argument("--target-steps", type=int, default=1000)
@@ -302,6 +314,33 @@ def cmd_bench_distributed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from specserve.benchmarks import serve_load
+
+    concurrency = _number_list(args.concurrency, int, "--concurrency")
+    counts = _number_list(args.requests, int, "--requests")
+    if not concurrency or any(c < 1 for c in concurrency) or len(counts) != len(concurrency):
+        raise UsageError("--concurrency needs positive integers and --requests one count per concurrency level")
+    if any(n < 1 for n in counts) or args.max_tokens < 1 or args.time_limit <= 0:
+        raise UsageError("--requests, --max-tokens and --time-limit must be positive")
+    report = serve_load.run(
+        serve_load.LoadConfig(
+            target=args.target,
+            draft=args.draft,
+            gamma=args.gamma,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            concurrency=tuple(concurrency),
+            requests_per_level=tuple(counts),
+            level_time_limit_s=args.time_limit,
+            port=args.port,
+            out_dir=Path(args.out),
+        )
+    )
+    print(serve_load.markdown(report))
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from specserve.training import pipeline
 
@@ -365,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate": cmd_generate,
         "bench": cmd_bench,
         "bench-distributed": cmd_bench_distributed,
+        "bench-serve": cmd_bench_serve,
         "train": cmd_train,
         "cluster": _cmd_cluster,
         "serve": cmd_serve,

@@ -73,6 +73,23 @@ def test_greedy_equals_engine_and_transformers(running: Running) -> None:
         assert overlap_hits == 0
 
 
+def test_request_chooses_its_drafter(running: Running) -> None:
+    """``ngram`` and ``none`` per request, whatever the replica's configured drafter: the same greedy text."""
+    drafted = {"ngram": 0, "none": 0}
+    for prompt in running.pair.prompts[:4]:
+        want = greedy_reference(running.pair, prompt, 20)
+        for name in drafted:
+            config = GenerationConfig(max_new_tokens=20, gamma=3, drafter=name)
+            got = running.coordinator.generate(prompt, SamplingParams(), config)
+            assert got.output_ids == want, (name, prompt)
+            drafted[name] += got.stats.drafted_tokens
+    assert drafted["ngram"] > 0 and drafted["none"] == 0
+    # ... and the configured drafter is still the default afterwards
+    prompt = running.pair.prompts[0]
+    again = running.coordinator.generate(prompt, SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=3))
+    assert again.output_ids == greedy_reference(running.pair, prompt, 20)
+
+
 def test_seeded_sampling(running: Running) -> None:
     """Without overlap a seeded distributed run emits exactly the single-process run; with overlap the
     drafter's random stream differs (it drafts ahead), so there a seed must still reproduce itself."""

@@ -8,6 +8,8 @@
   ``target.new_cache()``, so the tests hand it a :class:`RecordingLM` — a ``CausalLM`` subclass
   that remembers the caches it made — and compare that cache, layer by layer, with a fresh
   prefill of the same tokens.
+* A request may name its drafter (``GenerationConfig.drafter``: the configured one, ``ngram`` or
+  ``none``): the greedy output is the same whichever runs, the built-ins are built once and kept.
 * Seeded determinism, streaming text, stop strings, input validation, and one chi-square test that
   tokens sampled through the whole engine (draft model + rejection sampling + bonus) follow the
   target's warped distribution.
@@ -23,11 +25,11 @@ import scipy.stats
 import torch
 from conftest import EOS_ID, MAX_POSITIONS, REF_TOKENS, TinyPair, no_cache_greedy_ids
 
-from specserve.core.draft import Draft, Drafter
+from specserve.core.draft import REQUEST_DRAFTERS, Draft, Drafter, DrafterSet
 from specserve.core.engine import MAX_GAMMA, GenerationConfig, GenerationResult, InvalidRequest, SpeculativeEngine
 from specserve.core.model import CausalLM, KVCache
 from specserve.core.sampling import SamplingParams, warp_probs
-from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, build_drafter_set
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
 DRAFTERS = ("none", "ngram", "model", "self")
@@ -135,6 +137,62 @@ def test_gamma_zero_is_plain_decoding(pair: TinyPair, hf_greedy: HfGreedy) -> No
     assert result.output_ids == hf_greedy(pair.target, prompt, 12)
     assert result.stats.drafted_tokens == 0 and result.stats.cycles == len(result.output_ids)
     check_committed_cache(target, result)
+
+
+def test_request_chooses_its_drafter(pair: TinyPair, hf_greedy: HfGreedy) -> None:
+    """``ngram`` and ``none`` per request on an engine configured with the draft model: same greedy output."""
+    drafters = build_drafter_set(pair.draft, pair.target)
+    engine = SpeculativeEngine(pair.target, drafters)
+    assert engine.drafter is drafters.get("default") and isinstance(engine.drafter, DraftModelDrafter)
+    drafted = {"default": 0, "ngram": 0, "none": 0}
+    for prompt in pair.prompts:
+        ref = hf_greedy(pair.target, prompt, 20)
+        for name in drafted:
+            result = engine.generate(
+                prompt, SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=4, drafter=name)
+            )
+            assert result.output_ids == ref, (pair.family, name, prompt)
+            drafted[name] += result.stats.drafted_tokens
+    assert drafted["default"] > 0 and drafted["ngram"] > 0 and drafted["none"] == 0
+    # built on first use, then the same object for every later request
+    ngram, none = drafters.get("ngram"), drafters.get("none")
+    assert isinstance(ngram, NgramDrafter) and isinstance(none, NoDrafter)
+    engine.generate(pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=4, drafter="ngram"))
+    assert drafters.get("ngram") is ngram and drafters.get("none") is none
+
+
+def test_drafter_set_builds_lazily_once(pair: TinyPair) -> None:
+    built: list[str] = []
+
+    def build(name: str) -> Drafter:
+        built.append(name)
+        return NgramDrafter() if name == "ngram" else NoDrafter()
+
+    drafters = DrafterSet(DraftModelDrafter(pair.draft, pair.target), build)
+    assert built == []
+    assert drafters.get("ngram") is drafters.get("ngram") and built == ["ngram"]
+    assert drafters.get("none") is drafters.get("none") and built == ["ngram", "none"]
+    # a configured built-in is the default and its own name: nothing is built for it
+    configured = NgramDrafter()
+    only_ngram = DrafterSet(configured, build)
+    assert only_ngram.get("default") is only_ngram.get("ngram") is configured and built == ["ngram", "none"]
+
+
+def test_unknown_or_unavailable_drafter_is_refused(pair: TinyPair) -> None:
+    allowed = ", ".join(repr(name) for name in REQUEST_DRAFTERS)
+    assert REQUEST_DRAFTERS == ("default", "ngram", "none")
+    with pytest.raises(InvalidRequest, match=rf"drafter must be one of {allowed}.*got 'eagle'"):
+        GenerationConfig(drafter="eagle")
+    drafters = build_drafter_set("ngram", pair.target)
+    with pytest.raises(InvalidRequest, match=rf"drafter must be one of {allowed}"):
+        drafters.get("model")
+    # an engine given a bare drafter can serve only that one, and says so before generating
+    engine = SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target))
+    with pytest.raises(InvalidRequest, match="'ngram' is not available here"):
+        engine.stream([5, 6], SamplingParams(), GenerationConfig(max_new_tokens=4, drafter="ngram"))
+    assert len(engine.generate([5, 6], SamplingParams(), GenerationConfig(max_new_tokens=4)).output_ids) >= 1
+    bare_ngram = SpeculativeEngine(pair.target, NgramDrafter())
+    assert len(bare_ngram.generate([5, 6], config=GenerationConfig(max_new_tokens=4, drafter="ngram")).output_ids) >= 1
 
 
 @pytest.mark.parametrize(("kind", "gamma"), [("self", 8), ("self", 3), ("model", 3), ("ngram", 8)])

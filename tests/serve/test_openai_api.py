@@ -10,7 +10,7 @@ from conftest import TinyPair
 
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.sampling import SamplingParams
-from specserve.drafters.model import DraftModelDrafter
+from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
 from specserve.serve.openai_api import OpenAIHandler, plain_chat_prompt
 from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError
@@ -22,7 +22,7 @@ class Api:
     """The handler driven synchronously over the in-process engine."""
 
     def __init__(self, pair: TinyPair) -> None:
-        self.runner = SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target))
+        self.runner = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
         self.handler = OpenAIHandler(self.runner.prompts, CONFIG)
 
     def completion(self, request: CompletionRequest) -> Any:
@@ -96,6 +96,18 @@ def test_speculation_off_gives_the_same_text(handler: Api) -> None:
     assert isinstance(on, dict) and isinstance(off, dict)
     assert on["choices"][0]["text"] == off["choices"][0]["text"]
     assert off["speculation"]["drafted_tokens"] == 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "none"])
+def test_chosen_drafter_gives_the_same_text(handler: Api, drafter: str) -> None:
+    prompt = "xyzxyzxyz"
+    default = handler.completion(CompletionRequest(model="tiny", prompt=prompt, temperature=0, max_tokens=12))
+    chosen = handler.completion(
+        CompletionRequest(model="tiny", prompt=prompt, temperature=0, max_tokens=12, speculation={"drafter": drafter})
+    )
+    assert isinstance(default, dict) and isinstance(chosen, dict)
+    assert chosen["choices"][0]["text"] == default["choices"][0]["text"]
+    assert (chosen["speculation"]["drafted_tokens"] > 0) == (drafter == "ngram")
 
 
 def test_refusals(handler: Api) -> None:

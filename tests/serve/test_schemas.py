@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import typing
 
 import pytest
 import yaml
 
+from specserve.core.engine import REQUEST_DRAFTERS
 from specserve.serve.config import API_KEY_ENV, ServeConfig
-from specserve.serve.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+from specserve.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    SpeculationOptions,
+    parse_request,
+)
 
 LIMIT = 4096
 
@@ -43,6 +51,8 @@ GOOD = {"model": "m", "prompt": "hi"}
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"speculation": {"gamma": 0}}, "speculation.gamma", "greater than or equal to 1"),
         ({"speculation": {"gama": 3}}, "speculation.gama", "Extra inputs"),
+        ({"speculation": {"drafter": "eagle"}}, "speculation.drafter", "'default', 'ngram' or 'none'"),
+        ({"speculation": {"drafter": "models/draft"}}, "speculation.drafter", "'default', 'ngram' or 'none'"),
     ],
 )
 def test_bad_fields_name_the_field(change: dict[str, object], param: str, words: str) -> None:
@@ -76,6 +86,23 @@ def test_defaults_and_translation() -> None:
     assert off.generation(64, 3).gamma == 0 and off.generation(64, 3).max_new_tokens == 5
     on = parse({**GOOD, "speculation": {"gamma": 7}})
     assert isinstance(on, CompletionRequest) and on.generation(64, 3).gamma == 7
+
+
+def test_drafter_choice_maps_to_the_generation_config() -> None:
+    field = SpeculationOptions.model_fields["drafter"]
+    assert typing.get_args(field.annotation) == REQUEST_DRAFTERS and field.description
+    default = parse(GOOD)
+    assert isinstance(default, CompletionRequest) and default.generation(64, 3).drafter == "default"
+    for name in REQUEST_DRAFTERS:
+        request = parse({**GOOD, "speculation": {"drafter": name, "gamma": 5}})
+        assert isinstance(request, CompletionRequest)
+        config = request.generation(64, 3)
+        assert (config.drafter, config.gamma) == (name, 5)
+    off = parse({**GOOD, "speculation": {"enabled": False, "drafter": "ngram"}})
+    assert isinstance(off, CompletionRequest) and off.generation(64, 3).gamma == 0
+    chat = parse({"model": "m", "messages": [{"role": "user", "content": "x"}], "speculation": {"drafter": "none"}},
+                 ChatCompletionRequest)  # fmt: skip
+    assert isinstance(chat, ChatCompletionRequest) and chat.generation(64, 3).drafter == "none"
 
 
 def test_config_yaml_round_trip_and_replica(monkeypatch: pytest.MonkeyPatch) -> None:
