@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     sbench = sub.add_parser("bench-serve", help="load test of the HTTP API: speculation on vs off by concurrency")
     sbench.add_argument("--target", default=str(defaults.DEFAULT_TARGET))
     sbench.add_argument("--draft", default=str(defaults.DEFAULT_DRAFT))
-    sbench.add_argument("--gamma", type=int, default=defaults.DEFAULT_GAMMA)
+    sbench.add_argument("--gamma", type=int, default=defaults.DEFAULT_GAMMA, help="γ of the draft-model mode")
+    sbench.add_argument("--ngram-gamma", type=int, default=8, help="γ of the n-gram mode (0 = no n-gram mode)")
+    sbench.add_argument("--rounds", type=int, default=2, help="rounds per level, mode order reversed every other")
     sbench.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored)")
     sbench.add_argument("--temperature", type=float, default=0.0)
     sbench.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
@@ -321,13 +323,22 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     counts = _number_list(args.requests, int, "--requests")
     if not concurrency or any(c < 1 for c in concurrency) or len(counts) != len(concurrency):
         raise UsageError("--concurrency needs positive integers and --requests one count per concurrency level")
-    if any(n < 1 for n in counts) or args.max_tokens < 1 or args.time_limit <= 0:
-        raise UsageError("--requests, --max-tokens and --time-limit must be positive")
+    if any(n < 1 for n in counts) or args.max_tokens < 1 or args.time_limit <= 0 or args.rounds < 1:
+        raise UsageError("--requests, --max-tokens, --rounds and --time-limit must be positive")
+    if not 1 <= args.gamma <= 64 or not 0 <= args.ngram_gamma <= 64:
+        raise UsageError("--gamma must be between 1 and 64 and --ngram-gamma between 0 and 64")
+    modes: list[tuple[str, dict[str, Any]]] = [
+        ("off", {"enabled": False}),
+        (f"draft model γ{args.gamma}", {"drafter": "default", "gamma": args.gamma}),
+    ]
+    if args.ngram_gamma:
+        modes.append((f"n-gram γ{args.ngram_gamma}", {"drafter": "ngram", "gamma": args.ngram_gamma}))
     report = serve_load.run(
         serve_load.LoadConfig(
             target=args.target,
             draft=args.draft,
-            gamma=args.gamma,
+            modes=tuple(modes),
+            rounds=args.rounds,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             concurrency=tuple(concurrency),

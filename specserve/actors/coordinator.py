@@ -5,9 +5,10 @@ be made remote like the other actors. For each request it
 
 1. encodes and checks the prompt exactly as the single-process engine does
    (:class:`~specserve.core.prompts.PromptCodec`);
-2. asks rank 0 to admit the request and prefill it on every shard;
-3. starts the drafter's draft-verify loop (a Ray streaming generator: the cycles run between
-   the drafter and rank 0 over gRPC, the coordinator is off their critical path);
+2. asks rank 0 to admit the request and prefill it on every shard, and at the same time
+3. starts the drafter's draft-verify loop, whose drafter prefills while the target does (a Ray
+   streaming generator: the cycles run between the drafter and rank 0 over gRPC, the coordinator
+   is off their critical path);
 4. turns each cycle's committed tokens into text, cuts at stop strings, records stats, and
    yields the same :class:`~specserve.core.engine.StreamChunk` the engine yields;
 5. frees the request's KV on every shard when it ends, however it ends.
@@ -73,8 +74,7 @@ class Coordinator(GenerationFrontend):
         stats = RequestStats()
         text = TextStream(self.prompts.decode, config.stop)
         start = time.perf_counter()
-        ray.get(replica.rank0.start_request.remote(request_id, prompt_ids, params, config.max_new_tokens, eos))
-        stats.prefill_seconds = time.perf_counter() - start
+        started = replica.rank0.start_request.remote(request_id, prompt_ids, params, config.max_new_tokens, eos)
         job = DraftJob(
             request_id=request_id,
             prompt_ids=tuple(prompt_ids),
@@ -88,7 +88,12 @@ class Coordinator(GenerationFrontend):
         output: list[int] = []
         finish: FinishReason | None = None
         try:
-            for ref in replica.drafter.run.options(num_returns="streaming").remote(job):
+            # The drafter prefills while the target does (the ref travels inside a list, so Ray does not wait
+            # for it before starting the drafter's task); the drafter waits for the target before drafting.
+            reports = replica.drafter.run.options(num_returns="streaming").remote(job, [started])
+            ray.get(started)
+            stats.prefill_seconds = time.perf_counter() - start
+            for ref in reports:
                 batch: list[CycleReport] = ray.get(ref)
                 for report in batch:
                     stats.record_cycle(

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
@@ -110,24 +111,37 @@ class DrafterActor:
         if request_id == self._current:
             self._cancel = True
 
-    def run(self, job: DraftJob) -> Iterator[list[CycleReport]]:
-        """The draft-verify loop of one request; yields batches of cycle reports until the target finishes it."""
+    def run(self, job: DraftJob, target_ready: Sequence[Any] = ()) -> Iterator[list[CycleReport]]:
+        """The draft-verify loop of one request; yields batches of cycle reports until the target finishes it.
+
+        ``target_ready`` may hold the ``ObjectRef`` of rank 0's ``start_request``: the drafter then
+        prefills its own state and drafts its first tree while the target prefills the prompt, and
+        waits for the target only before sending that draft (on two machines, or two cores, the two prefills overlap).
+        """
         with self._busy:
             self._current, self._cancel = job.request_id, False
             try:
                 # The loop itself runs here (a Ray thread); every torch call goes to the compute thread.
-                yield from self._loop(job)
+                yield from self._loop(job, target_ready)
             finally:
                 self._current = None
 
-    def _loop(self, job: DraftJob) -> Iterator[list[CycleReport]]:
+    def _loop(self, job: DraftJob, target_ready: Sequence[Any]) -> Iterator[list[CycleReport]]:
         device, run = self.device, self.compute.run
         drafter = run(self.drafters.get, job.drafter)  # built here on first use, then kept
         generators = make_generators(job.params.seed, device)
         run(drafter.start, job.prompt_ids, job.params, generators.draft)
-        stream = VerifierStream(self._channel(job.verifier_address))
         committed = len(job.prompt_ids)
         remaining = job.max_new_tokens
+        # The first tree is drafted before waiting for the target (same calls and draws as after it).
+        t0 = time.perf_counter()
+        first: Draft | None = run(propose_within, drafter, job.gamma, remaining, device)
+        first_seconds = time.perf_counter() - t0
+        if target_ready:
+            import ray
+
+            ray.get(list(target_ready))  # raises the target's error if it could not admit the request
+        stream = VerifierStream(self._channel(job.verifier_address))
         ready: Draft | None = None
         # Reports not yet sent to the caller. Each yield costs about a millisecond of CPU in this process and
         # the caller's, which on a small machine slows the target's verify: after the first cycle (time to
@@ -138,8 +152,12 @@ class DrafterActor:
         try:
             while not self._cancel:
                 t0 = time.perf_counter()
-                draft = ready if ready is not None else run(propose_within, drafter, job.gamma, remaining, device)
                 overlap_hit = ready is not None
+                if first is not None:
+                    draft, first = first, None
+                    t0 -= first_seconds
+                else:
+                    draft = ready if ready is not None else run(propose_within, drafter, job.gamma, remaining, device)
                 t1 = time.perf_counter()
                 stream.send_raw(run(encode_draft, job.request_id, cycle, draft).SerializeToString())
 

@@ -2,9 +2,13 @@
 
 A closed-loop load generator on loopback: at each concurrency level ``c``, ``c`` clients send
 streaming completions back to back until the level's request count is reached or its time
-limit passes (nothing new starts after it). Every level runs twice against the same
-deployment — speculation off (``"speculation": {"enabled": false}``: the same drafter loop with
-γ = 0) and on — so the comparison is like for like.
+limit passes (nothing new starts after it). Every level runs once per *mode* against the same
+deployment — by default speculation off (``"speculation": {"enabled": false}``: the same
+drafter loop with γ = 0), the deployment's draft model, and the n-gram drafter, chosen per
+request through the ``speculation`` object — so the comparison is like for like. On a small
+shared machine the speed drifts by tens of percent over minutes, so the levels run in
+``rounds`` with the order of the modes reversed every other round, and each mode's numbers pool
+its rounds.
 
 Per request: **TTFT** = send → first event carrying text; **ITL** = (last token time − first
 token time) / (completion tokens − 1), i.e. the mean gap per token after the first (what
@@ -34,18 +38,25 @@ from tqdm import tqdm
 
 from specserve import defaults
 
+DEFAULT_MODES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("off", {"enabled": False}),
+    (f"draft model γ{defaults.DEFAULT_GAMMA}", {"drafter": "default", "gamma": defaults.DEFAULT_GAMMA}),
+    ("n-gram γ8", {"drafter": "ngram", "gamma": 8}),
+)
+
 
 @dataclass(frozen=True)
 class LoadConfig:
     target: str = str(defaults.DEFAULT_TARGET)
     draft: str = str(defaults.DEFAULT_DRAFT)
-    gamma: int = defaults.DEFAULT_GAMMA
     max_tokens: int = 128
     temperature: float = 0.0
     concurrency: tuple[int, ...] = (1, 4, 16)
     requests_per_level: tuple[int, ...] = (8, 16, 32)  # one per concurrency level
     num_prompts: int = 32
     level_time_limit_s: float = 300.0  # no request starts after this; the level's numbers cover what ran
+    modes: tuple[tuple[str, dict[str, Any]], ...] = DEFAULT_MODES  # (label, speculation object); first = baseline
+    rounds: int = 2
     port: int = 8123
     out_dir: Path = Path("bench/results")
 
@@ -133,8 +144,8 @@ def run_level(
     time_limit_s: float,
     progress: tqdm | None = None,
     api_key: str | None = None,
-) -> dict[str, Any]:
-    """``concurrency`` closed-loop clients work through ``bodies``; returns the level's summary."""
+) -> tuple[list[RequestTiming], float]:
+    """``concurrency`` closed-loop clients work through ``bodies``; returns every request's timing and the wall time."""
     lock = threading.Lock()
     pending = list(reversed(bodies))
     timings: list[RequestTiming] = []
@@ -156,14 +167,11 @@ def run_level(
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for future in [pool.submit(client) for _ in range(concurrency)]:
             future.result()
-    summary = summarise_level(timings, time.perf_counter() - start)
-    summary["concurrency"] = concurrency
-    summary["errors_seen"] = sorted({t.error for t in timings if t.error})[:3]
-    return summary
+    return timings, time.perf_counter() - start
 
 
 def request_bodies(
-    model: str, prompts: list[str], count: int, cfg: LoadConfig, speculation: bool
+    model: str, prompts: list[str], count: int, cfg: LoadConfig, speculation: dict[str, Any]
 ) -> list[dict[str, Any]]:
     return [
         {
@@ -173,7 +181,7 @@ def request_bodies(
             "temperature": cfg.temperature,
             "seed": i,
             "ignore_eos": True,  # every request generates max_tokens: levels compare equal work
-            "speculation": {"enabled": speculation, "gamma": cfg.gamma},
+            "speculation": speculation,
         }
         for i in range(count)
     ]
@@ -182,33 +190,47 @@ def request_bodies(
 def run_load(
     url: str, model: str, prompts: list[str], cfg: LoadConfig, api_key: str | None = None
 ) -> list[dict[str, Any]]:
-    """Every level, speculation off then on; one row per (level, mode)."""
+    """Every level in every mode, for ``cfg.rounds`` rounds; one row per (level, mode), its rounds pooled."""
     if len(cfg.requests_per_level) != len(cfg.concurrency):
         raise ValueError("requests_per_level needs one count per concurrency level")
-    total = 2 * sum(cfg.requests_per_level)
-    rows = []
+    if not cfg.modes or cfg.rounds < 1:
+        raise ValueError("need at least one mode and one round")
+    total = cfg.rounds * len(cfg.modes) * sum(cfg.requests_per_level)
+    pooled: dict[tuple[int, str], tuple[list[RequestTiming], float]] = {}
     with tqdm(total=total, desc="requests", unit="req") as progress:
         for concurrency, count in zip(cfg.concurrency, cfg.requests_per_level, strict=True):
-            for speculation in (False, True):
-                bodies = request_bodies(model, prompts, count, cfg, speculation)
-                row = run_level(url, bodies, concurrency, cfg.level_time_limit_s, progress, api_key)
-                row["speculation"] = speculation
-                rows.append(row)
+            for round_ in range(cfg.rounds):
+                modes = cfg.modes if round_ % 2 == 0 else tuple(reversed(cfg.modes))
+                for label, speculation in modes:
+                    bodies = request_bodies(model, prompts, count, cfg, speculation)
+                    timings, wall = run_level(url, bodies, concurrency, cfg.level_time_limit_s, progress, api_key)
+                    before, before_wall = pooled.get((concurrency, label), ([], 0.0))
+                    pooled[(concurrency, label)] = (before + timings, before_wall + wall)
+    rows = []
+    for concurrency in cfg.concurrency:
+        for label, _ in cfg.modes:
+            timings, wall = pooled[(concurrency, label)]
+            row = summarise_level(timings, wall)
+            row["concurrency"], row["mode"] = concurrency, label
+            row["errors_seen"] = sorted({t.error for t in timings if t.error})[:3]
+            rows.append(row)
     return rows
 
 
-def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per level: speculation on over off (throughput up, latencies down => ratios > 1 are better)."""
+def compare(rows: list[dict[str, Any]], baseline: str = "off") -> list[dict[str, Any]]:
+    """Per level and mode: the mode over the baseline (throughput up, latencies down => ratios > 1 are better)."""
     out = []
-    for concurrency in sorted({r["concurrency"] for r in rows}):
-        off = next(r for r in rows if r["concurrency"] == concurrency and not r["speculation"])
-        on = next(r for r in rows if r["concurrency"] == concurrency and r["speculation"])
+    for row in rows:
+        if row["mode"] == baseline:
+            continue
+        base = next(r for r in rows if r["concurrency"] == row["concurrency"] and r["mode"] == baseline)
         out.append(
             {
-                "concurrency": concurrency,
-                "throughput_x": _ratio(on["throughput_tok_s"], off["throughput_tok_s"]),
-                "itl_p50_x": _ratio(off["itl_p50_s"], on["itl_p50_s"]),
-                "ttft_p50_x": _ratio(off["ttft_p50_s"], on["ttft_p50_s"]),
+                "concurrency": row["concurrency"],
+                "mode": row["mode"],
+                "throughput_x": _ratio(row["throughput_tok_s"], base["throughput_tok_s"]),
+                "itl_p50_x": _ratio(base["itl_p50_s"], row["itl_p50_s"]),
+                "ttft_p50_x": _ratio(base["ttft_p50_s"], row["ttft_p50_s"]),
             }
         )
     return out
@@ -232,17 +254,21 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
         model_name="bench",
         target=cfg.target,
         draft=cfg.draft,
-        gamma=cfg.gamma,
         default_max_tokens=cfg.max_tokens,
         max_ongoing_requests=max(cfg.concurrency),
     )
     with serving(ServeFile(config=config, port=cfg.port)) as where:
         url = where["url"].removesuffix("/v1")
-        for speculation in (False, True):  # warm-up: first requests pay for lazy initialisation
+        for _, speculation in cfg.modes:  # warm-up: first requests pay for lazy initialisation
             for body in request_bodies("bench", prompts, 2, cfg, speculation):
                 stream_completion(url, {**body, "max_tokens": 16})
         rows = run_load(url, "bench", prompts, cfg)
-    report = {"config": {**asdict(cfg), "out_dir": str(cfg.out_dir)}, "rows": rows, "comparison": compare(rows)}
+    baseline = cfg.modes[0][0]
+    report = {
+        "config": {**asdict(cfg), "out_dir": str(cfg.out_dir)},
+        "rows": rows,
+        "comparison": compare(rows, baseline),
+    }
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "serve_load.json").write_text(json.dumps(report, indent=2))
     (cfg.out_dir / "serve_load.md").write_text(markdown(report))
@@ -260,14 +286,14 @@ def _x(value: float | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| concurrency | speculation | requests | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        "| concurrency | mode | requests | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
         "| mean acc. len | errors |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         acc = "–" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         lines.append(
-            f"| {r['concurrency']} | {'on' if r['speculation'] else 'off'} | {r['requests']} "
+            f"| {r['concurrency']} | {r['mode']} | {r['requests']} "
             f"| {r['throughput_tok_s']:.1f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} "
             f"| {_ms(r['itl_p50_s'])} | {_ms(r['itl_p99_s'])} | {acc} | {r['errors']} |"
         )
@@ -290,11 +316,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ("ttft_p50_s", "time to first token p50 (ms)", 1000.0),
     ]
     for ax, (key, title, scale) in zip(axes, panels, strict=True):
-        for speculation, style in ((False, "o--"), (True, "s-")):
-            points = sorted((r["concurrency"], r[key]) for r in rows if r["speculation"] == speculation)
+        for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
+            points = sorted((r["concurrency"], r[key]) for r in rows if r["mode"] == mode)
             xs = [c for c, v in points if v is not None]
             ys = [v * scale for _, v in points if v is not None]
-            ax.plot(xs, ys, style, label=f"speculation {'on' if speculation else 'off'}")
+            ax.plot(xs, ys, "o--" if i == 0 else "s-", label=mode)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_title(title)

@@ -285,18 +285,19 @@ def test_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any) -> No
 
 
 def test_load_generator_counts_what_the_server_generated(url: str) -> None:
-    cfg = LoadConfig(max_tokens=12, concurrency=(1, 2), requests_per_level=(2, 3), level_time_limit_s=120)
+    modes = (("off", {"enabled": False}), ("ngram", {"drafter": "ngram", "gamma": 3}))
+    cfg = LoadConfig(max_tokens=12, concurrency=(1, 2), requests_per_level=(2, 3), modes=modes, rounds=2)
     rows = run_load(url, MODEL_NAME, PROMPTS, cfg, api_key=KEY)
-    assert [(r["concurrency"], r["speculation"], r["requests"]) for r in rows] == [
-        (1, False, 2), (1, True, 2), (2, False, 3), (2, True, 3)
+    assert [(r["concurrency"], r["mode"], r["requests"]) for r in rows] == [
+        (1, "off", 4), (1, "ngram", 4), (2, "off", 6), (2, "ngram", 6)
     ]  # fmt: skip
     for row in rows:
         assert row["errors"] == 0 and row["tokens"] == 12 * row["requests"]  # EOS ignored: exactly max_tokens
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and 0 < row["itl_p50_s"] <= row["itl_p99_s"]
         assert row["throughput_tok_s"] == pytest.approx(row["tokens"] / row["wall_s"])
-        assert (row["mean_accepted_length"] > 1) == row["speculation"]
+        assert row["mean_accepted_length"] == 1 if row["mode"] == "off" else row["mean_accepted_length"] >= 1
     report = {"rows": rows, "comparison": compare(rows)}
-    assert [c["concurrency"] for c in report["comparison"]] == [1, 2]
+    assert [(c["concurrency"], c["mode"]) for c in report["comparison"]] == [(1, "ngram"), (2, "ngram")]
     assert markdown(report).count("\n| 1 |") == 3  # two rows and one comparison at concurrency 1
-    unauthorised = run_load(url, MODEL_NAME, PROMPTS, LoadConfig(concurrency=(1,), requests_per_level=(1,)))
-    assert unauthorised[0]["errors"] == 1 and "401" in unauthorised[0]["errors_seen"][0]
+    unauthorised = run_load(url, MODEL_NAME, PROMPTS, LoadConfig(concurrency=(1,), requests_per_level=(1,), rounds=1))
+    assert all(r["errors"] == 1 and "401" in r["errors_seen"][0] for r in unauthorised)
