@@ -297,9 +297,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['throughput_tok_s']:.1f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} "
             f"| {_ms(r['itl_p50_s'])} | {_ms(r['itl_p99_s'])} | {acc} | {r['errors']} |"
         )
-    lines += ["", "| concurrency | throughput on/off | ITL p50 off/on | TTFT p50 off/on |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "| concurrency | mode | throughput ÷ off | ITL p50: off ÷ mode | TTFT p50: off ÷ mode |",
+        "|---|---|---|---|---|",
+    ]
     for c in report["comparison"]:
-        lines.append(f"| {c['concurrency']} | {_x(c['throughput_x'])} | {_x(c['itl_p50_x'])} | {_x(c['ttft_p50_x'])} |")
+        lines.append(
+            f"| {c['concurrency']} | {c['mode']} | {_x(c['throughput_x'])} | {_x(c['itl_p50_x'])} "
+            f"| {_x(c['ttft_p50_x'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -321,7 +328,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             xs = [c for c, v in points if v is not None]
             ys = [v * scale for _, v in points if v is not None]
             ax.plot(xs, ys, "o--" if i == 0 else "s-", label=mode)
+        levels = sorted({r["concurrency"] for r in rows})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        if key.startswith("ttft"):
+            ax.set_yscale("log")  # queueing makes it span orders of magnitude
         ax.set_xlabel("concurrent clients")
         ax.set_title(title)
         ax.grid(alpha=0.3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -9,11 +10,18 @@ import pytest
 from conftest import TinyPair
 
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
 from specserve.serve.openai_api import OpenAIHandler, plain_chat_prompt
-from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError
+from specserve.serve.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    RequestError,
+    SpeculationOptions,
+)
 
 CONFIG = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=16)
 
@@ -118,3 +126,21 @@ def test_refusals(handler: Api) -> None:
         handler.completion(CompletionRequest(model="tiny", prompt="x", max_tokens=10_000))
     assert info.value.status == 400 and info.value.param == "max_tokens" and "context" in info.value.message
     assert handler.models()["data"][0]["id"] == "tiny"
+
+
+def test_chat_uses_the_tokenizers_own_template(handler: Api) -> None:
+    tokenizer = copy.deepcopy(handler.runner.prompts.tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    own = OpenAIHandler(PromptCodec(handler.runner.prompts.info, tokenizer), CONFIG)
+    messages = [ChatMessage(role="system", content="be brief"), ChatMessage(role="user", content="hi")]
+    assert own.chat_prompt(messages) == "[system]be brief[user]hi>"
+    prepared = own.prepare(ChatCompletionRequest(model="tiny", messages=messages, max_tokens=4))
+    assert prepared.prompt_ids == handler.runner.prompts.encode("[system]be brief[user]hi>")
+
+
+def test_every_request_field_is_documented() -> None:
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, SpeculationOptions):
+        undocumented = [name for name, field in model.model_fields.items() if not field.description]
+        assert not undocumented, f"{model.__name__}: {undocumented}"
