@@ -53,7 +53,7 @@ class LoadConfig:
     temperature: float = 0.0
     concurrency: tuple[int, ...] = (1, 4, 16)
     requests_per_level: tuple[int, ...] = (8, 16, 32)  # one per concurrency level
-    num_prompts: int = 32
+    num_prompts: int = 8  # every level cycles over the same prompts, so levels compare like with like
     level_time_limit_s: float = 300.0  # no request starts after this; the level's numbers cover what ran
     modes: tuple[tuple[str, dict[str, Any]], ...] = DEFAULT_MODES  # (label, speculation object); first = baseline
     rounds: int = 2
