@@ -47,6 +47,7 @@ test: lint typecheck pytest
 bench: install
 	$(BIN)/specserve bench
 	$(BIN)/specserve bench-distributed
+	$(BIN)/specserve bench-serve
 
 train: install
 	$(BIN)/specserve train
