@@ -7,8 +7,8 @@ deployment — by default speculation off (``"speculation": {"enabled": false}``
 drafter loop with γ = 0), the deployment's draft model, and the n-gram drafter, chosen per
 request through the ``speculation`` object — so the comparison is like for like. On a small
 shared machine the speed drifts by tens of percent over minutes, so the levels run in
-``rounds`` with the order of the modes reversed every other round, and each mode's numbers pool
-its rounds.
+``rounds`` (short blocks) with the order of the modes reversed every other round, each mode's
+numbers pool its rounds, and measuring starts after a warm-up.
 
 Per request: **TTFT** = send → first event carrying text; **ITL** = (last token time − first
 token time) / (completion tokens − 1), i.e. the mean gap per token after the first (what
@@ -52,11 +52,12 @@ class LoadConfig:
     max_tokens: int = 128
     temperature: float = 0.0
     concurrency: tuple[int, ...] = (1, 4, 16)
-    requests_per_level: tuple[int, ...] = (8, 16, 32)  # one per concurrency level
+    requests_per_level: tuple[int, ...] = (4, 8, 16)  # per round and mode; one count per concurrency level
     num_prompts: int = 8  # every level cycles over the same prompts, so levels compare like with like
     level_time_limit_s: float = 300.0  # no request starts after this; the level's numbers cover what ran
     modes: tuple[tuple[str, dict[str, Any]], ...] = DEFAULT_MODES  # (label, speculation object); first = baseline
-    rounds: int = 2
+    rounds: int = 4
+    warmup_s: float = 30.0  # warm-up requests (every mode) for this long before measuring
     port: int = 8123
     out_dir: Path = Path("bench/results")
 
@@ -259,9 +260,12 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
     )
     with serving(ServeFile(config=config, port=cfg.port)) as where:
         url = where["url"].removesuffix("/v1")
-        for _, speculation in cfg.modes:  # warm-up: first requests pay for lazy initialisation
-            for body in request_bodies("bench", prompts, 2, cfg, speculation):
-                stream_completion(url, {**body, "max_tokens": 16})
+        # Warm-up: the first requests pay for lazy initialisation, and a freshly started Ray keeps the cores
+        # busy for a while (workers starting, agents settling), which would tax whichever level runs first.
+        warm_until = time.perf_counter() + cfg.warmup_s
+        while time.perf_counter() < warm_until:
+            for _, speculation in cfg.modes:
+                stream_completion(url, request_bodies("bench", prompts, 1, cfg, speculation)[0])
         rows = run_load(url, "bench", prompts, cfg)
     baseline = cfg.modes[0][0]
     report = {
