@@ -172,15 +172,16 @@ def run_level(
 
 
 def request_bodies(
-    model: str, prompts: list[str], count: int, cfg: LoadConfig, speculation: dict[str, Any]
+    model: str, prompts: list[str], count: int, cfg: LoadConfig, speculation: dict[str, Any], first: int = 0
 ) -> list[dict[str, Any]]:
+    """``count`` requests over ``prompts`` in turn, from the ``first``-th (rounds continue where the last stopped)."""
     return [
         {
             "model": model,
-            "prompt": prompts[i % len(prompts)],
+            "prompt": prompts[(first + i) % len(prompts)],
             "max_tokens": cfg.max_tokens,
             "temperature": cfg.temperature,
-            "seed": i,
+            "seed": first + i,
             "ignore_eos": True,  # every request generates max_tokens: levels compare equal work
             "speculation": speculation,
         }
@@ -203,7 +204,7 @@ def run_load(
             for round_ in range(cfg.rounds):
                 modes = cfg.modes if round_ % 2 == 0 else tuple(reversed(cfg.modes))
                 for label, speculation in modes:
-                    bodies = request_bodies(model, prompts, count, cfg, speculation)
+                    bodies = request_bodies(model, prompts, count, cfg, speculation, first=round_ * count)
                     timings, wall = run_level(url, bodies, concurrency, cfg.level_time_limit_s, progress, api_key)
                     before, before_wall = pooled.get((concurrency, label), ([], 0.0))
                     pooled[(concurrency, label)] = (before + timings, before_wall + wall)
