@@ -6,15 +6,20 @@ to drop; :meth:`KVCache.rollback` hides that behind "keep the first ``length`` p
 Positions of a new block follow from the cache length, so a block of k tokens after a rollback
 is positioned exactly as a fresh forward over the kept prefix would be.
 
-No modeling code is forked: the model is whatever ``AutoModelForCausalLM`` builds from the
-directory's ``config.json``. Does not know about drafting, verification or sampling.
+A draft *tree* is verified in one forward by giving the model a 4-D additive attention mask and
+explicit position ids (:meth:`CausalLM.forward_tree`), and the rejected branches are dropped
+from the cache afterwards (:meth:`KVCache.compact`). No modeling code is forked: the model is
+whatever ``AutoModelForCausalLM`` builds from the directory's ``config.json``. Does not know
+about drafting, verification or sampling.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from specserve.core.errors import UserError
+from specserve.core.tree import DraftTree
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -72,6 +78,32 @@ class KVCache:
             raise ValueError(f"cannot roll back a cache of length {current} to {length}")
         if length < current:
             self.inner.crop(length - current)  # transformers 5.x: negative = tokens to remove
+
+    @torch.inference_mode()  # the cached tensors are inference tensors: updated in place only in this mode
+    def compact(self, keep: Sequence[int]) -> None:
+        """Keep only the cached positions in ``keep`` (strictly increasing), moved to positions 0 .. len - 1.
+
+        After a tree verify pass this drops the rejected branches: the prefix stays where it is
+        and the accepted path's entries move down to follow it.
+        """
+        keep = list(keep)
+        current = self.length
+        ordered = all(a < b for a, b in itertools.pairwise(keep))
+        if not ordered or (keep and not 0 <= keep[0] <= keep[-1] < current):
+            raise ValueError(f"positions to keep must be strictly increasing and below {current}, got {keep}")
+        unchanged = next((i for i, p in enumerate(keep) if p != i), len(keep))
+        moved = keep[unchanged:]
+        if moved:
+            index = None
+            for layer in self.inner.layers:
+                for name in ("keys", "values"):
+                    tensor = getattr(layer, name, None)
+                    if not isinstance(tensor, torch.Tensor):
+                        raise TypeError(f"cache layer {type(layer).__name__} holds no key/value tensors")
+                    if index is None or index.device != tensor.device:
+                        index = torch.tensor(moved, dtype=torch.long, device=tensor.device)
+                    tensor[:, :, unchanged : unchanged + len(moved)] = tensor.index_select(2, index)
+        self.rollback(len(keep))
 
     def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of the cached keys and values, per layer ([batch, heads, length, head_dim] each)."""
@@ -155,6 +187,24 @@ class CausalLM:
         """Append ``input_ids`` to the cache and return their next-token logits."""
         kwargs = {self._cache_kwarg: cache.inner, "logits_to_keep": 1 if last_only else 0}
         out = self.model(input_ids=input_ids.to(self.device)[None], use_cache=True, **kwargs)
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def forward_tree(self, cache: KVCache, root: int, tree: DraftTree) -> torch.Tensor:
+        """Append the block ``[root] + tree nodes`` to the cache in one forward with tree attention.
+
+        Returns ``[n + 1, vocab]`` logits: row 0 is the next-token distribution after the root,
+        row ``i + 1`` after node ``i`` — each equal to a plain forward over the node's root-to-node
+        path. The cache then holds the whole block; :meth:`KVCache.compact` keeps the accepted path.
+        """
+        prefix = cache.length
+        ids = torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens.to("cpu", torch.long)])
+        kwargs = {
+            self._cache_kwarg: cache.inner,
+            "attention_mask": tree.attention_mask(prefix, self.dtype, self.device),
+            "position_ids": tree.position_ids(prefix, self.device),
+        }
+        out = self.model(input_ids=ids.to(self.device)[None], use_cache=True, **kwargs)
         return out.logits[0]
 
 

@@ -1,0 +1,169 @@
+"""Draft trees: the node structure every drafter produces and the target verifies in one pass.
+
+A :class:`DraftTree` holds draft nodes in topological order (a node's parent comes before it):
+their tokens, parent indices (``-1`` = a child of the *root*, which is the last committed
+token), and, per parent (the root first, then every node), the exact draft distribution that
+parent's children were drawn from — or ``None`` when the tokens were chosen deterministically
+(greedy, n-gram lookup). A chain is the degenerate tree whose node ``i`` has parent ``i - 1``.
+
+Everything the target needs is derived here once per tree: depths, root-to-node paths,
+children lists, and — for the verify block ``[root] + nodes`` that follows ``prefix_len``
+cached positions — the additive 4-D attention mask (each node sees the cached prefix, the
+root, its ancestors and itself) and the position ids (``prefix_len + 1 + depth``). Static tree
+*shapes* come from topology data (:class:`TreeTopology`: index paths, as Medusa and EAGLE-1
+publish them).
+
+Pure tensors and index arithmetic: no model, no sampling, no verification rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+ROOT = -1
+
+
+class InvalidTree(ValueError):
+    """A tree whose structure is inconsistent; the message says which node and why."""
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [n] int64
+    parents: tuple[int, ...]  # [n]; ROOT (-1) or the index of an earlier node
+    # [n + 1, vocab]: row 0 = the distribution the root's children were drawn from, row i + 1 = node i's
+    # children's; None = every token was chosen deterministically (verification treats q as a point mass)
+    child_probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = int(self.tokens.shape[0]) if self.tokens.dim() == 1 else -1
+        if n < 0:
+            raise InvalidTree(f"tokens must be a 1-D tensor, got shape {tuple(self.tokens.shape)}")
+        if len(self.parents) != n:
+            raise InvalidTree(f"{n} tokens but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not ROOT <= parent < i:
+                raise InvalidTree(f"node {i} has parent {parent}; parents must be -1 (root) or an earlier node")
+        if self.child_probs is not None and (self.child_probs.dim() != 2 or self.child_probs.shape[0] != n + 1):
+            raise InvalidTree(f"child_probs must be [{n + 1}, vocab], got {tuple(self.child_probs.shape)}")
+
+    # Construction ----------------------------------------------------------------------------
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """A chain: ``draft_probs[i]`` (as in :class:`~specserve.core.draft.Draft`) is the q token ``i`` was
+        drawn from, i.e. the distribution of the children of node ``i - 1`` (the root for ``i = 0``)."""
+        n = int(tokens.shape[0])
+        probs = None
+        if draft_probs is not None:
+            probs = torch.cat([draft_probs, draft_probs.new_zeros(1, draft_probs.shape[1])])  # the leaf has none
+        return DraftTree(tokens, tuple(range(-1, n - 1)), probs)
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu") -> DraftTree:
+        return DraftTree(torch.empty(0, dtype=torch.long, device=device), ())
+
+    # Structure ---------------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Depth of each node: 0 for the root's children."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent == ROOT else depths[parent] + 1)
+        return tuple(depths)
+
+    @property
+    def depth(self) -> int:
+        """Depth of the tree: the longest root-to-leaf path in nodes (0 when empty)."""
+        return max(self.depths) + 1 if self.depths else 0
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """``children[0]``: the root's children; ``children[i + 1]``: node ``i``'s (in index order)."""
+        out: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for i, parent in enumerate(self.parents):
+            out[parent + 1].append(i)
+        return tuple(tuple(c) for c in out)
+
+    @cached_property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Root-to-node paths: ``paths[i]`` lists the node indices from depth 0 down to ``i``."""
+        out: list[tuple[int, ...]] = []
+        for i, parent in enumerate(self.parents):
+            out.append((i,) if parent == ROOT else (*out[parent], i))
+        return tuple(out)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == i - 1 for i, parent in enumerate(self.parents))
+
+    def path_tokens(self, node: int) -> list[int]:
+        return [int(self.tokens[i]) for i in self.paths[node]]
+
+    # What the target's forward needs ----------------------------------------------------------
+
+    def ancestry(self) -> torch.Tensor:
+        """[n + 1, n + 1] bool over the verify block ``[root] + nodes``: row i may attend column j."""
+        n = self.size
+        allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        allowed[:, 0] = True  # everyone sees the root
+        for i, path in enumerate(self.paths):
+            allowed[i + 1, [j + 1 for j in path]] = True
+        return allowed
+
+    def attention_mask(self, prefix_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Additive [1, 1, n + 1, prefix_len + n + 1] mask for the block ``[root] + nodes`` after the cache."""
+        n = self.size
+        mask = torch.zeros(n + 1, prefix_len + n + 1, dtype=dtype)
+        mask[:, prefix_len:].masked_fill_(~self.ancestry(), torch.finfo(dtype).min)
+        return mask[None, None].to(device)
+
+    def position_ids(self, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[1, n + 1]: the root at ``prefix_len``, a node at depth d at ``prefix_len + 1 + d``."""
+        positions = [prefix_len, *(prefix_len + 1 + d for d in self.depths)]
+        return torch.tensor([positions], dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class TreeTopology:
+    """A static tree shape as index paths: ``(0,)`` = the root's best child, ``(0, 1)`` = its second-best
+    child, ... (Medusa's and EAGLE-1's published trees use this form). Every path's prefix must be
+    listed too. ``parents`` and ``ranks`` give the nodes in breadth-first order."""
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...] = field(init=False)
+    ranks: tuple[int, ...] = field(init=False)  # which candidate (0 = best) of its parent each node is
+
+    def __post_init__(self) -> None:
+        ordered = sorted(set(self.paths), key=lambda p: (len(p), p))
+        if len(ordered) != len(self.paths):
+            raise InvalidTree("topology lists a path twice")
+        index = {path: i for i, path in enumerate(ordered)}
+        parents = []
+        for path in ordered:
+            if not path or any(not isinstance(k, int) or k < 0 for k in path):
+                raise InvalidTree(f"topology path {path!r} must be a non-empty tuple of candidate ranks >= 0")
+            if len(path) > 1 and path[:-1] not in index:
+                raise InvalidTree(f"topology path {path!r} has no parent path {path[:-1]!r}")
+            parents.append(index[path[:-1]] if len(path) > 1 else ROOT)
+        object.__setattr__(self, "paths", tuple(ordered))
+        object.__setattr__(self, "parents", tuple(parents))
+        object.__setattr__(self, "ranks", tuple(path[-1] for path in ordered))
+
+    @staticmethod
+    def from_lists(paths: Sequence[Sequence[int]]) -> TreeTopology:
+        """From JSON-style lists of lists (the form topology files use)."""
+        return TreeTopology(tuple(tuple(int(k) for k in path) for path in paths))
+
+    @property
+    def size(self) -> int:
+        return len(self.paths)
