@@ -2,7 +2,10 @@
 
 :class:`TargetVerifier` is the one implementation of "score ``[last committed] + draft`` in one
 forward, apply the exact rules of :mod:`specserve.core.verification`, cut the new tokens at EOS
-and ``max_new_tokens``, roll the KV back to the committed text". The single-process engine and
+and ``max_new_tokens``, roll the KV back to the committed text" — for chains, and for draft
+trees (:meth:`TargetVerifier.verify_tree`: tree attention, the rules of
+:mod:`specserve.core.tree_verification`, then KV compaction to the accepted path; local
+sequences only so far). The single-process engine and
 the distributed target replica (rank 0 of its tensor-parallel shards) both run it, so the two
 cannot drift apart.
 
@@ -17,13 +20,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 import torch
 
 from specserve.core.draft import Draft
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.tree import DraftTree
+from specserve.core.tree_verification import ChildSampling, TreeVerdict, verify_tree, verify_tree_greedy
 from specserve.core.verification import ChainVerdict, verify_chain
 
 FinishReason = Literal["eos", "length", "stop"]
@@ -44,6 +49,18 @@ class TargetSequence(Protocol):
         ...
 
 
+class TreeSequence(TargetSequence, Protocol):
+    """A sequence that can also verify a draft tree in one forward and keep only the accepted path."""
+
+    def forward_tree(self, root: int, tree: DraftTree) -> torch.Tensor:
+        """Append ``[root] + tree nodes`` with tree attention; ``[n + 1, vocab]`` logits (row 0 after the root)."""
+        ...
+
+    def compact(self, keep: Sequence[int]) -> None:
+        """Keep only the cached positions in ``keep`` (increasing), moved to contiguous positions."""
+        ...
+
+
 class LocalSequence:
     """A sequence whose KV cache lives in this process."""
 
@@ -61,10 +78,19 @@ class LocalSequence:
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
+    def forward_tree(self, root: int, tree: DraftTree) -> torch.Tensor:
+        return self.target.forward_tree(self.cache, root, tree)
+
+    def compact(self, keep: Sequence[int]) -> None:
+        self.cache.compact(keep)
+
+
+Verdict = TypeVar("Verdict", ChainVerdict, TreeVerdict)
+
 
 @dataclass(frozen=True)
-class CycleOutcome:
-    verdict: ChainVerdict  # what the rules decided, before any cut
+class CycleOutcome(Generic[Verdict]):
+    verdict: Verdict  # what the rules decided, before any cut
     new_tokens: list[int]  # committed this cycle: accepted drafts + next token, cut at EOS / length
     finish: FinishReason | None  # "eos" or "length" when this cycle ended the request
     verify_seconds: float  # forward + verification + rollback
@@ -111,7 +137,7 @@ class TargetVerifier:
             ids = torch.tensor(self.committed[:-1], dtype=torch.long, device=self.device)
             self.sequence.forward(ids, last_only=True)
 
-    def verify(self, draft: Draft) -> CycleOutcome:
+    def verify(self, draft: Draft) -> CycleOutcome[ChainVerdict]:
         if self.finish is not None:
             raise RuntimeError(f"the request already finished ({self.finish})")
         start = time.perf_counter()
@@ -123,6 +149,28 @@ class TargetVerifier:
         verdict = verify_chain(target_logits, target_probs, tokens, draft_probs, self.generator)
 
         new = [*tokens[: verdict.num_accepted].tolist(), verdict.next_token]
+        return self._commit(verdict, new, start)
+
+    def verify_tree(self, tree: DraftTree, sampling: ChildSampling = ChildSampling.IID) -> CycleOutcome[TreeVerdict]:
+        """One cycle over a draft tree: tree-attention forward, exact tree rules, keep only the accepted path."""
+        if self.finish is not None:
+            raise RuntimeError(f"the request already finished ({self.finish})")
+        sequence = self.sequence
+        if not (hasattr(sequence, "forward_tree") and hasattr(sequence, "compact")):
+            raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
+        start = time.perf_counter()
+        cached = sequence.length  # == len(committed) - 1: the root (last committed token) goes first
+        target_logits = sequence.forward_tree(self.committed[-1], tree)  # [n + 1, vocab]
+        if self.params.greedy:
+            verdict = verify_tree_greedy(target_logits, tree)
+        else:
+            verdict = verify_tree(warp_probs(target_logits, self.params), tree, self.generator, sampling)
+        sequence.compact([*range(cached + 1), *(cached + 1 + node for node in verdict.accepted)])
+        path = [int(tree.tokens[node]) for node in verdict.accepted]
+        return self._commit(verdict, [*path, verdict.next_token], start)
+
+    def _commit(self, verdict: Verdict, new: list[int], start: float) -> CycleOutcome[Verdict]:
+        """Cut the new tokens at ``max_new_tokens`` and EOS, commit them, roll the KV back to the committed text."""
         remaining = self.remaining
         if len(new) >= remaining:
             new, self.finish = new[:remaining], "length"
