@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    trees = gen.add_argument_group("draft trees (in process, draft model; exact at any temperature)")
+    trees.add_argument("--tree", choices=["chain", "static", "dynamic"], default="chain", help="draft shape")
+    trees.add_argument("--tree-depth", type=int, default=4, help="dynamic: levels below the root")
+    trees.add_argument("--tree-width", type=int, default=2, help="dynamic: children per expanded node")
+    trees.add_argument("--tree-nodes", type=int, default=8, help="dynamic: nodes verified per cycle")
+    trees.add_argument(
+        "--tree-topology", help="static: JSON file with a list of index paths, e.g. [[0], [1], [0, 0]] (Medusa form)"
+    )
     dist = gen.add_argument_group("distributed (Ray actors, gRPC draft streams, tensor-parallel target)")
     dist.add_argument("--distributed", action="store_true", help="run through a target replica and drafter actor")
     dist.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the target replica (1, 2, 4, ...)")
@@ -159,7 +167,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.distributed and (args.tp != 1 or args.overlap or args.drafter_placement != "colocated"):
         raise UsageError("--tp, --drafter-placement and --overlap need --distributed")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop))
+    tree = _tree_spec(args)
+    if tree is not None and args.distributed:
+        raise UsageError("--tree static|dynamic runs in process only so far; drop --distributed or use --tree chain")
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop), tree=tree)
     prompt = _read_prompt(args)
     if not prompt:
         raise UsageError("the prompt is empty; pass some text with --prompt or --prompt-file")
@@ -167,6 +178,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with _coordinator(args) as coordinator:
             return _print_generation(coordinator, prompt, params, config, args.json)
     return _print_generation(_engine(args), prompt, params, config, args.json)
+
+
+def _tree_spec(args: argparse.Namespace) -> Any:
+    from specserve.core.tree import InvalidTree, TreeBudget, TreeSpec, TreeTopology
+
+    if args.tree == "chain":
+        if args.tree_topology:
+            raise UsageError("--tree-topology needs --tree static")
+        return None
+    try:
+        if args.tree == "dynamic":
+            return TreeSpec("dynamic", budget=TreeBudget(args.tree_depth, args.tree_width, args.tree_nodes))
+        if not args.tree_topology:
+            raise UsageError("--tree static needs --tree-topology FILE (a JSON list of index paths)")
+        path = Path(args.tree_topology)
+        try:
+            paths = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UsageError(f"cannot read the tree topology {path}: {exc}") from exc
+        if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
+            raise UsageError(f"{path} must hold a JSON list of index paths, e.g. [[0], [1], [0, 0]]")
+        return TreeSpec("static", topology=TreeTopology.from_lists(paths))
+    except (InvalidTree, ValueError, TypeError) as exc:  # a malformed topology or budget
+        raise UsageError(f"bad tree options: {exc}") from exc
 
 
 def _engine(args: argparse.Namespace) -> Any:

@@ -56,6 +56,27 @@ def test_generate_greedy_is_draft_independent(capsys: pytest.CaptureFixture[str]
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+def test_generate_with_trees_equals_chains(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Greedy output with static and dynamic draft trees equals the chain run's; the JSON lists tree shapes."""
+    topology = tmp_path / "tree.json"
+    topology.write_text(json.dumps([[0], [1], [0, 0], [0, 1], [0, 0, 0]]))
+    common = ["generate", "--prompt", "import os\n", "--max-new-tokens", "24", "--json", "--dtype", "float64"]
+    runs = {}
+    for name, extra in {
+        "chain": [],
+        "static": ["--tree", "static", "--tree-topology", str(topology)],
+        "dynamic": ["--tree", "dynamic", "--tree-depth", "3", "--tree-width", "2", "--tree-nodes", "6"],
+    }.items():
+        code, out, err = run_cli(capsys, *common, *extra)
+        assert code == 0, err
+        runs[name] = json.loads(out)
+    assert runs["chain"]["output_ids"] == runs["static"]["output_ids"] == runs["dynamic"]["output_ids"]
+    assert runs["chain"]["stats"]["tree_shapes"] == []
+    shapes = runs["dynamic"]["stats"]["tree_shapes"]
+    assert shapes and all(nodes <= 6 and depth <= 3 for nodes, depth in shapes)
+    assert all(nodes <= 5 for nodes, _ in runs["static"]["stats"]["tree_shapes"])
+
+
 def test_console_script_streams_text() -> None:
     exe = Path(sys.executable).parent / "specserve"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -116,6 +137,12 @@ BAD_ARGS = {
     "zero max-new-tokens": (["--max-new-tokens", "0"], "max-new-tokens"),
     "bad ngram sizes": (["--draft", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "n-gram"),
     "missing prompt file": (["--prompt-file", "/nonexistent/prompt.txt"], "does not exist"),
+    "static tree without topology": (["--tree", "static"], "--tree-topology"),
+    "topology without a static tree": (["--tree-topology", "paths.json"], "--tree static"),
+    "tree through the distributed runtime": (["--tree", "dynamic", "--distributed"], "in process only"),
+    "zero tree depth": (["--tree", "dynamic", "--tree-depth", "0"], "budget"),
+    "unreadable topology": (["--tree", "static", "--tree-topology", "/nonexistent.json"], "cannot read"),
+    "n-gram cannot draft trees": (["--tree", "dynamic"], "cannot draft trees"),
 }
 
 

@@ -28,6 +28,7 @@ import torch
 
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams
+from specserve.core.tree import DraftTree, TreeSpec
 
 # The drafters a request may choose: the deployment's configured one, prompt lookup, or none (plain
 # decoding). A draft model other than the configured one cannot be chosen per request.
@@ -62,6 +63,13 @@ class Drafter(Protocol):
         """Forget the committed text beyond its first ``length`` tokens (overlap mode drafts ahead
         on an assumed verdict and rewinds when the real one differs)."""
         ...
+
+
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that can also propose a draft tree (static topology or dynamic budget) after the committed text."""
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree: ...
 
 
 def propose_within(drafter: Drafter, gamma: int, remaining: int, device: torch.device | str = "cpu") -> Draft:

@@ -30,12 +30,22 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_drafter_name, propose_within
+from specserve.core.draft import (
+    REQUEST_DRAFTERS,
+    Drafter,
+    DrafterSet,
+    TreeDrafter,
+    check_drafter_name,
+    propose_within,
+)
 from specserve.core.model import CausalLM
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.stats import RequestStats
-from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
+from specserve.core.target import CycleOutcome, FinishReason, LocalSequence, TargetVerifier
+from specserve.core.tree import TreeSpec
+from specserve.core.tree_verification import TreeVerdict
+from specserve.core.verification import ChainVerdict
 
 __all__ = [
     "REQUEST_DRAFTERS",
@@ -58,6 +68,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     drafter: str = "default"  # one of REQUEST_DRAFTERS: the configured drafter, "ngram" or "none"
+    tree: TreeSpec | None = None  # draft trees instead of chains (in process, drafters that can; gamma unused)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -151,6 +162,10 @@ class SpeculativeEngine(GenerationFrontend):
     def validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         super().validate(prompt_ids, config)
         self.drafters.check(config.drafter)
+        if config.tree is not None and not isinstance(self.drafters.get(config.drafter), TreeDrafter):
+            raise InvalidRequest(
+                f"the {config.drafter!r} drafter cannot draft trees; use a draft model, or chains (no tree)"
+            )
 
     # -----------------------------------------------------------------------------------------
     # The loop
@@ -174,14 +189,25 @@ class SpeculativeEngine(GenerationFrontend):
         output: list[int] = []
         finish: FinishReason | None = None
         while finish is None:
-            # 1. draft
+            # 1. draft, 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
             t0 = time.perf_counter()
-            draft = propose_within(drafter, config.gamma, verifier.remaining, device)
-            t1 = time.perf_counter()
-
-            # 2. verify, 3. commit (EOS and length cuts, KV rollback)
-            outcome = verifier.verify(draft)
-            stats.record_cycle(draft.gamma, outcome.verdict.num_accepted, t1 - t0, outcome.verify_seconds)
+            if config.tree is None:
+                draft = propose_within(drafter, config.gamma, verifier.remaining, device)
+                t1 = time.perf_counter()
+                outcome: CycleOutcome[ChainVerdict] | CycleOutcome[TreeVerdict] = verifier.verify(draft)
+                stats.record_cycle(draft.gamma, outcome.verdict.num_accepted, t1 - t0, outcome.verify_seconds)
+            else:
+                assert isinstance(drafter, TreeDrafter)
+                tree = drafter.propose_tree(config.tree).truncate(verifier.remaining - 1)
+                t1 = time.perf_counter()
+                outcome = verifier.verify_tree(tree)
+                stats.record_cycle(
+                    tree.depth,
+                    outcome.verdict.num_accepted,
+                    t1 - t0,
+                    outcome.verify_seconds,
+                    drafted=tree.size,
+                )
             new, finish = outcome.new_tokens, outcome.finish
             delta, keep = text.push(new)
             if text.stopped:

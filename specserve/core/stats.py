@@ -29,6 +29,7 @@ class RequestStats:
     wire_seconds: float = 0.0  # distributed runs: gRPC transit of drafts and verdicts
     allreduce_seconds: float = 0.0  # distributed runs: tensor-parallel all-reduces inside verify
     overlap_hits: int = 0  # overlap mode: cycles whose draft was ready when the verdict came
+    tree_shapes: list[tuple[int, int]] = field(default_factory=list)  # tree runs: (nodes, depth) per cycle
     total_seconds: float = 0.0
 
     def record_cycle(
@@ -41,9 +42,12 @@ class RequestStats:
         wire_seconds: float = 0.0,
         allreduce_seconds: float = 0.0,
         overlap_hit: bool = False,
+        drafted: int | None = None,
     ) -> None:
+        """``gamma``: the draft's length (a tree's depth: positions are depths); ``drafted``: its
+        token count when that differs (a tree's nodes)."""
         self.cycles += 1
-        self.drafted_tokens += gamma
+        self.drafted_tokens += gamma if drafted is None else drafted
         self.accepted_tokens += num_accepted
         self._grow(gamma)
         for i in range(min(num_accepted + 1, gamma)):
@@ -57,6 +61,8 @@ class RequestStats:
         self.wire_seconds += wire_seconds
         self.allreduce_seconds += allreduce_seconds
         self.overlap_hits += int(overlap_hit)
+        if drafted is not None:
+            self.tree_shapes.append((drafted, gamma))
 
     def merge(self, other: RequestStats) -> None:
         """Pool another request's counters and times into this one (a benchmark's totals)."""
@@ -76,6 +82,7 @@ class RequestStats:
         self.wire_seconds += other.wire_seconds
         self.allreduce_seconds += other.allreduce_seconds
         self.overlap_hits += other.overlap_hits
+        self.tree_shapes.extend(other.tree_shapes)
         self.total_seconds += other.total_seconds
 
     def _grow(self, positions: int) -> None:
@@ -120,6 +127,7 @@ class RequestStats:
             "wire_seconds": self.wire_seconds,
             "allreduce_seconds": self.allreduce_seconds,
             "overlap_hits": self.overlap_hits,
+            "tree_shapes": [list(shape) for shape in self.tree_shapes],
             "total_seconds": self.total_seconds,
             "tokens_per_second": self.tokens_per_second,
         }

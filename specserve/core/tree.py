@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Literal
 
 import torch
 
@@ -106,6 +107,23 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(parent == i - 1 for i, parent in enumerate(self.parents))
 
+    def to(self, device: torch.device | str) -> DraftTree:
+        probs = self.child_probs.to(device) if self.child_probs is not None else None
+        return DraftTree(self.tokens.to(device), self.parents, probs)
+
+    def truncate(self, max_depth: int) -> DraftTree:
+        """The nodes shallower than ``max_depth`` (a verdict adds one token after the path: a tree never
+        needs to reach past the request's remaining budget)."""
+        if self.depth <= max_depth:
+            return self
+        kept = [i for i, d in enumerate(self.depths) if d < max_depth]  # ancestors are shallower: all kept
+        index = {node: i for i, node in enumerate(kept)}
+        probs = None
+        if self.child_probs is not None:
+            probs = self.child_probs[[0, *(i + 1 for i in kept)]]
+        parents = tuple(index[self.parents[i]] if self.parents[i] != ROOT else ROOT for i in kept)
+        return DraftTree(self.tokens[kept], parents, probs)
+
     def path_tokens(self, node: int) -> list[int]:
         return [int(self.tokens[i]) for i in self.paths[node]]
 
@@ -131,6 +149,42 @@ class DraftTree:
         """[1, n + 1]: the root at ``prefix_len``, a node at depth d at ``prefix_len + 1 + d``."""
         positions = [prefix_len, *(prefix_len + 1 + d for d in self.depths)]
         return torch.tensor([positions], dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """A dynamic tree's budget: levels below the root, children per expanded node (and nodes expanded per
+    level), and nodes kept for verification."""
+
+    depth: int
+    width: int
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.width < 1 or self.nodes < 1:
+            raise InvalidTree(f"tree budget needs depth, width and nodes >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How a request drafts trees: a static topology, or a dynamic tree within a budget."""
+
+    kind: Literal["static", "dynamic"]
+    topology: TreeTopology | None = None
+    budget: TreeBudget | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "static" and self.topology is None:
+            raise InvalidTree("a static tree needs a topology")
+        if self.kind == "dynamic" and self.budget is None:
+            raise InvalidTree("a dynamic tree needs a budget (depth, width, nodes)")
+
+    def describe(self) -> str:
+        if self.kind == "static":
+            assert self.topology is not None
+            return f"static({self.topology.size} nodes)"
+        assert self.budget is not None
+        return f"dynamic(depth={self.budget.depth}, width={self.budget.width}, nodes={self.budget.nodes})"
 
 
 @dataclass(frozen=True)

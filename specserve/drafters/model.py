@@ -7,11 +7,15 @@ sends exactly that distribution as q, which is what exact rejection sampling nee
 The drafter keeps its own KV cache. Before proposing it rolls the cache back to the longest
 prefix shared with the committed text and feeds the rest in one forward (usually one or two
 tokens), so rejected draft tokens never leak into later proposals.
+
+Trees (:meth:`DraftModelDrafter.propose_tree`) are drafted by a
+:class:`~specserve.drafters.tree.TreeModelDrafter` on the same model, with a cache of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -19,6 +23,7 @@ from specserve.core.draft import Draft
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, KVCache, TargetDescription
 from specserve.core.sampling import SamplingParams, sample, warp_probs
+from specserve.core.tree import DraftTree, TreeSpec
 
 
 class VocabularyMismatch(UserError):
@@ -54,9 +59,11 @@ class DraftModelDrafter:
         self._context: list[int] = []  # committed tokens of the current request
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
+        self._trees: Any = None  # a TreeModelDrafter once trees are asked for: its own cache, this context
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         self._cache = self.model.new_cache()
+        self._trees = None
         self._cached = []
         self._context = list(prompt_ids)
         self._params = params
@@ -64,6 +71,16 @@ class DraftModelDrafter:
 
     def accept(self, committed: Sequence[int]) -> None:
         self._context.extend(committed)
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        """A draft tree after the committed text (deterministic top-k children: exact at any temperature)."""
+        from specserve.drafters.tree import TreeModelDrafter  # imports this module: resolved at call time
+
+        if self._trees is None:
+            self._trees = TreeModelDrafter(self.model)
+            self._trees.start(self._context)
+        self._trees.context = self._context  # the same list: accept() and rewind() keep both in step
+        return self._trees.propose_tree(spec).to(self._output_device)
 
     def rewind(self, length: int) -> None:
         if not 0 <= length <= len(self._context):

@@ -21,24 +21,12 @@ Does not verify, sample, or know the target beyond its vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from specserve.core.model import CausalLM, KVCache, TargetDescription
-from specserve.core.tree import ROOT, DraftTree, InvalidTree, TreeTopology
+from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.model import check_same_vocabulary
-
-
-@dataclass(frozen=True)
-class TreeBudget:
-    depth: int  # levels below the root
-    width: int  # children per expanded node, and nodes expanded per level
-    nodes: int  # nodes kept for verification
-
-    def __post_init__(self) -> None:
-        if self.depth < 1 or self.width < 1 or self.nodes < 1:
-            raise InvalidTree(f"tree budget needs depth, width and nodes >= 1, got {self}")
 
 
 class TreeModelDrafter:
@@ -50,14 +38,21 @@ class TreeModelDrafter:
         self.model = draft
         self._output_device = target.device if target is not None else draft.device
         self._cache: KVCache | None = None
-        self._context: list[int] = []
+        self.context: list[int] = []  # the committed text (a chain drafter sharing the model may share this list)
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self._cache = self.model.new_cache()
-        self._context = list(prompt_ids)
+        self.context = list(prompt_ids)
 
     def accept(self, committed: Sequence[int]) -> None:
-        self._context.extend(committed)
+        self.context.extend(committed)
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        if spec.kind == "static":
+            assert spec.topology is not None
+            return self.propose_static(spec.topology)
+        assert spec.budget is not None
+        return self.propose_dynamic(spec.budget)
 
     # -----------------------------------------------------------------------------------------
 
@@ -99,7 +94,7 @@ class TreeModelDrafter:
         """The draft's logits after the root and after every node of ``tree`` ([n + 1, vocab])."""
         if self._cache is None:
             raise RuntimeError("call start() before proposing")
-        cache, context = self._cache, self._context
+        cache, context = self._cache, self.context
         if cache.length > len(context) - 1:
             cache.rollback(len(context) - 1)
         if cache.length < len(context) - 1:

@@ -16,8 +16,8 @@ from conftest import EOS_ID, TinyPair
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
 from specserve.core.target import LocalSequence, TargetVerifier
-from specserve.core.tree import ROOT, DraftTree, InvalidTree, TreeTopology
-from specserve.drafters.tree import TreeBudget, TreeModelDrafter
+from specserve.core.tree import ROOT, DraftTree, InvalidTree, TreeBudget, TreeTopology
+from specserve.drafters.tree import TreeModelDrafter
 
 TOPOLOGY = TreeTopology.from_lists([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
 PROMPT = [5, 17, 23, 8, 30]

@@ -1,0 +1,60 @@
+"""The in-process engine with draft trees: greedy output equals transformers', sampled runs stay in bounds,
+the stats record the tree shape per cycle, and drafters that cannot draft trees are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+from conftest import TinyPair
+
+from specserve.core.engine import GenerationConfig, InvalidRequest, SpeculativeEngine
+from specserve.core.model import CausalLM
+from specserve.core.sampling import SamplingParams
+from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.drafters.registry import build_drafter_set
+
+SPECS = {
+    "static": TreeSpec("static", topology=TreeTopology.from_lists([[0], [1], [0, 0], [0, 1], [0, 0, 0]])),
+    "dynamic": TreeSpec("dynamic", budget=TreeBudget(depth=4, width=2, nodes=8)),
+    "dynamic_wide": TreeSpec("dynamic", budget=TreeBudget(depth=2, width=4, nodes=12)),
+}
+
+
+@pytest.fixture()
+def engine(pair: TinyPair) -> SpeculativeEngine:
+    return SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
+
+
+@pytest.mark.parametrize("spec", sorted(SPECS))
+@pytest.mark.parametrize("prompt", [[5, 17, 23, 8], [60, 61, 62]])
+def test_greedy_tree_generation_equals_transformers(
+    engine: SpeculativeEngine,
+    pair: TinyPair,
+    spec: str,
+    prompt: list[int],
+    hf_greedy: Callable[[CausalLM, Sequence[int], int], list[int]],
+) -> None:
+    result = engine.generate(prompt, SamplingParams(), GenerationConfig(max_new_tokens=28, tree=SPECS[spec]))
+    assert result.output_ids == hf_greedy(pair.target, prompt, 28)
+    stats = result.stats
+    assert len(stats.tree_shapes) == stats.cycles > 0
+    assert all(1 <= depth <= nodes for nodes, depth in stats.tree_shapes[:-1])
+    assert 0 <= stats.tree_shapes[-1][1] <= stats.tree_shapes[-1][0]  # the last may be cut to the budget left
+    assert stats.drafted_tokens == sum(nodes for nodes, _ in stats.tree_shapes)
+    assert stats.to_dict()["tree_shapes"] == [list(shape) for shape in stats.tree_shapes]
+
+
+def test_sampled_tree_generation_is_reproducible_and_bounded(engine: SpeculativeEngine) -> None:
+    params = SamplingParams(temperature=1.0, top_k=20, seed=5)
+    config = GenerationConfig(max_new_tokens=20, tree=SPECS["dynamic"], ignore_eos=True)
+    first = engine.generate([5, 17, 23, 8], params, config)
+    again = engine.generate([5, 17, 23, 8], params, config)
+    assert first.output_ids == again.output_ids and len(first.output_ids) == 20
+
+
+def test_trees_need_a_drafter_that_can_draft_them(engine: SpeculativeEngine) -> None:
+    for drafter in ("ngram", "none"):
+        with pytest.raises(InvalidRequest, match="cannot draft trees"):
+            config = GenerationConfig(max_new_tokens=4, drafter=drafter, tree=SPECS["dynamic"])
+            engine.generate([5, 6], SamplingParams(), config)
