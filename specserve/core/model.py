@@ -207,6 +207,25 @@ class CausalLM:
         out = self.model(input_ids=ids.to(self.device)[None], use_cache=True, **kwargs)
         return out.logits[0]
 
+    @torch.inference_mode()
+    def extend_tree(self, cache: KVCache, tree: DraftTree, start: int) -> torch.Tensor:
+        """Append nodes ``start ..`` of ``tree`` when the cache already holds ``[root] + nodes[:start]``
+        (``start`` may be 0: only the root is cached).
+
+        For drafting a tree level by level: each level costs a forward over its new nodes only.
+        Returns ``[n - start, vocab]`` logits, each equal to a plain forward over the node's path.
+        """
+        if not 0 <= start < tree.size:
+            raise ValueError(f"start must be in 0..{tree.size - 1} (nodes already cached), got {start}")
+        prefix = cache.length - 1 - start  # the cache holds prefix + root + nodes[:start]
+        if prefix < 0:
+            raise ValueError(f"the cache ({cache.length}) cannot hold the root and {start} nodes")
+        mask = tree.attention_mask(prefix, self.dtype, self.device)[:, :, 1 + start :]
+        positions = tree.position_ids(prefix, self.device)[:, 1 + start :]
+        ids = tree.tokens[start:].to(self.device, torch.long)[None]
+        kwargs = {self._cache_kwarg: cache.inner, "attention_mask": mask, "position_ids": positions}
+        return self.model(input_ids=ids, use_cache=True, **kwargs).logits[0]
+
 
 @dataclass(frozen=True)
 class TargetDescription:

@@ -12,15 +12,16 @@ node's path. They carry no q, so verification treats each child as a point-mass 
   the whole tree. A child's confidence never exceeds its parent's, so the best ``nodes`` (ties
   broken towards shallower nodes) always include their ancestors.
 
-Each level is one draft forward over the tree built so far (tree attention on the draft's own
-cache, which is rolled back to the committed text after each level). Confidence uses the
+Each level is one draft forward over the nodes that level added (tree attention on the draft's
+own cache, which holds the levels before it; rolled back to the committed text at the end). Confidence uses the
 draft's plain softmax (temperature 1), whatever the request's sampling parameters.
 Does not verify, sample, or know the target beyond its vocabulary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -58,14 +59,14 @@ class TreeModelDrafter:
 
     def propose_static(self, topology: TreeTopology) -> DraftTree:
         tokens: list[int] = []
-        for level in range(max((len(p) for p in topology.paths), default=0)):
-            built = DraftTree(torch.tensor(tokens, dtype=torch.long), topology.parents[: len(tokens)])
-            logits = self._level_logits(built)
-            for node, path in enumerate(topology.paths):
-                if len(path) - 1 != level:
-                    continue
-                parent = topology.parents[node]
-                tokens.append(int(logits[parent + 1].topk(path[-1] + 1).indices[-1]))
+        levels = max((len(p) for p in topology.paths), default=0)
+        with self._tree_session() as grow:
+            for level in range(levels):
+                logits = grow(DraftTree(torch.tensor(tokens, dtype=torch.long), topology.parents[: len(tokens)]))
+                for node, path in enumerate(topology.paths):
+                    if len(path) - 1 == level:
+                        parent = topology.parents[node]
+                        tokens.append(int(logits[parent + 1].topk(path[-1] + 1).indices[-1]))
         return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._output_device), topology.parents)
 
     def propose_dynamic(self, budget: TreeBudget) -> DraftTree:
@@ -73,35 +74,50 @@ class TreeModelDrafter:
         parents: list[int] = []
         confidence: list[float] = []
         frontier = [ROOT]
-        for _ in range(budget.depth):
-            logits = self._level_logits(DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents)))
-            log_probs = torch.log_softmax(logits.double(), dim=-1)
-            new_frontier = []
-            for parent in frontier:
-                base = confidence[parent] if parent != ROOT else 0.0
-                top = log_probs[parent + 1].topk(budget.width)
-                for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                    tokens.append(int(token))
-                    parents.append(parent)
-                    confidence.append(base + value)
-                    new_frontier.append(len(tokens) - 1)
-            frontier = sorted(new_frontier, key=lambda n: -confidence[n])[: budget.width]
+        with self._tree_session() as grow:
+            for _ in range(budget.depth):
+                logits = grow(DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents)))
+                log_probs = torch.log_softmax(logits.double(), dim=-1)
+                new_frontier = []
+                for parent in frontier:
+                    base = confidence[parent] if parent != ROOT else 0.0
+                    top = log_probs[parent + 1].topk(budget.width)
+                    for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                        tokens.append(int(token))
+                        parents.append(parent)
+                        confidence.append(base + value)
+                        new_frontier.append(len(tokens) - 1)
+                frontier = sorted(new_frontier, key=lambda n: -confidence[n])[: budget.width]
         return self._keep_best(tokens, parents, confidence, budget.nodes)
 
     # -----------------------------------------------------------------------------------------
 
-    def _level_logits(self, tree: DraftTree) -> torch.Tensor:
-        """The draft's logits after the root and after every node of ``tree`` ([n + 1, vocab])."""
+    @contextlib.contextmanager
+    def _tree_session(self) -> Iterator[Callable[[DraftTree], torch.Tensor]]:
+        """Grow a tree level by level on the draft's cache; yields ``grow(tree)`` -> logits after the root
+        and every node so far ([n + 1, vocab]), forwarding only the nodes added since the last call.
+        The cache is rolled back to the committed text afterwards."""
         if self._cache is None:
             raise RuntimeError("call start() before proposing")
         cache, context = self._cache, self.context
-        if cache.length > len(context) - 1:
-            cache.rollback(len(context) - 1)
-        if cache.length < len(context) - 1:
-            self.model.forward(cache, torch.tensor(context[cache.length : len(context) - 1]), last_only=True)
-        logits = self.model.forward_tree(cache, context[-1], tree)
-        cache.rollback(len(context) - 1)
-        return logits
+        committed = len(context) - 1  # the cache holds every committed token but the last (the root)
+        if cache.length > committed:
+            cache.rollback(committed)
+        if cache.length < committed:
+            self.model.forward(cache, torch.tensor(context[cache.length : committed]), last_only=True)
+        rows: list[torch.Tensor] = []
+
+        def grow(tree: DraftTree) -> torch.Tensor:
+            if not rows:
+                rows.extend(self.model.forward_tree(cache, context[-1], tree))
+            elif tree.size + 1 > len(rows):
+                rows.extend(self.model.extend_tree(cache, tree, len(rows) - 1))
+            return torch.stack(rows)
+
+        try:
+            yield grow
+        finally:
+            cache.rollback(committed)
 
     def _keep_best(self, tokens: list[int], parents: list[int], confidence: list[float], keep: int) -> DraftTree:
         depth = DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents)).depths

@@ -187,3 +187,23 @@ def test_compaction_refuses_bad_positions(pair: TinyPair) -> None:
     assert cache.length == 4
     cache.compact([])
     assert cache.length == 0
+
+
+@pytest.mark.parametrize("shape", ["binary", "lopsided"])
+def test_extending_a_tree_level_by_level_equals_one_forward(pair: TinyPair, shape: str) -> None:
+    lm, prefix, root = pair.target, [5, 17, 23, 8], 33
+    tree = tree_of(TOPOLOGIES[shape], seed=5)
+    whole = lm.new_cache()
+    lm.forward(whole, torch.tensor(prefix))
+    want = lm.forward_tree(whole, root, tree)
+    cache = lm.new_cache()
+    lm.forward(cache, torch.tensor(prefix))
+    rows = list(lm.forward_tree(cache, root, DraftTree(tree.tokens[:0], ())))
+    for end in sorted({*(i + 1 for i, d in enumerate(tree.depths) if i + 1 == tree.size or tree.depths[i + 1] != d)}):
+        rows.extend(lm.extend_tree(cache, DraftTree(tree.tokens[:end], tree.parents[:end]), len(rows) - 1))
+    torch.testing.assert_close(torch.stack(rows), want, atol=ATOL, rtol=0)
+    for (k, v), (wk, wv) in zip(cache.snapshot(), whole.snapshot(), strict=True):
+        torch.testing.assert_close(k, wk, atol=ATOL, rtol=0)
+        torch.testing.assert_close(v, wv, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="start"):
+        lm.extend_tree(cache, tree, tree.size)  # nothing left to add
