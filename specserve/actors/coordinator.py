@@ -27,7 +27,7 @@ from typing import Any
 from specserve.actors.drafter import CycleReport, DraftJob
 from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
 from specserve.core.detokenize import TextStream
-from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, GenerationResult, StreamChunk
+from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput
 from specserve.core.model import load_tokenizer
 from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
@@ -85,8 +85,7 @@ class Coordinator(GenerationFrontend):
             overlap=replica.config.overlap,
             drafter=config.drafter,
         )
-        output: list[int] = []
-        finish: FinishReason | None = None
+        out = RequestOutput(prompt_ids, text, stats, start)
         try:
             # The drafter prefills while the target does (the ref travels inside a list, so Ray does not wait
             # for it before starting the drafter's task); the drafter waits for the target before drafting.
@@ -106,23 +105,13 @@ class Coordinator(GenerationFrontend):
                         overlap_hit=report.overlap_hit,
                     )
                     new = report.new_tokens
+                    finish: FinishReason | None = None
                     if report.finished:  # the target cut at EOS (the last token) or at max_new_tokens
                         finish = "eos" if new and new[-1] in eos else "length"
-                    delta, keep = text.push(new)
-                    if text.stopped:
-                        new, finish = new[:keep], "stop"
-                    output.extend(new)
-                    if finish is not None:
-                        delta += text.finish()
-                    stats.new_tokens = len(output)
-                    stats.total_seconds = time.perf_counter() - start
-                    result = None
-                    if finish is not None:
-                        result = GenerationResult(list(prompt_ids), output, text.text, finish, stats)
-                    yield StreamChunk(delta, new, result)
-                    if finish is not None:
+                    yield out.push(new, finish)
+                    if out.finish is not None:
                         return
         finally:
-            if finish != "eos" and finish != "length":  # stopped early, failed or abandoned by the caller
+            if out.finish not in ("eos", "length"):  # stopped early, failed or abandoned by the caller
                 replica.drafter.cancel.remote(request_id)
             replica.rank0.finish_request.remote(request_id)

@@ -99,6 +99,39 @@ class StreamChunk:
 ChunkStream = Generator[StreamChunk, None, None]  # a generation: close it to stop early and free its state
 
 
+class RequestOutput:
+    """One request's output as it streams: cuts at stop strings, detokenises, finishes, shapes each chunk.
+
+    Step 4 of the loop, shared by the in-process engine and the distributed coordinator so the two
+    stream identical chunks for identical committed tokens.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], text: TextStream, stats: RequestStats, start: float) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self.text = text
+        self.stats = stats
+        self.start = start
+        self.tokens: list[int] = []
+        self.finish: FinishReason | None = None
+
+    def push(self, new: list[int], finish: FinishReason | None) -> StreamChunk:
+        """Commit one cycle's tokens (``finish`` set when the target ended the request); a stop string
+        found in them cuts them and sets ``finish = "stop"``."""
+        delta, keep = self.text.push(new)
+        if self.text.stopped:
+            new, finish = new[:keep], "stop"
+        self.tokens.extend(new)
+        self.finish = finish
+        if finish is not None:
+            delta += self.text.finish()
+        self.stats.new_tokens = len(self.tokens)
+        self.stats.total_seconds = time.perf_counter() - self.start
+        result = None
+        if finish is not None:
+            result = GenerationResult(self.prompt_ids, self.tokens, self.text.text, finish, self.stats)
+        return StreamChunk(delta, new, result)
+
+
 class GenerationFrontend(ABC):
     """A way to run requests — in this process or through the distributed runtime — behind one API.
 
@@ -186,9 +219,8 @@ class SpeculativeEngine(GenerationFrontend):
         drafter.start(prompt_ids, params, generators.draft)
         stats.prefill_seconds = time.perf_counter() - start
 
-        output: list[int] = []
-        finish: FinishReason | None = None
-        while finish is None:
+        out = RequestOutput(prompt_ids, text, stats, start)
+        while out.finish is None:
             # 1. draft, 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
             t0 = time.perf_counter()
             if config.tree is None:
@@ -208,21 +240,10 @@ class SpeculativeEngine(GenerationFrontend):
                     outcome.verify_seconds,
                     drafted=tree.size,
                 )
-            new, finish = outcome.new_tokens, outcome.finish
-            delta, keep = text.push(new)
-            if text.stopped:
-                new, finish = new[:keep], "stop"
-                verifier.stop_at(len(output) + keep)
-            output.extend(new)
-            if finish is None:
-                drafter.accept(new)
-
-            # 4. stream out
-            if finish is not None:
-                delta += text.finish()
-            stats.new_tokens = len(output)
-            stats.total_seconds = time.perf_counter() - start
-            result = None
-            if finish is not None:
-                result = GenerationResult(list(prompt_ids), output, text.text, finish, stats)
-            yield StreamChunk(delta, new, result)
+            # 4. stop strings, stream out
+            chunk = out.push(outcome.new_tokens, outcome.finish)
+            if out.finish == "stop":
+                verifier.stop_at(len(out.tokens))
+            elif out.finish is None:
+                drafter.accept(chunk.token_ids)
+            yield chunk
