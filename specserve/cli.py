@@ -54,8 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--drafter-invariant",
+        action="store_true",
+        help="tokens = argmax(log p + Gumbel noise keyed by (seed, position)): the same output for a seed whatever "
+        "the drafter, gamma or tree (exact, fewer drafts accepted); no effect at temperature 0",
+    )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    trees = gen.add_argument_group("draft trees (in process, draft model; exact at any temperature)")
+    trees = gen.add_argument_group("draft trees (exact at any temperature; in process or --distributed)")
     trees.add_argument("--tree", choices=["chain", "static", "dynamic"], default="chain", help="draft shape")
     trees.add_argument("--tree-depth", type=int, default=4, help="dynamic: levels below the root")
     trees.add_argument("--tree-width", type=int, default=2, help="dynamic: children per expanded node")
@@ -166,10 +172,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--gamma must be between 1 and 64, got {args.gamma}")
     if not args.distributed and (args.tp != 1 or args.overlap or args.drafter_placement != "colocated"):
         raise UsageError("--tp, --drafter-placement and --overlap need --distributed")
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        drafter_invariant=args.drafter_invariant,
+    )
     tree = _tree_spec(args)
-    if tree is not None and args.distributed:
-        raise UsageError("--tree static|dynamic runs in process only so far; drop --distributed or use --tree chain")
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop), tree=tree)
     prompt = _read_prompt(args)
     if not prompt:
@@ -244,6 +254,14 @@ def _coordinator(args: argparse.Namespace) -> Iterator[Any]:
             coordinator.shutdown()
 
 
+def _sampling_mode(params: Any) -> str:
+    """How tokens were chosen: ``greedy`` (temperature 0, where --drafter-invariant has no effect),
+    ``drafter_invariant`` (keyed Gumbel noise) or ``rejection`` (speculative rejection sampling)."""
+    if params.greedy:
+        return "greedy"
+    return "drafter_invariant" if params.drafter_invariant else "rejection"
+
+
 def _print_generation(runner: Any, prompt: str, params: Any, config: Any, as_json: bool) -> int:
     """Print one generation of a single-process engine or a distributed coordinator (same interface)."""
     if as_json:
@@ -256,6 +274,7 @@ def _print_generation(runner: Any, prompt: str, params: Any, config: Any, as_jso
                     "output_ids": result.output_ids,
                     "text": result.text,
                     "finish_reason": result.finish_reason,
+                    "sampling": _sampling_mode(params),
                     "stats": stats,
                 }
             )

@@ -139,10 +139,8 @@ BAD_ARGS = {
     "missing prompt file": (["--prompt-file", "/nonexistent/prompt.txt"], "does not exist"),
     "static tree without topology": (["--tree", "static"], "--tree-topology"),
     "topology without a static tree": (["--tree-topology", "paths.json"], "--tree static"),
-    "tree through the distributed runtime": (["--tree", "dynamic", "--distributed"], "in process only"),
     "zero tree depth": (["--tree", "dynamic", "--tree-depth", "0"], "budget"),
     "unreadable topology": (["--tree", "static", "--tree-topology", "/nonexistent.json"], "cannot read"),
-    "n-gram cannot draft trees": (["--tree", "dynamic"], "cannot draft trees"),
 }
 
 

@@ -14,7 +14,8 @@ be made remote like the other actors. For each request it
 5. frees the request's KV on every shard when it ends, however it ends.
 
 The γ policy is a fixed ``gamma`` from the request's :class:`GenerationConfig` for now; the
-request's ``drafter`` (configured, ``ngram`` or ``none``) is passed to the drafter actor.
+request's ``drafter`` (configured, ``ngram`` or ``none``) and its tree shape (``tree``: drafted
+by the drafter actor, verified with tree attention on every shard) are passed to the drafter actor.
 Requests to one replica are served one at a time (a drafter holds one request's state).
 """
 
@@ -84,6 +85,7 @@ class Coordinator(GenerationFrontend):
             verifier_address=replica.verifier_address,
             overlap=replica.config.overlap,
             drafter=config.drafter,
+            tree=config.tree,
         )
         out = RequestOutput(prompt_ids, text, stats, start)
         try:
@@ -103,6 +105,7 @@ class Coordinator(GenerationFrontend):
                         wire_seconds=report.wire_seconds,
                         allreduce_seconds=report.allreduce_seconds,
                         overlap_hit=report.overlap_hit,
+                        drafted=report.drafted,
                     )
                     new = report.new_tokens
                     finish: FinishReason | None = None

@@ -22,6 +22,9 @@ committed text and drafts afresh. A draft is only ever a proposal and every prop
 verified by the exact rules, so exactness is unaffected; only the drafter's random stream (and
 so the sampled text for a given seed) differs from a run without overlap.
 
+Overlap applies to chains: a request that drafts trees (:attr:`DraftJob.tree`) drafts each tree
+after the previous verdict, as the single-process engine does.
+
 With overlap off, the sequence of drafter calls and random draws is exactly the single-process
 engine's, so a seeded run emits exactly what the in-process engine emits.
 """
@@ -38,11 +41,13 @@ import grpc
 import torch
 
 from specserve.actors.compute import ComputeThread
-from specserve.core.draft import Draft, propose_within
+from specserve.core.draft import Draft, Drafter, TreeDrafter, TreeProposal, propose_tree_within, propose_within
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
+from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.tree import TreeSpec
 from specserve.drafters.registry import build_drafter_set
-from specserve.rpc.codec import encode_draft
+from specserve.rpc.codec import accepted_tokens, encode_draft
 from specserve.rpc.verifier import VerifierStream, open_channel
 
 
@@ -57,19 +62,21 @@ class DraftJob:
     overlap: bool = False
     report_interval_s: float = 0.1  # after the first cycle, reports are batched at most this often
     drafter: str = "default"  # the configured drafter, "ngram" or "none" (REQUEST_DRAFTERS)
+    tree: TreeSpec | None = None  # draft trees of this shape instead of gamma-token chains (never overlapped)
 
 
 @dataclass(frozen=True)
 class CycleReport:
     new_tokens: list[int]  # committed this cycle (already cut at EOS / max_new_tokens by the target)
     finished: bool  # the target ended the request (EOS or max_new_tokens)
-    gamma: int  # draft tokens sent
+    gamma: int  # draft tokens sent (a tree: its depth)
     num_accepted: int
     draft_seconds: float  # drafting on the critical path (0 when overlap had the tree ready)
     target_seconds: float  # the target's forward + verification + rollback
     allreduce_seconds: float  # of which tensor-parallel all-reduces
     wire_seconds: float  # send-to-verdict time not spent by the target (gRPC, serialisation)
     overlap_hit: bool  # the next tree was drafted during this verification and is used
+    drafted: int | None = None  # a tree's node count (None for chains: gamma tokens)
 
 
 class RequestCancelled(Exception):
@@ -135,14 +142,16 @@ class DrafterActor:
         remaining = job.max_new_tokens
         # The first tree is drafted before waiting for the target (same calls and draws as after it).
         t0 = time.perf_counter()
-        first: Draft | None = run(propose_within, drafter, job.gamma, remaining, device)
+        if job.tree is not None and not isinstance(drafter, TreeDrafter):
+            raise InvalidRequest(f"the {job.drafter!r} drafter cannot draft trees; send chains (no tree)")
+        first: Draft | TreeProposal | None = run(_propose, drafter, job, remaining, device)
         first_seconds = time.perf_counter() - t0
         if target_ready:
             import ray
 
             ray.get(list(target_ready))  # raises the target's error if it could not admit the request
         stream = VerifierStream(self._channel(job.verifier_address))
-        ready: Draft | None = None
+        ready: Draft | TreeProposal | None = None
         # Reports not yet sent to the caller. Each yield costs about a millisecond of CPU in this process and
         # the caller's, which on a small machine slows the target's verify: after the first cycle (time to
         # first token) they go out in batches, at most every report_interval_s, while the target verifies.
@@ -157,13 +166,13 @@ class DrafterActor:
                     draft, first = first, None
                     t0 -= first_seconds
                 else:
-                    draft = ready if ready is not None else run(propose_within, drafter, job.gamma, remaining, device)
+                    draft = ready if ready is not None else run(_propose, drafter, job, remaining, device)
                 t1 = time.perf_counter()
                 stream.send_raw(run(encode_draft, job.request_id, cycle, draft).SerializeToString())
 
                 ahead: Draft | None = None
                 ahead_seconds = 0.0
-                if job.overlap and remaining - draft.gamma - 1 > 0:
+                if job.overlap and isinstance(draft, Draft) and remaining - draft.gamma - 1 > 0:
                     # Assume the likeliest verdict (all accepted) and draft the bonus guess plus the next tree.
                     run(drafter.accept, draft.tokens.tolist())
                     ahead = run(drafter.propose, job.gamma + 1)
@@ -176,11 +185,12 @@ class DrafterActor:
                 info = stream.receive()
                 t2 = time.perf_counter()
                 accepted = info.verdict.num_accepted
-                new = [*draft.tokens[:accepted].tolist(), info.verdict.next_token][: info.committed_length - committed]
+                new = accepted_tokens(draft, info.verdict)[: info.committed_length - committed]
                 committed, remaining = info.committed_length, remaining - len(new)
 
                 ready = None
                 if ahead is not None:  # the drafter's context holds the draft as if all of it were accepted
+                    assert isinstance(draft, Draft)
                     hit = (
                         not info.finished
                         and accepted == draft.gamma
@@ -202,13 +212,14 @@ class DrafterActor:
                     CycleReport(
                         new_tokens=new,
                         finished=info.finished,
-                        gamma=draft.gamma,
+                        gamma=draft.gamma if isinstance(draft, Draft) else draft.tree.depth,
                         num_accepted=accepted,
                         draft_seconds=t1 - t0,
                         target_seconds=info.target_seconds,
                         allreduce_seconds=info.allreduce_seconds,
                         wire_seconds=max(0.0, (t2 - t1) - busy),
                         overlap_hit=overlap_hit,
+                        drafted=None if isinstance(draft, Draft) else draft.tree.size,
                     )
                 )
                 if info.finished:
@@ -222,6 +233,14 @@ class DrafterActor:
         if address not in self._channels:
             self._channels[address] = open_channel(address)
         return self._channels[address]
+
+
+def _propose(drafter: Drafter, job: DraftJob, remaining: int, device: torch.device) -> Draft | TreeProposal:
+    """The next proposal within the request's remaining budget: a chain, or a tree of the job's shape."""
+    if job.tree is None:
+        return propose_within(drafter, job.gamma, remaining, device)
+    assert isinstance(drafter, TreeDrafter)
+    return TreeProposal(propose_tree_within(drafter, job.tree, remaining).to(device))
 
 
 def _trim(draft: Draft, start: int, budget: int) -> Draft | None:

@@ -10,7 +10,9 @@ Rank 0 is the driver of its replica. It hosts the gRPC verifier
 single-process engine runs — and, before every forward or rollback, broadcasts a small command
 (``op, sequence, args`` plus the block's token ids) to the other ranks. Those ranks run a loop
 that receives the commands and mirrors them on their own KV shard, so after every verdict every
-shard's cache holds exactly the committed text. Verification (and its random numbers) happens on
+shard's cache holds exactly the committed text. Draft trees take two more commands: a tree
+forward (root, node tokens and parents: every rank builds the same tree attention mask) and the
+compaction that keeps only the accepted path's entries. Verification (and its random numbers) happens on
 rank 0 only; the other ranks never need the verdict, only the rollback command that follows it.
 
 All torch work of a rank runs on its one compute thread (:mod:`specserve.actors.compute`
@@ -31,11 +33,14 @@ from datetime import timedelta
 import torch
 
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
-from specserve.core.draft import Draft
+from specserve.core.draft import Draft, TreeProposal
 from specserve.core.model import CausalLM, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.target import TargetVerifier
+from specserve.core.target import CycleOutcome, TargetVerifier
 from specserve.core.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
+from specserve.core.tree import DraftTree
+from specserve.core.tree_verification import TreeVerdict
+from specserve.core.verification import ChainVerdict
 from specserve.rpc.codec import encode_verdict
 from specserve.rpc.gen import speculation_pb2 as pb
 from specserve.rpc.verifier import UnknownRequest, VerifierServer
@@ -48,6 +53,8 @@ OP_ROLLBACK = 2  # a = length to keep
 OP_NEW = 3
 OP_FREE = 4
 OP_SHUTDOWN = 5
+OP_FORWARD_TREE = 6  # a = number of nodes; then [root, tokens..., parents...] (2a + 1 int64)
+OP_COMPACT = 7  # a = number of positions to keep; then the positions
 HEADER_SIZE = 4
 
 
@@ -87,6 +94,25 @@ class ShardedSequence:
     def rollback(self, length: int) -> None:
         self.commands.send(OP_ROLLBACK, self.sequence_id, length)
         self.cache.rollback(length)
+
+    def forward_tree(self, root: int, tree: DraftTree) -> torch.Tensor:
+        self.commands.send(OP_FORWARD_TREE, self.sequence_id, tree.size, 0, _tree_block(root, tree))
+        return self.target.forward_tree(self.cache, root, tree)
+
+    def compact(self, keep: Sequence[int]) -> None:
+        self.commands.send(OP_COMPACT, self.sequence_id, len(keep), 0, torch.tensor(list(keep), dtype=torch.long))
+        self.cache.compact(keep)
+
+
+def _tree_block(root: int, tree: DraftTree) -> torch.Tensor:
+    """What the other ranks need to repeat a tree forward: ``[root, tokens..., parents...]``."""
+    parents = torch.tensor(tree.parents, dtype=torch.long)
+    return torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens.to("cpu", torch.long), parents])
+
+
+def _from_tree_block(block: torch.Tensor, nodes: int) -> tuple[int, DraftTree]:
+    root, tokens, parents = int(block[0]), block[1 : nodes + 1], block[nodes + 1 :]
+    return root, DraftTree(tokens.clone(), tuple(int(p) for p in parents.tolist()))
 
 
 class _Request:
@@ -213,8 +239,9 @@ class TargetShardActor:
             self._requests[request_id] = _Request(sequence, verifier)
 
     @on_compute_thread  # the gRPC server already calls it there (run_in): then it runs in place
-    def verify(self, request_id: str, cycle: int, draft: Draft) -> pb.Verdict:
-        """One cycle (called by the gRPC verifier): forward on every rank, verify, commit, roll back."""
+    def verify(self, request_id: str, cycle: int, draft: Draft | TreeProposal) -> pb.Verdict:
+        """One cycle (called by the gRPC verifier): forward on every rank, verify, commit, roll back
+        (a chain) or compact to the accepted path (a tree)."""
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
@@ -222,7 +249,12 @@ class TargetShardActor:
             if request.verifier.finish is not None:
                 raise UnknownRequest(f"request {request_id!r} already finished ({request.verifier.finish})")
             before = self._allreduce_seconds()
-            outcome = request.verifier.verify(draft)
+            verifier = request.verifier
+            outcome: CycleOutcome[ChainVerdict] | CycleOutcome[TreeVerdict]
+            if isinstance(draft, Draft):
+                outcome = verifier.verify(draft)
+            else:
+                outcome = verifier.verify_tree(draft.tree, draft.sampling)
             return encode_verdict(
                 request_id,
                 cycle,
@@ -309,6 +341,15 @@ class TargetShardActor:
                         tokens = torch.empty(a, dtype=torch.long)
                         dist.broadcast(tokens, src=0)
                         self.target.forward(self._caches[sequence], tokens, last_only=bool(b))
+                    elif op == OP_FORWARD_TREE:
+                        block = torch.empty(2 * a + 1, dtype=torch.long)
+                        dist.broadcast(block, src=0)
+                        root, tree = _from_tree_block(block, a)
+                        self.target.forward_tree(self._caches[sequence], root, tree)
+                    elif op == OP_COMPACT:
+                        keep = torch.empty(a, dtype=torch.long)
+                        dist.broadcast(keep, src=0)
+                        self._caches[sequence].compact(keep.tolist())
                     else:
                         raise RuntimeError(f"unknown tensor-parallel command {op}")
         except Exception:  # the replica cannot continue; rank 0's next collective times out with an error

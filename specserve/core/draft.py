@@ -29,6 +29,7 @@ import torch
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import DraftTree, TreeSpec
+from specserve.core.tree_verification import ChildSampling
 
 # The drafters a request may choose: the deployment's configured one, prompt lookup, or none (plain
 # decoding). A draft model other than the configured one cannot be chosen per request.
@@ -47,6 +48,15 @@ class Draft:
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:
         return Draft(torch.empty(0, dtype=torch.long, device=device), None)
+
+
+@dataclass(frozen=True)
+class TreeProposal:
+    """A draft tree as sent for verification: the tree, and how its sampled children were drawn from
+    their parent's q (irrelevant for deterministic trees, which carry no q)."""
+
+    tree: DraftTree
+    sampling: ChildSampling = ChildSampling.IID
 
 
 @runtime_checkable
@@ -85,6 +95,11 @@ def propose_within(drafter: Drafter, gamma: int, remaining: int, device: torch.d
         probs = draft.draft_probs[:budget] if draft.draft_probs is not None else None
         draft = Draft(draft.tokens[:budget], probs)
     return draft
+
+
+def propose_tree_within(drafter: TreeDrafter, spec: TreeSpec, remaining: int) -> DraftTree:
+    """The drafter's tree for ``spec``, cut to depth ``remaining - 1`` (the verdict always adds one token)."""
+    return drafter.propose_tree(spec).truncate(max(remaining - 1, 0))
 
 
 def check_drafter_name(name: str) -> None:

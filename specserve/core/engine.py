@@ -36,6 +36,7 @@ from specserve.core.draft import (
     DrafterSet,
     TreeDrafter,
     check_drafter_name,
+    propose_tree_within,
     propose_within,
 )
 from specserve.core.model import CausalLM
@@ -68,7 +69,7 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     drafter: str = "default"  # one of REQUEST_DRAFTERS: the configured drafter, "ngram" or "none"
-    tree: TreeSpec | None = None  # draft trees instead of chains (in process, drafters that can; gamma unused)
+    tree: TreeSpec | None = None  # draft trees instead of chains (drafters that can; gamma unused)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -197,7 +198,7 @@ class SpeculativeEngine(GenerationFrontend):
         self.drafters.check(config.drafter)
         if config.tree is not None and not isinstance(self.drafters.get(config.drafter), TreeDrafter):
             raise InvalidRequest(
-                f"the {config.drafter!r} drafter cannot draft trees; use a draft model, or chains (no tree)"
+                f"the {config.drafter!r} drafter cannot draft trees; use one that can (a draft model, ngram), or chains"
             )
 
     # -----------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class SpeculativeEngine(GenerationFrontend):
                 stats.record_cycle(draft.gamma, outcome.verdict.num_accepted, t1 - t0, outcome.verify_seconds)
             else:
                 assert isinstance(drafter, TreeDrafter)
-                tree = drafter.propose_tree(config.tree).truncate(verifier.remaining - 1)
+                tree = propose_tree_within(drafter, config.tree, verifier.remaining)
                 t1 = time.perf_counter()
                 outcome = verifier.verify_tree(tree)
                 stats.record_cycle(

@@ -6,6 +6,11 @@ so every verification rule degenerates to "accept while the draft equals the arg
 
 Randomness is always an argument: each request owns ``torch.Generator`` objects made by
 :func:`make_generators`; nothing here touches the global RNG.
+
+``SamplingParams.drafter_invariant`` selects the drafter-invariant mode of
+:mod:`specserve.core.invariant` (VERIFICATION.md, rule E): every token is argmax(log p + Gumbel
+noise keyed by (seed, position)), so the output depends on the seed and the target only, never on
+the drafter, gamma, tree or tensor-parallel layout. It has no effect at temperature 0.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k truncation
     top_p: float = 1.0  # 1 = no nucleus truncation
     seed: int = 0
+    # Drafter-invariant sampling (specserve.core.invariant): tokens are argmax(log p + Gumbel noise keyed
+    # by (seed, absolute position)); same seed -> same output whatever the drafter, gamma, tree or TP
+    # degree. Exact, but accepts fewer drafts than rejection sampling. No effect when greedy.
+    drafter_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
@@ -39,10 +48,17 @@ class SamplingParams:
             raise InvalidSamplingParams(f"top_k must be between 0 (off) and {MAX_TOP_K}, got {self.top_k}")
         if not (0 <= self.seed < 2**63):
             raise InvalidSamplingParams(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.drafter_invariant, bool):
+            raise InvalidSamplingParams(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def invariant_sampling(self) -> bool:
+        """Tokens come from the keyed Gumbel noise of :mod:`specserve.core.invariant` (asked for and not greedy)."""
+        return self.drafter_invariant and not self.greedy
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 import torch
 
 from specserve.core.draft import Draft
+from specserve.core.invariant import invariant_scores
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, warp_probs
 from specserve.core.tree import DraftTree
@@ -138,15 +139,24 @@ class TargetVerifier:
             self.sequence.forward(ids, last_only=True)
 
     def verify(self, draft: Draft) -> CycleOutcome[ChainVerdict]:
+        """One cycle over a draft chain. With ``params.drafter_invariant`` (and T > 0) the greedy rule runs on
+        log p + G from :mod:`specserve.core.invariant` (likewise in :meth:`verify_tree`): q is ignored and the
+        request's generator is not consumed, so the output does not depend on the drafter."""
         if self.finish is not None:
             raise RuntimeError(f"the request already finished ({self.finish})")
         start = time.perf_counter()
         head = torch.tensor([self.committed[-1]], dtype=torch.long, device=self.device)
         tokens = draft.tokens.to(self.device)
         target_logits = self.sequence.forward(torch.cat([head, tokens]))  # [gamma + 1, vocab]
-        target_probs = None if self.params.greedy else warp_probs(target_logits, self.params)
-        draft_probs = draft.draft_probs.to(self.device) if draft.draft_probs is not None else None
-        verdict = verify_chain(target_logits, target_probs, tokens, draft_probs, self.generator)
+        if self.params.invariant_sampling:
+            # Row j predicts position len(committed) + j; greedy rule on log p + G, q unused, generator untouched.
+            first = len(self.committed)
+            scores = invariant_scores(target_logits, self.params, range(first, first + target_logits.shape[0]))
+            verdict = verify_chain(scores, None, tokens, None, None)
+        else:
+            target_probs = None if self.params.greedy else warp_probs(target_logits, self.params)
+            draft_probs = draft.draft_probs.to(self.device) if draft.draft_probs is not None else None
+            verdict = verify_chain(target_logits, target_probs, tokens, draft_probs, self.generator)
 
         new = [*tokens[: verdict.num_accepted].tolist(), verdict.next_token]
         return self._commit(verdict, new, start)
@@ -163,6 +173,11 @@ class TargetVerifier:
         target_logits = sequence.forward_tree(self.committed[-1], tree)  # [n + 1, vocab]
         if self.params.greedy:
             verdict = verify_tree_greedy(target_logits, tree)
+        elif self.params.invariant_sampling:
+            # Row 0 predicts position len(committed), row i + 1 (after node i) len(committed) + 1 + depth(i).
+            first = len(self.committed)
+            positions = [first, *(first + 1 + depth for depth in tree.depths)]
+            verdict = verify_tree_greedy(invariant_scores(target_logits, self.params, positions), tree)
         else:
             verdict = verify_tree(warp_probs(target_logits, self.params), tree, self.generator, sampling)
         sequence.compact([*range(cached + 1), *(cached + 1 + node for node in verdict.accepted)])

@@ -2,7 +2,11 @@
 
 At temperature 0 the drafter proposes its argmax and sends no q. Otherwise it samples each
 token from its own distribution warped with the request's temperature / top-k / top-p, and
-sends exactly that distribution as q, which is what exact rejection sampling needs.
+sends exactly that distribution as q, which is what exact rejection sampling needs. In the
+drafter-invariant mode (``SamplingParams.drafter_invariant``, :mod:`specserve.core.invariant`) it
+couples to the verifier's noise instead: the token at absolute position t is
+argmax(log q_t + G_t) with the same keyed Gumbel noise G_t the target uses, sent without q (a point
+mass, which the greedy-on-scores rule of that mode accepts whenever it equals the target's token).
 
 The drafter keeps its own KV cache. Before proposing it rolls the cache back to the longest
 prefix shared with the committed text and feeds the rest in one forward (usually one or two
@@ -21,6 +25,7 @@ import torch
 
 from specserve.core.draft import Draft
 from specserve.core.errors import UserError
+from specserve.core.invariant import invariant_tokens
 from specserve.core.model import CausalLM, KVCache, TargetDescription
 from specserve.core.sampling import SamplingParams, sample, warp_probs
 from specserve.core.tree import DraftTree, TreeSpec
@@ -80,6 +85,7 @@ class DraftModelDrafter:
             self._trees = TreeModelDrafter(self.model)
             self._trees.start(self._context)
         self._trees.context = self._context  # the same list: accept() and rewind() keep both in step
+        self._trees.coupling = self._params if self._params.invariant_sampling else None
         return self._trees.propose_tree(spec).to(self._output_device)
 
     def rewind(self, length: int) -> None:
@@ -107,9 +113,13 @@ class DraftModelDrafter:
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         greedy = self._params.greedy
+        coupled = self._params.invariant_sampling
+        first = len(self._context)  # the absolute position of the first proposed token
         for i in range(budget):
             if greedy:
                 token = logits.argmax(-1)
+            elif coupled:  # argmax(log q + G) at this position; no q is sent
+                token = invariant_tokens(logits[None], self._params, [first + i])[0]
             else:
                 assert self._generator is not None
                 row = warp_probs(logits, self._params)

@@ -1,4 +1,5 @@
-"""The ``none`` drafter: proposes nothing, so the engine loop runs plain autoregressive decoding."""
+"""The ``none`` drafter: proposes nothing (no chain, an empty tree), so the engine loop runs plain
+autoregressive decoding."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from specserve.core.draft import Draft
 from specserve.core.sampling import SamplingParams
+from specserve.core.tree import DraftTree, TreeSpec
 
 
 class NoDrafter:
@@ -21,6 +23,9 @@ class NoDrafter:
 
     def propose(self, budget: int) -> Draft:
         return Draft.empty(self._device)
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        return DraftTree.empty(self._device)
 
     def accept(self, committed: Sequence[int]) -> None:
         return None

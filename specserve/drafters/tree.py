@@ -15,6 +15,13 @@ node's path. They carry no q, so verification treats each child as a point-mass 
 Each level is one draft forward over the nodes that level added (tree attention on the draft's
 own cache, which holds the levels before it; rolled back to the committed text at the end). Confidence uses the
 draft's plain softmax (temperature 1), whatever the request's sampling parameters.
+
+For drafter-invariant requests (``coupling`` set to their :class:`SamplingParams`; see
+:mod:`specserve.core.invariant`) each node's rank-0 child is the *coupled* token
+argmax(log q + G_t) under the request's keyed Gumbel noise at the child's absolute position t
+(the one the target will emit if it agrees with the draft), followed by the draft's best tokens
+other than it; in dynamic trees it takes the rank-0 child's confidence, so pruning keeps it as
+it would the draft's best token. The children stay deterministic, so this changes acceptance only.
 Does not verify, sample, or know the target beyond its vocabulary.
 """
 
@@ -25,7 +32,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from specserve.core.invariant import invariant_tokens
 from specserve.core.model import CausalLM, KVCache, TargetDescription
+from specserve.core.sampling import SamplingParams
 from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.model import check_same_vocabulary
 
@@ -40,6 +49,7 @@ class TreeModelDrafter:
         self._output_device = target.device if target is not None else draft.device
         self._cache: KVCache | None = None
         self.context: list[int] = []  # the committed text (a chain drafter sharing the model may share this list)
+        self.coupling: SamplingParams | None = None  # drafter-invariant requests: rank 0 = the coupled token
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self._cache = self.model.new_cache()
@@ -63,10 +73,12 @@ class TreeModelDrafter:
         with self._tree_session() as grow:
             for level in range(levels):
                 logits = grow(DraftTree(torch.tensor(tokens, dtype=torch.long), topology.parents[: len(tokens)]))
+                coupled = self._coupled(logits, level)
                 for node, path in enumerate(topology.paths):
                     if len(path) - 1 == level:
-                        parent = topology.parents[node]
-                        tokens.append(int(logits[parent + 1].topk(path[-1] + 1).indices[-1]))
+                        row = topology.parents[node] + 1
+                        ranked = self._ranked(logits[row], path[-1] + 1, None if coupled is None else coupled[row])
+                        tokens.append(ranked[-1])
         return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._output_device), topology.parents)
 
     def propose_dynamic(self, budget: TreeBudget) -> DraftTree:
@@ -75,14 +87,18 @@ class TreeModelDrafter:
         confidence: list[float] = []
         frontier = [ROOT]
         with self._tree_session() as grow:
-            for _ in range(budget.depth):
+            for level in range(budget.depth):
                 logits = grow(DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents)))
                 log_probs = torch.log_softmax(logits.double(), dim=-1)
+                coupled = self._coupled(logits, level)
                 new_frontier = []
                 for parent in frontier:
                     base = confidence[parent] if parent != ROOT else 0.0
-                    top = log_probs[parent + 1].topk(budget.width)
-                    for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                    row = log_probs[parent + 1]
+                    ranked = self._ranked(row, budget.width, None if coupled is None else coupled[parent + 1])
+                    values = row[ranked].tolist()
+                    values[0] = float(row.max())  # a coupled rank-0 child takes the best token's confidence
+                    for value, token in zip(values, ranked, strict=True):
                         tokens.append(int(token))
                         parents.append(parent)
                         confidence.append(base + value)
@@ -91,6 +107,24 @@ class TreeModelDrafter:
         return self._keep_best(tokens, parents, confidence, budget.nodes)
 
     # -----------------------------------------------------------------------------------------
+
+    def _coupled(self, logits: torch.Tensor, level: int) -> list[int] | None:
+        """Drafter-invariant requests: per row of ``logits`` ([n + 1, vocab]), the coupled token for a child at
+        depth ``level`` (absolute position ``len(context) + level``); only the rows of nodes one level up (or
+        the root's) are read. ``None`` otherwise."""
+        if self.coupling is None:
+            return None
+        position = len(self.context) + level
+        return invariant_tokens(logits, self.coupling, [position] * logits.shape[0]).tolist()
+
+    @staticmethod
+    def _ranked(row: torch.Tensor, k: int, coupled: int | None) -> list[int]:
+        """A node's ``k`` best children in rank order: the draft's top-``k`` tokens, or the coupled token
+        followed by the draft's best tokens other than it."""
+        top: list[int] = row.topk(k).indices.tolist()
+        if coupled is None:
+            return top
+        return [coupled, *(token for token in top if token != coupled)][:k]
 
     @contextlib.contextmanager
     def _tree_session(self) -> Iterator[Callable[[DraftTree], torch.Tensor]]:

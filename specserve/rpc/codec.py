@@ -2,19 +2,21 @@
 
 * tensors travel as dtype + shape + raw bytes (never pickled); :func:`decode_tensor` checks that
   the byte count matches the shape and dtype before viewing the buffer;
-* a :class:`~specserve.core.draft.Draft` becomes a ``DraftTree`` whose parents form a chain; its
-  dense q rows travel sparsely (the support and its probabilities, as doubles, with q's dtype
-  named), which is exact: the support is where the drafter could have sampled, and the receiver
-  rebuilds q bit for bit in its original dtype;
-* a :class:`~specserve.core.verification.ChainVerdict` becomes a ``Verdict``.
+* a :class:`~specserve.core.draft.Draft` becomes a ``DraftTree`` whose parents form a chain
+  (``rules = RULES_CHAIN``); a :class:`~specserve.core.draft.TreeProposal` keeps its parents and
+  names its child-sampling rule (``RULES_TREE_*``). q travels per node — the distribution that
+  node was drawn from, i.e. its parent's children's — sparsely (support + probabilities, as
+  doubles, with q's dtype named), which is exact: the support is where the drafter could have
+  sampled, and the receiver rebuilds q bit for bit in its original dtype;
+* a chain or tree verdict becomes a ``Verdict`` (the accepted path's node indices).
 
 Malformed input raises :class:`WireError` with a message naming the offending field; a server
-turns that into a gRPC ``INVALID_ARGUMENT`` status instead of crashing. Trees with branches are
-rejected until tree verification exists (issue 5).
+turns that into a gRPC ``INVALID_ARGUMENT`` status instead of crashing.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,8 +24,10 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import DecodeError
 
-from specserve.core.draft import Draft
+from specserve.core.draft import Draft, TreeProposal
 from specserve.core.errors import UserError
+from specserve.core.tree import DraftTree, InvalidTree
+from specserve.core.tree_verification import ChildSampling, TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.rpc.gen import speculation_pb2 as pb
 
@@ -44,6 +48,11 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 _KIND_TO_WIRE = {TokenKind.RECOVERED: pb.TOKEN_KIND_RECOVERED, TokenKind.BONUS: pb.TOKEN_KIND_BONUS}
 _KIND_FROM_WIRE = {v: k for k, v in _KIND_TO_WIRE.items()}
+_RULES_TO_WIRE = {
+    ChildSampling.IID: pb.RULES_TREE_IID,
+    ChildSampling.WITHOUT_REPLACEMENT: pb.RULES_TREE_WITHOUT_REPLACEMENT,
+}
+_RULES_FROM_WIRE = {v: k for k, v in _RULES_TO_WIRE.items()}
 
 
 class WireError(UserError):
@@ -84,17 +93,23 @@ def decode_tensor(message: pb.Tensor) -> torch.Tensor:
 # Drafts
 
 
-def encode_draft(request_id: str, cycle: int, draft: Draft) -> pb.DraftTree:
-    tokens = draft.tokens.tolist()
+def encode_draft(request_id: str, cycle: int, draft: Draft | TreeProposal) -> pb.DraftTree:
+    """A chain (verified by the chain rules) or a tree proposal (tree rules) as a wire message."""
+    if isinstance(draft, Draft):
+        tokens, parents, probs = draft.tokens.tolist(), list(range(-1, draft.gamma - 1)), draft.draft_probs
+        rules = pb.RULES_CHAIN
+    else:
+        tree = draft.tree
+        tokens, parents, rules = tree.tokens.tolist(), list(tree.parents), _RULES_TO_WIRE[draft.sampling]
+        # per node: the q it was drawn from = its parent's children's distribution
+        probs = tree.child_probs[[p + 1 for p in tree.parents]] if tree.child_probs is not None else None
     if any(not 0 <= t <= INT32_MAX for t in tokens):
         raise WireError(
             f"draft token_ids must be in [0, 2**31); got {[t for t in tokens if not 0 <= t <= INT32_MAX][:5]}"
         )
-    message = pb.DraftTree(
-        request_id=request_id, cycle=cycle, token_ids=tokens, parents=list(range(-1, len(tokens) - 1))
-    )
-    if draft.draft_probs is not None:
-        probs = draft.draft_probs.detach().cpu()
+    message = pb.DraftTree(request_id=request_id, cycle=cycle, token_ids=tokens, parents=parents, rules=rules)
+    if probs is not None:
+        probs = probs.detach().cpu()
         if probs.dtype not in _DTYPE_NAMES or not probs.dtype.is_floating_point:
             raise WireError(f"draft probabilities of dtype {probs.dtype} cannot travel")
         message.draft_probs_dtype = _DTYPE_NAMES[probs.dtype]
@@ -106,19 +121,38 @@ def encode_draft(request_id: str, cycle: int, draft: Draft) -> pb.DraftTree:
     return message
 
 
-def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | str = "cpu") -> Draft:
-    """Validate a received tree and turn it into a chain draft with dense q rows (or none)."""
+def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | str = "cpu") -> Draft | TreeProposal:
+    """Validate a received message: a chain draft with dense q rows (or none) under the chain rules, a
+    :class:`TreeProposal` under the tree rules."""
     nodes = len(message.token_ids)
     if len(message.parents) != nodes:
         raise WireError(f"draft tree has {nodes} tokens but {len(message.parents)} parents")
-    if list(message.parents) != list(range(-1, nodes - 1)):
-        raise WireError("draft tree is not a chain (parents must be -1, 0, 1, ...); trees arrive with issue 5")
+    if message.rules == pb.RULES_CHAIN:
+        if list(message.parents) != list(range(-1, nodes - 1)):
+            raise WireError("a draft sent under the chain rules must be a chain (parents -1, 0, 1, ...)")
+    elif message.rules not in _RULES_FROM_WIRE:
+        raise WireError(f"draft tree names unknown verification rules {message.rules}")
     bad = [t for t in message.token_ids if not 0 <= t < vocab_size]
     if bad:
         raise WireError(f"draft token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     tokens = torch.tensor(list(message.token_ids), dtype=torch.long, device=device)
+    probs = _decode_probs(message, vocab_size)
+    if message.rules == pb.RULES_CHAIN:
+        return Draft(tokens, probs.to(device) if probs is not None else None)
+    try:
+        tree = DraftTree(tokens, tuple(int(p) for p in message.parents))
+    except InvalidTree as exc:
+        raise WireError(f"malformed draft tree: {exc}") from exc
+    if probs is not None:
+        tree = DraftTree(tokens, tree.parents, _child_probs(tree, probs).to(device))
+    return TreeProposal(tree, _RULES_FROM_WIRE[message.rules])
+
+
+def _decode_probs(message: pb.DraftTree, vocab_size: int) -> torch.Tensor | None:
+    """Per node, the dense q it was drawn from (in q's own dtype), validated; ``None`` when no q was sent."""
+    nodes = len(message.token_ids)
     if not message.draft_probs:
-        return Draft(tokens, None)
+        return None
     if len(message.draft_probs) != nodes:
         raise WireError(f"draft tree has {nodes} tokens but {len(message.draft_probs)} draft distributions")
     dtype = WIRE_DTYPES.get(message.draft_probs_dtype or "float32")
@@ -140,12 +174,25 @@ def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | 
         dense[i, ids] = probs
         if dense[i, message.token_ids[i]] <= 0:
             raise WireError(f"draft token {message.token_ids[i]} at node {i} has zero probability under its q")
-    dense = dense.to(dtype)
-    return Draft(tokens, dense.to(device))
+    return dense.to(dtype)
 
 
-def parse_draft(data: bytes, vocab_size: int, device: torch.device | str = "cpu") -> tuple[str, int, Draft]:
-    """Bytes from the wire -> (request id, cycle, draft)."""
+def _child_probs(tree: DraftTree, node_probs: torch.Tensor) -> torch.Tensor:
+    """Per-node q rows -> the tree's per-parent rows (siblings must agree; childless parents get zeros)."""
+    rows = node_probs.new_zeros(tree.size + 1, node_probs.shape[1])
+    for parent, children in enumerate(tree.children):
+        if children:
+            first = node_probs[children[0]]
+            if any(not torch.equal(node_probs[c], first) for c in children[1:]):
+                raise WireError(f"the children of node {parent - 1} carry different q; siblings share their parent's q")
+            rows[parent] = first
+    return rows
+
+
+def parse_draft(
+    data: bytes, vocab_size: int, device: torch.device | str = "cpu"
+) -> tuple[str, int, Draft | TreeProposal]:
+    """Bytes from the wire -> (request id, cycle, chain draft or tree proposal)."""
     message = _parse(pb.DraftTree, data)
     return message.request_id, int(message.cycle), decode_draft(message, vocab_size, device)
 
@@ -160,7 +207,7 @@ class VerdictInfo:
 
     request_id: str
     cycle: int
-    verdict: ChainVerdict
+    verdict: ChainVerdict | TreeVerdict  # a chain verdict whenever the path is 0, 1, 2, ...
     committed_length: int
     finished: bool
     target_seconds: float = 0.0
@@ -170,16 +217,17 @@ class VerdictInfo:
 def encode_verdict(
     request_id: str,
     cycle: int,
-    verdict: ChainVerdict,
+    verdict: ChainVerdict | TreeVerdict,
     committed_length: int,
     finished: bool,
     target_seconds: float = 0.0,
     allreduce_seconds: float = 0.0,
 ) -> pb.Verdict:
+    path = list(verdict.accepted) if isinstance(verdict, TreeVerdict) else list(range(verdict.num_accepted))
     return pb.Verdict(
         request_id=request_id,
         cycle=cycle,
-        accepted_path=list(range(verdict.num_accepted)),
+        accepted_path=path,
         next_token=verdict.next_token,
         next_kind=_KIND_TO_WIRE[verdict.next_kind],
         committed_length=committed_length,
@@ -189,16 +237,36 @@ def encode_verdict(
     )
 
 
-def decode_verdict(message: pb.Verdict) -> ChainVerdict:
-    path = list(message.accepted_path)
-    if path != list(range(len(path))):
-        raise WireError(f"verdict path {path[:8]} is not a chain prefix 0, 1, 2, ...")
+def decode_verdict(message: pb.Verdict) -> ChainVerdict | TreeVerdict:
+    """A chain verdict when the path is 0, 1, 2, ... (how chains are answered), else a tree verdict whose
+    path the drafter checks against the tree it sent (:func:`accepted_tokens`)."""
+    path = [int(node) for node in message.accepted_path]
+    if any(node < 0 for node in path) or any(b <= a for a, b in itertools.pairwise(path)):
+        raise WireError(f"verdict path {path[:8]} must hold increasing node indices >= 0")
     kind = _KIND_FROM_WIRE.get(message.next_kind)
     if kind is None:
         raise WireError(f"verdict has no valid next_kind (got {message.next_kind})")
     if message.next_token < 0:
         raise WireError(f"verdict next_token {message.next_token} is negative")
-    return ChainVerdict(len(path), int(message.next_token), kind)
+    if path == list(range(len(path))):
+        return ChainVerdict(len(path), int(message.next_token), kind)
+    return TreeVerdict(tuple(path), int(message.next_token), kind)
+
+
+def accepted_tokens(sent: Draft | TreeProposal, verdict: ChainVerdict | TreeVerdict) -> list[int]:
+    """The tokens a verdict commits (accepted path + next token), checked against the draft that was sent."""
+    if isinstance(sent, Draft):
+        if isinstance(verdict, TreeVerdict) or verdict.num_accepted > sent.gamma:
+            raise WireError(f"the verdict accepts {verdict.num_accepted} tokens of a {sent.gamma}-token chain")
+        return [*sent.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
+    tree = sent.tree
+    path = list(verdict.accepted) if isinstance(verdict, TreeVerdict) else list(range(verdict.num_accepted))
+    expected = -1
+    for node in path:
+        if node >= tree.size or tree.parents[node] != expected:
+            raise WireError(f"the verdict's path {path} is not a root path of the {tree.size}-node tree sent")
+        expected = node
+    return [*(int(tree.tokens[node]) for node in path), verdict.next_token]
 
 
 def parse_verdict(data: bytes) -> VerdictInfo:

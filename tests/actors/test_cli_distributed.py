@@ -33,6 +33,15 @@ def test_distributed_generate_prints_the_same_json(capsys: pytest.CaptureFixture
         assert remote["stats"]["cycles"] > 0
 
 
+def test_distributed_trees_print_the_same_json(capsys: pytest.CaptureFixture[str], ray_cluster: Any) -> None:
+    """`--tree dynamic --distributed --tp 2`: the in-process tokens and the same tree shape per cycle."""
+    tree = ("--tree", "dynamic", "--tree-depth", "4", "--tree-width", "2", "--tree-nodes", "8")
+    local = _generate(capsys, *tree)
+    remote = _generate(capsys, *tree, "--distributed", "--tp", "2")
+    assert remote["output_ids"] == local["output_ids"]
+    assert remote["stats"]["tree_shapes"] == local["stats"]["tree_shapes"] != []
+
+
 def test_distributed_flags_need_distributed(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["generate", "--prompt", "x", "--tp", "2"])
     _, err = capsys.readouterr()

@@ -19,6 +19,7 @@ from replicas import Case, config_for, greedy_reference
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.sampling import SamplingParams
+from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,6 +104,33 @@ def test_seeded_sampling(running: Running) -> None:
         else:
             want = running.engine.generate(prompt, params, config)
             assert got.output_ids == want.output_ids, (seed, prompt)
+
+
+TREES = {
+    "static": TreeSpec("static", topology=TreeTopology.from_lists([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])),
+    "dynamic": TreeSpec("dynamic", budget=TreeBudget(depth=4, width=2, nodes=7)),
+}
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+def test_trees_equal_the_engine_greedy_and_seeded(running: Running, shape: str) -> None:
+    """Trees drafted by the drafter actor and verified with tree attention on every shard: greedy equals
+    transformers, and a seeded sampled run equals the single-process engine's (trees never overlap)."""
+    spec = TREES[shape]
+    branched = 0
+    for prompt in running.pair.prompts[:4]:
+        config = GenerationConfig(max_new_tokens=20, tree=spec)
+        got = running.coordinator.generate(prompt, SamplingParams(), config)
+        want = running.engine.generate(prompt, SamplingParams(), config)
+        assert got.output_ids == want.output_ids == greedy_reference(running.pair, prompt, 20), prompt
+        assert got.stats.tree_shapes == want.stats.tree_shapes  # the same trees, cycle by cycle
+        branched += sum(nodes > depth for nodes, depth in got.stats.tree_shapes)
+    assert branched > 0, "no drafted tree had a branch"
+    for seed, prompt in enumerate(running.pair.prompts[:3]):
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
+        config = GenerationConfig(max_new_tokens=16, tree=spec)
+        got = running.coordinator.generate(prompt, params, config)
+        assert got.output_ids == running.engine.generate(prompt, params, config).output_ids, (seed, prompt)
 
 
 def test_stop_string_and_streaming(running: Running) -> None:

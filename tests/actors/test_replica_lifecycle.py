@@ -24,15 +24,19 @@ from specserve.core.sampling import SamplingParams
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_every_shard_holds_exactly_the_committed_kv(
-    ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
+    shape: str, ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
 ) -> None:
-    """Drive a TP-2 replica cycle by cycle; after every verdict each shard's KV equals a fresh prefill."""
+    """Drive a TP-2 replica cycle by cycle; after every verdict each shard's KV equals a fresh prefill
+    (chains: rolled back; trees: compacted to the accepted path on every shard)."""
     import ray
 
-    from specserve.core.draft import propose_within
+    from specserve.core.draft import Draft, TreeProposal, propose_tree_within, propose_within
     from specserve.core.sampling import make_generators
+    from specserve.core.tree import TreeBudget, TreeSpec
     from specserve.drafters.model import DraftModelDrafter
+    from specserve.rpc.codec import accepted_tokens
     from specserve.rpc.verifier import VerifierStream, open_channel
 
     pair = tiny_pairs["llama"]
@@ -47,11 +51,19 @@ def test_every_shard_holds_exactly_the_committed_kv(
         stream = VerifierStream(open_channel(replica.verifier_address))
         committed = list(prompt)
         sequence = ray.get(replica.rank0.sequence_id.remote("r"))
+        spec = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))
+        branched = 0
         for cycle in range(40):
-            draft = propose_within(drafter, 3, 24 - (len(committed) - len(prompt)))
+            remaining = 24 - (len(committed) - len(prompt))
+            draft: Draft | TreeProposal
+            if shape == "chain":
+                draft = propose_within(drafter, 3, remaining)
+            else:
+                draft = TreeProposal(propose_tree_within(drafter, spec, remaining))
+                branched += int(not draft.tree.is_chain)
             stream.send("r", cycle, draft)
             info = stream.receive()
-            new = [*draft.tokens[: info.verdict.num_accepted].tolist(), info.verdict.next_token]
+            new = accepted_tokens(draft, info.verdict)
             committed.extend(new[: info.committed_length - len(committed)])
             assert ray.get(replica.rank0.committed.remote("r")) == committed
 
@@ -73,6 +85,7 @@ def test_every_shard_holds_exactly_the_committed_kv(
         else:
             pytest.fail("the request never finished")
         stream.close()
+        assert shape == "chain" or branched > 0, "no drafted tree had a branch"
     finally:
         coordinator.shutdown()
 

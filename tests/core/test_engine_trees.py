@@ -1,13 +1,16 @@
 """The in-process engine with draft trees: greedy output equals transformers', sampled runs stay in bounds,
-the stats record the tree shape per cycle, and drafters that cannot draft trees are refused."""
+the stats record the tree shape per cycle, and drafters that cannot draft trees are refused
+(n-gram and ``none`` trees: tests/drafters/test_ngram_tree.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 import pytest
+import torch
 from conftest import TinyPair
 
+from specserve.core.draft import Draft
 from specserve.core.engine import GenerationConfig, InvalidRequest, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
@@ -53,8 +56,22 @@ def test_sampled_tree_generation_is_reproducible_and_bounded(engine: Speculative
     assert first.output_ids == again.output_ids and len(first.output_ids) == 20
 
 
-def test_trees_need_a_drafter_that_can_draft_them(engine: SpeculativeEngine) -> None:
-    for drafter in ("ngram", "none"):
-        with pytest.raises(InvalidRequest, match="cannot draft trees"):
-            config = GenerationConfig(max_new_tokens=4, drafter=drafter, tree=SPECS["dynamic"])
-            engine.generate([5, 6], SamplingParams(), config)
+class ChainOnlyDrafter:
+    """Proposes chains (empty ones) and has no ``propose_tree``."""
+
+    name = "chain-only"
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None: ...
+
+    def propose(self, budget: int) -> Draft:
+        return Draft.empty()
+
+    def accept(self, committed: Sequence[int]) -> None: ...
+
+    def rewind(self, length: int) -> None: ...
+
+
+def test_trees_need_a_drafter_that_can_draft_them(pair: TinyPair) -> None:
+    engine = SpeculativeEngine(pair.target, ChainOnlyDrafter())
+    with pytest.raises(InvalidRequest, match="cannot draft trees"):
+        engine.generate([5, 6], SamplingParams(), GenerationConfig(max_new_tokens=4, tree=SPECS["dynamic"]))

@@ -7,8 +7,10 @@ import contextlib
 import pytest
 import torch
 
-from specserve.core.draft import Draft
+from specserve.core.draft import Draft, TreeProposal
 from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.tree import DraftTree
+from specserve.core.tree_verification import ChildSampling, TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.rpc import codec
 from specserve.rpc.codec import WireError
@@ -62,7 +64,9 @@ def test_verdict_round_trip() -> None:
     ("mutate", "needle"),
     [
         (lambda m: m.parents.append(3), "parents"),
-        (lambda m: m.parents.__setitem__(1, -1), "not a chain"),
+        (lambda m: m.parents.__setitem__(1, -1), "must be a chain"),
+        (lambda m: setattr(m, "rules", 9), "unknown verification rules"),
+        (lambda m: (setattr(m, "rules", pb.RULES_TREE_IID), m.parents.__setitem__(1, 1)), "malformed draft tree"),
         (lambda m: (m.token_ids.append(VOCAB), m.parents.append(1)), "outside the vocabulary"),
         (lambda m: m.draft_probs.add(token_ids=[1], probs=[1.0]), "draft distributions"),
     ],
@@ -222,8 +226,9 @@ def test_verdict_round_trips_through_bytes_with_timings() -> None:
 @pytest.mark.parametrize(
     ("fields", "needle"),
     [
-        ({"accepted_path": [1, 2]}, "path"),
-        ({"accepted_path": [0, 2]}, "path"),
+        ({"accepted_path": [2, 1]}, "path"),
+        ({"accepted_path": [0, 0]}, "path"),
+        ({"accepted_path": [-1]}, "path"),
         ({"next_kind": pb.TOKEN_KIND_UNSPECIFIED}, "next_kind"),
         ({"next_kind": 7}, "next_kind"),  # proto3 enums are open: unknown values parse
         ({"next_token": -1}, "next_token"),
@@ -321,3 +326,71 @@ def test_oversize_verdicts_and_q_trees_are_refused(monkeypatch: pytest.MonkeyPat
         codec.parse_verdict(verdict)
     small = codec.encode_verdict("v", 0, ChainVerdict(0, 1, TokenKind.BONUS), 1, False).SerializeToString()
     assert len(small) <= 100 and codec.parse_verdict(small).request_id == "v"
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees: parents, per-parent q and the child-sampling rule survive the wire; verdict paths are checked
+
+
+def _tree_with_q(dtype: torch.dtype) -> DraftTree:
+    gen = torch.Generator().manual_seed(3)
+    parents = (-1, -1, 0, 0, 1, 2)
+    tokens = torch.tensor([4, 7, 1, 9, 4, 30])
+    rows = torch.rand(len(parents) + 1, VOCAB, generator=gen, dtype=torch.float64)
+    rows[:, ::3] = 0  # sparse support
+    for i, parent in enumerate(parents):
+        rows[parent + 1, tokens[i]] = 0.5  # every child lies in its parent's support
+    rows = rows / rows.sum(-1, keepdim=True)
+    rows[[4, 5, 6]] = 0  # leaves 3, 4 and 5 have no children: no q
+    return DraftTree(tokens, parents, rows.to(dtype))
+
+
+@pytest.mark.parametrize("sampling", list(ChildSampling))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_tree_proposals_round_trip_with_q_bit_exact(sampling: ChildSampling, dtype: torch.dtype) -> None:
+    tree = _tree_with_q(dtype)
+    data = codec.encode_draft("t", 4, TreeProposal(tree, sampling)).SerializeToString()
+    request_id, cycle, back = codec.parse_draft(data, VOCAB)
+    assert (request_id, cycle) == ("t", 4) and isinstance(back, TreeProposal)
+    assert back.sampling is sampling and back.tree.parents == tree.parents
+    assert torch.equal(back.tree.tokens, tree.tokens)
+    assert back.tree.child_probs is not None and tree.child_probs is not None
+    assert back.tree.child_probs.dtype == dtype and torch.equal(back.tree.child_probs, tree.child_probs)
+
+
+def test_deterministic_trees_and_chain_shaped_trees_keep_the_tree_rules() -> None:
+    tree = DraftTree(torch.tensor([5, 6, 7]), (-1, -1, 1))
+    back = codec.parse_draft(codec.encode_draft("d", 0, TreeProposal(tree)).SerializeToString(), VOCAB)[2]
+    assert isinstance(back, TreeProposal) and back.tree.child_probs is None and back.tree.parents == (-1, -1, 1)
+    chain = DraftTree.chain(torch.tensor([1, 2]))  # a chain-shaped tree is still verified by the tree rules
+    assert isinstance(
+        codec.parse_draft(codec.encode_draft("c", 0, TreeProposal(chain)).SerializeToString(), VOCAB)[2], TreeProposal
+    )
+    assert isinstance(
+        codec.parse_draft(codec.encode_draft("c", 0, Draft(torch.tensor([1, 2]), None)).SerializeToString(), VOCAB)[2],
+        Draft,
+    )
+
+
+def test_siblings_with_different_q_are_rejected() -> None:
+    message = codec.encode_draft("s", 0, TreeProposal(_tree_with_q(torch.float64)))
+    message.draft_probs[1].CopyFrom(pb.SparseDistribution(token_ids=[7, 8], probs=[0.5, 0.5]))
+    with pytest.raises(WireError, match="siblings share"):
+        codec.decode_draft(message, VOCAB)
+
+
+def test_tree_verdicts_round_trip_and_paths_are_checked_against_the_tree() -> None:
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), (-1, -1, 1, 2))
+    verdict = TreeVerdict((1, 2, 3), 11, TokenKind.BONUS)
+    info = codec.parse_verdict(codec.encode_verdict("v", 1, verdict, 10, False).SerializeToString())
+    assert info.verdict == verdict
+    assert codec.accepted_tokens(TreeProposal(tree), info.verdict) == [6, 7, 8, 11]
+    assert codec.accepted_tokens(TreeProposal(tree), ChainVerdict(1, 3, TokenKind.RECOVERED)) == [5, 3]
+    with pytest.raises(WireError, match="not a root path"):  # node 2's parent is 1, not 0
+        codec.accepted_tokens(TreeProposal(tree), TreeVerdict((0, 2), 1, TokenKind.BONUS))
+    with pytest.raises(WireError, match="not a root path"):
+        codec.accepted_tokens(TreeProposal(tree), TreeVerdict((1, 2, 3, 4), 1, TokenKind.BONUS))
+    with pytest.raises(WireError, match="chain"):
+        codec.accepted_tokens(Draft(torch.tensor([1, 2]), None), ChainVerdict(3, 1, TokenKind.BONUS))
+    with pytest.raises(WireError, match="chain"):
+        codec.accepted_tokens(Draft(torch.tensor([1, 2]), None), verdict)

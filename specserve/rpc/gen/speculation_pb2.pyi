@@ -7,11 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Rules(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RULES_CHAIN: _ClassVar[Rules]
+    RULES_TREE_IID: _ClassVar[Rules]
+    RULES_TREE_WITHOUT_REPLACEMENT: _ClassVar[Rules]
+
 class TokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TOKEN_KIND_UNSPECIFIED: _ClassVar[TokenKind]
     TOKEN_KIND_RECOVERED: _ClassVar[TokenKind]
     TOKEN_KIND_BONUS: _ClassVar[TokenKind]
+RULES_CHAIN: Rules
+RULES_TREE_IID: Rules
+RULES_TREE_WITHOUT_REPLACEMENT: Rules
 TOKEN_KIND_UNSPECIFIED: TokenKind
 TOKEN_KIND_RECOVERED: TokenKind
 TOKEN_KIND_BONUS: TokenKind
@@ -35,7 +44,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "features", "draft_probs_dtype")
+    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "features", "draft_probs_dtype", "rules")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +52,7 @@ class DraftTree(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RULES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -50,7 +60,8 @@ class DraftTree(_message.Message):
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     features: Tensor
     draft_probs_dtype: str
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs_dtype: _Optional[str] = ...) -> None: ...
+    rules: Rules
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs_dtype: _Optional[str] = ..., rules: _Optional[_Union[Rules, str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finished", "target_seconds", "allreduce_seconds")
