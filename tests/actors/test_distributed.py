@@ -133,6 +133,25 @@ def test_trees_equal_the_engine_greedy_and_seeded(running: Running, shape: str) 
         assert got.output_ids == running.engine.generate(prompt, params, config).output_ids, (seed, prompt)
 
 
+def test_drafter_invariant_output_is_the_same_whatever_the_drafter(running: Running) -> None:
+    """Drafter-invariant sampling: for one seed every drafter, gamma and tree on this replica (TP 1 or 2) emits
+    exactly what plain in-process decoding emits with the same noise."""
+    prompt = running.pair.prompts[1]
+    none = SpeculativeEngine(running.pair.target, build_drafter("none", running.pair.target))
+    for seed in (3, 11):
+        params = SamplingParams(temperature=1.0, top_k=30, seed=seed, drafter_invariant=True)
+        want = none.generate(prompt, params, GenerationConfig(max_new_tokens=16, gamma=1)).output_ids
+        configs = [
+            GenerationConfig(max_new_tokens=16, gamma=g, drafter=d)
+            for d in ("default", "ngram", "none")
+            for g in (2, 5)
+        ]
+        configs.append(GenerationConfig(max_new_tokens=16, tree=TREES["dynamic"]))
+        for config in configs:
+            got = running.coordinator.generate(prompt, params, config)
+            assert got.output_ids == want, (seed, config)
+
+
 def test_stop_string_and_streaming(running: Running) -> None:
     prompt = running.pair.length_prompts[0]
     full = running.engine.generate(prompt, SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=3))
