@@ -18,6 +18,7 @@ Pure tensors and index arithmetic: no model, no sampling, no verification rules.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -221,3 +222,31 @@ class TreeTopology:
     @property
     def size(self) -> int:
         return len(self.paths)
+
+    @staticmethod
+    def best_first(nodes: int, rank_probs: Sequence[float], max_depth: int = 16) -> TreeTopology:
+        """The ``nodes`` paths with the highest product of ``rank_probs`` along them (Medusa's calibrated trees).
+
+        ``rank_probs[r]`` estimates how often the target's token is the drafter's rank-``r``
+        candidate; a path's product is then its chance of being accepted. Probabilities are made
+        non-increasing in rank first, so a path's first child and next sibling are its best
+        successors and a best-first search finds the top ``nodes`` exactly. Ancestor-closed: a
+        prefix never scores below its extension.
+        """
+        probs = [float(p) for p in rank_probs]
+        if nodes < 1 or max_depth < 1 or not probs or any(not 0.0 < p <= 1.0 for p in probs):
+            raise InvalidTree(f"best_first needs nodes, max_depth >= 1 and rank_probs in (0, 1], got {nodes}, "
+                              f"{max_depth}, {probs}")  # fmt: skip
+        for r in range(1, len(probs)):
+            probs[r] = min(probs[r], probs[r - 1])
+        heap: list[tuple[float, tuple[int, ...]]] = [(-probs[0], (0,))]
+        chosen: list[tuple[int, ...]] = []
+        while heap and len(chosen) < nodes:
+            negative, path = heapq.heappop(heap)
+            chosen.append(path)
+            if len(path) < max_depth:  # first child
+                heapq.heappush(heap, (negative * probs[0], (*path, 0)))
+            if path[-1] + 1 < len(probs):  # next sibling
+                value = negative / probs[path[-1]] * probs[path[-1] + 1]
+                heapq.heappush(heap, (value, (*path[:-1], path[-1] + 1)))
+        return TreeTopology(tuple(chosen))

@@ -12,9 +12,12 @@ node's path. They carry no q, so verification treats each child as a point-mass 
   the whole tree. A child's confidence never exceeds its parent's, so the best ``nodes`` (ties
   broken towards shallower nodes) always include their ancestors.
 
-Each level is one draft forward over the nodes that level added (tree attention on the draft's
-own cache, which holds the levels before it; rolled back to the committed text at the end). Confidence uses the
-draft's plain softmax (temperature 1), whatever the request's sampling parameters.
+Each level is one draft forward over only the nodes of the level above that get children — leaves
+are never forwarded, and the committed tokens the draft has not seen go in one causal forward
+with the root (tree attention on the draft's own cache, rolled back to the committed text at the
+end). A dynamic tree of depth d, like a chain of d tokens, costs d draft forwards of at most
+``width`` rows each. Confidence uses the draft's plain softmax (temperature 1), whatever the
+request's sampling parameters.
 
 For drafter-invariant requests (``coupling`` set to their :class:`SamplingParams`; see
 :mod:`specserve.core.invariant`) each node's rank-0 child is the *coupled* token
@@ -28,7 +31,7 @@ Does not verify, sample, or know the target beyond its vocabulary.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -68,45 +71,64 @@ class TreeModelDrafter:
     # -----------------------------------------------------------------------------------------
 
     def propose_static(self, topology: TreeTopology) -> DraftTree:
-        tokens: list[int] = []
+        parents = topology.parents
+        tokens = [0] * topology.size
+        expanded = {parent for parent in parents if parent != ROOT}  # nodes the topology gives children
         levels = max((len(p) for p in topology.paths), default=0)
-        with self._tree_session() as grow:
+        with self._session() as session:
+            rows = {ROOT: session.root_logits}  # draft logits after each node that has children
             for level in range(levels):
-                logits = grow(DraftTree(torch.tensor(tokens, dtype=torch.long), topology.parents[: len(tokens)]))
-                coupled = self._coupled(logits, level)
-                for node, path in enumerate(topology.paths):
-                    if len(path) - 1 == level:
-                        row = topology.parents[node] + 1
-                        ranked = self._ranked(logits[row], path[-1] + 1, None if coupled is None else coupled[row])
-                        tokens.append(ranked[-1])
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._output_device), topology.parents)
+                at_level = [node for node, path in enumerate(topology.paths) if len(path) - 1 == level]
+                ranked = self._children(rows, level, 1 + max(topology.ranks[n] for n in at_level))
+                for node in at_level:
+                    tokens[node] = ranked[parents[node]][topology.ranks[node]]
+                grown = [node for node in at_level if node in expanded]
+                if grown:
+                    rows = dict(zip(grown, session.expand(grown, tokens, parents), strict=True))
+        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._output_device), parents)
 
     def propose_dynamic(self, budget: TreeBudget) -> DraftTree:
         tokens: list[int] = []
         parents: list[int] = []
         confidence: list[float] = []
-        frontier = [ROOT]
-        with self._tree_session() as grow:
+        with self._session() as session:
+            rows = {ROOT: session.root_logits}  # the frontier: nodes to expand, with their draft logits
             for level in range(budget.depth):
-                logits = grow(DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents)))
-                log_probs = torch.log_softmax(logits.double(), dim=-1)
-                coupled = self._coupled(logits, level)
-                new_frontier = []
-                for parent in frontier:
+                frontier = list(rows)
+                log_probs = torch.log_softmax(torch.stack([rows[n] for n in frontier]).double(), dim=-1)
+                ranked = self._children(rows, level, budget.width)
+                new_nodes = []
+                for parent, row in zip(frontier, log_probs, strict=True):
                     base = confidence[parent] if parent != ROOT else 0.0
-                    row = log_probs[parent + 1]
-                    ranked = self._ranked(row, budget.width, None if coupled is None else coupled[parent + 1])
-                    values = row[ranked].tolist()
+                    children = ranked[parent]
+                    values = row[children].tolist()
                     values[0] = float(row.max())  # a coupled rank-0 child takes the best token's confidence
-                    for value, token in zip(values, ranked, strict=True):
-                        tokens.append(int(token))
+                    for value, token in zip(values, children, strict=True):
+                        tokens.append(token)
                         parents.append(parent)
                         confidence.append(base + value)
-                        new_frontier.append(len(tokens) - 1)
-                frontier = sorted(new_frontier, key=lambda n: -confidence[n])[: budget.width]
+                        new_nodes.append(len(tokens) - 1)
+                if level + 1 == budget.depth:
+                    break
+                grown = sorted(new_nodes, key=lambda n: -confidence[n])[: budget.width]
+                rows = dict(zip(grown, session.expand(grown, tokens, parents), strict=True))
         return self._keep_best(tokens, parents, confidence, budget.nodes)
 
     # -----------------------------------------------------------------------------------------
+
+    def _children(self, rows: dict[int, torch.Tensor], level: int, k: int) -> dict[int, list[int]]:
+        """Each node's ``k`` best children in rank order (its row of draft logits -> top-``k`` tokens; for
+        drafter-invariant requests the coupled token first)."""
+        nodes = list(rows)
+        logits = torch.stack([rows[n] for n in nodes])
+        top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices.tolist()
+        coupled = self._coupled(logits, level)
+        if coupled is None:
+            return dict(zip(nodes, top, strict=True))
+        return {
+            node: [c, *(token for token in row if token != c)][:k]
+            for node, row, c in zip(nodes, top, coupled, strict=True)
+        }
 
     def _coupled(self, logits: torch.Tensor, level: int) -> list[int] | None:
         """Drafter-invariant requests: per row of ``logits`` ([n + 1, vocab]), the coupled token for a child at
@@ -117,41 +139,15 @@ class TreeModelDrafter:
         position = len(self.context) + level
         return invariant_tokens(logits, self.coupling, [position] * logits.shape[0]).tolist()
 
-    @staticmethod
-    def _ranked(row: torch.Tensor, k: int, coupled: int | None) -> list[int]:
-        """A node's ``k`` best children in rank order: the draft's top-``k`` tokens, or the coupled token
-        followed by the draft's best tokens other than it."""
-        top: list[int] = row.topk(k).indices.tolist()
-        if coupled is None:
-            return top
-        return [coupled, *(token for token in top if token != coupled)][:k]
-
     @contextlib.contextmanager
-    def _tree_session(self) -> Iterator[Callable[[DraftTree], torch.Tensor]]:
-        """Grow a tree level by level on the draft's cache; yields ``grow(tree)`` -> logits after the root
-        and every node so far ([n + 1, vocab]), forwarding only the nodes added since the last call.
-        The cache is rolled back to the committed text afterwards."""
+    def _session(self) -> Iterator[_Session]:
         if self._cache is None:
             raise RuntimeError("call start() before proposing")
-        cache, context = self._cache, self.context
-        committed = len(context) - 1  # the cache holds every committed token but the last (the root)
-        if cache.length > committed:
-            cache.rollback(committed)
-        if cache.length < committed:
-            self.model.forward(cache, torch.tensor(context[cache.length : committed]), last_only=True)
-        rows: list[torch.Tensor] = []
-
-        def grow(tree: DraftTree) -> torch.Tensor:
-            if not rows:
-                rows.extend(self.model.forward_tree(cache, context[-1], tree))
-            elif tree.size + 1 > len(rows):
-                rows.extend(self.model.extend_tree(cache, tree, len(rows) - 1))
-            return torch.stack(rows)
-
+        session = _Session(self.model, self._cache, self.context)
         try:
-            yield grow
+            yield session
         finally:
-            cache.rollback(committed)
+            session.close()
 
     def _keep_best(self, tokens: list[int], parents: list[int], confidence: list[float], keep: int) -> DraftTree:
         depth = DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents)).depths
@@ -168,3 +164,39 @@ class TreeModelDrafter:
             torch.tensor([tokens[n] for n in order], dtype=torch.long, device=self._output_device),
             tuple(index[parents[n]] if parents[n] != ROOT else ROOT for n in order),
         )
+
+
+class _Session:
+    """The draft forwards of one proposal on the draft's own cache, which holds the committed text but its last token.
+
+    The first forward is causal: the committed tokens the cache lacks, ending with the root (the
+    last committed token), whose next-token logits are :attr:`root_logits`. Then each
+    :meth:`expand` forwards only the tree nodes that will get children (leaves never need a draft
+    forward), with tree attention over the nodes forwarded before them. :meth:`close` rolls the
+    cache back to the committed text.
+    """
+
+    def __init__(self, model: CausalLM, cache: KVCache, context: Sequence[int]) -> None:
+        self.model, self.cache = model, cache
+        self.committed = len(context) - 1
+        if cache.length > self.committed:
+            cache.rollback(self.committed)
+        pending = torch.tensor(list(context[cache.length :]), dtype=torch.long)
+        self.root_logits = model.forward(cache, pending, last_only=True)[-1]
+        self._tokens: list[int] = []  # forwarded nodes, in order
+        self._parents: list[int] = []  # their parents, as indices into the forwarded nodes
+        self._index: dict[int, int] = {}  # tree node -> forwarded index
+
+    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Forward tree ``nodes`` (their parents forwarded already); ``[len(nodes), vocab]`` logits after each."""
+        start = len(self._tokens)
+        for node in nodes:
+            parent = parents[node]
+            self._parents.append(ROOT if parent == ROOT else self._index[parent])
+            self._index[node] = len(self._tokens)
+            self._tokens.append(int(tokens[node]))
+        forwarded = DraftTree(torch.tensor(self._tokens, dtype=torch.long), tuple(self._parents))
+        return self.model.extend_tree(self.cache, forwarded, start)
+
+    def close(self) -> None:
+        self.cache.rollback(self.committed)

@@ -8,6 +8,7 @@ forward over that node's root-to-node path. Compaction is checked against a fres
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -207,3 +208,25 @@ def test_extending_a_tree_level_by_level_equals_one_forward(pair: TinyPair, shap
         torch.testing.assert_close(v, wv, atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="start"):
         lm.extend_tree(cache, tree, tree.size)  # nothing left to add
+
+
+def test_best_first_topology_takes_the_most_probable_paths() -> None:
+    probs = [0.6, 0.2, 0.1]
+    topology = TreeTopology.best_first(8, probs, max_depth=4)
+    assert topology.size == 8
+
+    def value(path: tuple[int, ...]) -> float:
+        return float(torch.tensor([probs[r] for r in path], dtype=torch.float64).prod())
+
+    every = [p for d in range(1, 5) for p in itertools.product(range(3), repeat=d)]
+    kept = sorted(value(p) for p in topology.paths)
+    left = max(value(p) for p in every if p not in set(topology.paths))
+    assert kept[0] >= left - 1e-12  # nothing left out beats anything kept
+    assert all(len(p) == 1 or p[:-1] in topology.paths for p in topology.paths)
+    assert TreeTopology.best_first(3, [0.9, 0.05]).paths == ((0,), (0, 0), (0, 0, 0))  # a confident drafter: a chain
+    assert TreeTopology.best_first(2, [0.5, 0.6]).paths == ((0,), (1,))  # ranks made non-increasing
+    assert TreeTopology.best_first(40, [0.5, 0.5], max_depth=2).size == 6  # only 2 + 4 paths exist
+    with pytest.raises(InvalidTree):
+        TreeTopology.best_first(0, [0.5])
+    with pytest.raises(InvalidTree):
+        TreeTopology.best_first(3, [1.5])
