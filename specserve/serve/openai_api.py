@@ -10,7 +10,8 @@ the sampling parameters and generation config are fixed. Every refusal is a
 A :class:`PreparedRequest` then shapes whatever stream of
 :class:`~specserve.core.engine.StreamChunk` a runner produced: as one ``text_completion`` /
 ``chat.completion`` object, or as ``text_completion`` / ``chat.completion.chunk`` events ending
-in ``data: [DONE]``. Every answer carries ``usage`` and a ``speculation`` summary.
+in ``data: [DONE]``. Every answer carries ``usage`` and a ``speculation`` summary (counters, the tree
+shape of every cycle, how tokens were sampled).
 
 Pure: no HTTP, no threads, no Ray. The ingress (:mod:`specserve.serve.ingress`) drives it
 asynchronously; :meth:`OpenAIHandler.run` drives it synchronously over a local runner (tests and
@@ -38,13 +39,23 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-def speculation_summary(stats: RequestStats) -> dict[str, Any]:
+def sampling_mode(params: SamplingParams) -> str:
+    """How the target's tokens were chosen: ``greedy`` (temperature 0), ``drafter_invariant`` (keyed Gumbel
+    noise, :mod:`specserve.core.invariant`) or ``rejection`` (speculative rejection sampling)."""
+    if params.greedy:
+        return "greedy"
+    return "drafter_invariant" if params.invariant_sampling else "rejection"
+
+
+def speculation_summary(stats: RequestStats, params: SamplingParams) -> dict[str, Any]:
     return {
         "cycles": stats.cycles,
         "drafted_tokens": stats.drafted_tokens,
         "accepted_tokens": stats.accepted_tokens,
         "mean_accepted_length": stats.mean_accepted,
         "acceptance_by_position": stats.acceptance_by_position,
+        "tree_shapes": [[nodes, depth] for nodes, depth in stats.tree_shapes],  # per cycle; empty for chains
+        "sampling": sampling_mode(params),
         "lossy": False,  # no lossy acceptance mode exists yet; every answer is exact
     }
 
@@ -99,7 +110,7 @@ class PreparedRequest:
             **self._meta(),
             "choices": [choice],
             "usage": usage(result),
-            "speculation": speculation_summary(result.stats),
+            "speculation": speculation_summary(result.stats, self.params),
         }
 
     def collect(self, chunks: Iterable[StreamChunk]) -> dict[str, Any]:
@@ -130,7 +141,7 @@ class PreparedRequest:
         body: dict[str, Any] = {**self._meta(), "choices": [choice]}
         if result is not None:
             body["usage"] = usage(result)
-            body["speculation"] = speculation_summary(result.stats)
+            body["speculation"] = speculation_summary(result.stats, self.params)
         return sse(body)
 
     def events(self, chunks: Iterable[StreamChunk]) -> Iterator[str]:

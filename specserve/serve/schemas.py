@@ -4,9 +4,11 @@ Requests are pydantic models whose every field carries a description; a request 
 one (missing prompt, ``max_tokens`` <= 0, ``temperature`` < 0, ``top_p`` outside (0, 1], ``n``
 > 1, an unknown field type) becomes a :class:`RequestError` with the OpenAI error shape
 (``{"error": {"message", "type", "param", "code"}}``) and a 4xx status. Extensions beyond the
-OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, and
-the drafter: the deployment's configured one, ``ngram`` or ``none``; a draft model cannot be
-chosen per request).
+OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
+drafter — the deployment's configured one, ``ngram`` or ``none``; a draft model cannot be chosen
+per request —, the draft shape — a chain, a dynamic tree within a budget, or a static topology
+(:mod:`specserve.core.tree`), bounded so that no request can ask for a giant tree — and
+drafter-invariant sampling, :mod:`specserve.core.invariant`).
 
 What a validated request means for the engine — sampling parameters and the generation config —
 is decided here once (:meth:`CompletionRequest.sampling` / :meth:`CompletionRequest.generation`),
@@ -16,14 +18,27 @@ needs the model: the coordinator's prompt codec does it), or talk to Ray.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from specserve.core.engine import MAX_GAMMA, GenerationConfig
 from specserve.core.sampling import SamplingParams
+from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+# The largest draft tree a request may ask for: every node is a position of the target's verify pass.
+MAX_TREE_DEPTH = 16
+MAX_TREE_WIDTH = 8
+MAX_TREE_NODES = 64
 
 
 class RequestError(Exception):
@@ -66,6 +81,71 @@ def _common_prefix(locs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
     return prefix
 
 
+# ---------------------------------------------------------------------------------------------
+# The ``speculation`` extension
+
+
+class ChainTree(BaseModel):
+    """``{"kind": "chain"}``: one chain of ``gamma`` draft tokens per cycle (the default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["chain"] = Field(..., description="a chain of gamma draft tokens per cycle")
+
+    def spec(self) -> TreeSpec | None:
+        return None
+
+
+class DynamicTree(BaseModel):
+    """``{"kind": "dynamic", ...}``: a tree grown per cycle within a budget, as EAGLE-2 does."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["dynamic"] = Field(..., description="a tree grown each cycle from the draft's confidence")
+    depth: int = Field(4, ge=1, le=MAX_TREE_DEPTH, description="levels below the last committed token")
+    width: int = Field(
+        2, ge=1, le=MAX_TREE_WIDTH, description="children per expanded node, and nodes expanded per level"
+    )
+    nodes: int = Field(8, ge=1, le=MAX_TREE_NODES, description="draft nodes kept for verification")
+
+    def spec(self) -> TreeSpec:
+        return TreeSpec("dynamic", budget=TreeBudget(self.depth, self.width, self.nodes))
+
+
+TreeRank = Annotated[int, Field(ge=0, lt=MAX_TREE_NODES)]  # which candidate of its parent: 0 = the best
+TreePath = Annotated[list[TreeRank], Field(min_length=1, max_length=MAX_TREE_DEPTH)]
+
+
+class StaticTree(BaseModel):
+    """``{"kind": "static", "paths": [[0], [1], [0, 0]]}``: one fixed topology as index paths (Medusa's form)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["static"] = Field(..., description="the same tree shape every cycle")
+    paths: list[TreePath] = Field(
+        ...,
+        min_length=1,
+        max_length=MAX_TREE_NODES,
+        description=(
+            "one index path per node: [0] = the root's best child, [0, 1] = that child's second-best child...;"
+            " every path's parent path must be listed too"
+        ),
+    )
+
+    @field_validator("paths")
+    @classmethod
+    def _topology(cls, paths: list[list[int]]) -> list[list[int]]:
+        TreeTopology.from_lists(paths)  # raises InvalidTree, a ValueError: a path twice, a missing parent path...
+        return paths
+
+    def spec(self) -> TreeSpec:
+        return TreeSpec("static", topology=TreeTopology.from_lists(self.paths))
+
+
+TREE_KINDS = ("chain", "dynamic", "static")
+TreeOptions = Annotated[ChainTree | DynamicTree | StaticTree, Field(discriminator="kind")]
+
+
 class SpeculationOptions(BaseModel):
     """The ``speculation`` extension object: how this request drafts."""
 
@@ -82,6 +162,42 @@ class SpeculationOptions(BaseModel):
             " nobody (none: plain decoding); output is the same, only speed differs"
         ),
     )
+    tree: TreeOptions = Field(
+        default_factory=lambda: ChainTree(kind="chain"),
+        description=(
+            'the draft shape: {"kind": "chain"} (default; gamma tokens), {"kind": "dynamic", "depth": 4,'
+            ' "width": 2, "nodes": 8} (EAGLE-2 budget; gamma unused) or {"kind": "static", "paths": [[0], [1],'
+            f" [0, 0]]}} (a fixed topology); at most depth {MAX_TREE_DEPTH}, width {MAX_TREE_WIDTH},"
+            f" {MAX_TREE_NODES} nodes; output is the same, only speed differs"
+        ),
+    )
+    drafter_invariant: bool = Field(
+        False,
+        description=(
+            "sample so that the output for a seed is the same whatever the drafter, gamma or tree (keyed"
+            " Gumbel noise; accepts fewer drafts than the default rejection sampling); no effect at temperature 0"
+        ),
+    )
+
+    @field_validator("tree", mode="wrap")
+    @classmethod
+    def _one_tree_error(cls, tree: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """Every fault inside the tree object is reported at ``speculation.tree``, the inner field named in the
+        message (pydantic's own locations would contain the union's tag, which is no key of the JSON)."""
+        try:
+            return handler(tree)
+        except ValidationError as exc:
+            reasons = []
+            for error in exc.errors():
+                loc = error["loc"][1:] if error["loc"][:1] and error["loc"][0] in TREE_KINDS else error["loc"]
+                where = ".".join(str(part) for part in loc)
+                reason = str(error["msg"]).removeprefix("Value error, ")
+                if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+                    where, reason = "kind", "Input should be 'chain', 'dynamic' or 'static'"
+                reasons.append(f"{where}: {reason}" if where else reason)
+            raise PydanticCustomError(
+                "invalid_tree", "{reasons}", {"reasons": "; ".join(dict.fromkeys(reasons))}
+            ) from exc
 
 
 class _Request(BaseModel):
@@ -118,16 +234,24 @@ class _Request(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed or 0)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed or 0,
+            drafter_invariant=self.speculation.drafter_invariant,
+        )
 
     def generation(self, default_max_tokens: int, default_gamma: int) -> GenerationConfig:
-        gamma = (self.speculation.gamma or default_gamma) if self.speculation.enabled else 0
+        speculation = self.speculation
+        gamma = (speculation.gamma or default_gamma) if speculation.enabled else 0
         return GenerationConfig(
             max_new_tokens=self.max_tokens or default_max_tokens,
             gamma=gamma,
             stop=self.stop_strings(),
             ignore_eos=self.ignore_eos,
-            drafter=self.speculation.drafter,
+            drafter=speculation.drafter,
+            tree=speculation.tree.spec() if speculation.enabled else None,
         )
 
 

@@ -3,7 +3,8 @@
 One application (ingress + one ModelServer replica placing its target shard and drafter as Ray
 actors) serves the shipped default models with an API key for the whole module. Checks: greedy
 answers equal ``specserve generate`` and transformers' greedy decoding token for token; streamed
-text equals the whole answer; every bad request gets OpenAI's error JSON with a 4xx and the
+text equals the whole answer; draft trees give the chain's answer, and drafter-invariant sampling
+the same text whoever drafts; every bad request gets OpenAI's error JSON with a 4xx and the
 server keeps serving; the API key; a client that disconnects mid-stream cancels its generation
 and frees its KV; Prometheus metrics reach Ray's exporter.
 """
@@ -153,6 +154,32 @@ def test_speculation_off_and_sampling_options(client: openai.OpenAI) -> None:
     assert "\n" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
 
 
+def test_trees_and_drafter_invariant_sampling(client: openai.OpenAI) -> None:
+    def complete(temperature: float, speculation: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        answer = client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=24, temperature=temperature, seed=3,
+            extra_body={"speculation": speculation},
+        )  # fmt: skip
+        assert answer.model_extra is not None
+        return answer.choices[0].text, answer.model_extra["speculation"]
+
+    chain, chain_stats = complete(0, {})
+    assert chain_stats["tree_shapes"] == [] and chain_stats["sampling"] == "greedy"
+    for tree in (
+        {"kind": "dynamic", "depth": 3, "width": 2, "nodes": 6},
+        {"kind": "static", "paths": [[0], [1], [0, 0]]},
+    ):
+        text, stats = complete(0, {"tree": tree})
+        assert text == chain, tree  # a tree changes the speed, never the answer
+        assert len(stats["tree_shapes"]) == stats["cycles"] > 0 and stats["drafted_tokens"] > 0, stats
+    # drafter-invariant sampling: the same seed gives the same text whoever drafts
+    by_drafter = {
+        drafter: complete(1.0, {"drafter": drafter, "drafter_invariant": True}) for drafter in ("default", "ngram")
+    }
+    assert by_drafter["default"][0] == by_drafter["ngram"][0]
+    assert all(stats["sampling"] == "drafter_invariant" for _, stats in by_drafter.values())
+
+
 def test_models_health_and_readiness(client: openai.OpenAI, url: str) -> None:
     assert [m.id for m in client.models.list()] == [MODEL_NAME]
     assert requests.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
@@ -182,6 +209,7 @@ BAD_REQUESTS: list[tuple[Any, int, str | None, str]] = [
     ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ({**GOOD, "speculation": {"gamma": 0}}, 400, "speculation.gamma", "greater than or equal to 1"),
     ({**GOOD, "speculation": {"drafter": "eagle"}}, 400, "speculation.drafter", "'default', 'ngram' or 'none'"),
+    ({**GOOD, "speculation": {"tree": {"kind": "static", "paths": [[0, 1]]}}}, 400, "speculation.tree", "parent path"),
     ({**GOOD, "prompt": "x" * (MAX_BODY + 10)}, 413, None, "exceeds the limit"),
 ]
 

@@ -16,13 +16,17 @@ from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
 from specserve.serve.openai_api import OpenAIHandler, plain_chat_prompt
 from specserve.serve.schemas import (
+    ChainTree,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    DynamicTree,
     RequestError,
     SpeculationOptions,
+    StaticTree,
 )
 
+TREE_OPTIONS = (ChainTree, DynamicTree, StaticTree)
 CONFIG = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=16)
 
 
@@ -118,6 +122,51 @@ def test_chosen_drafter_gives_the_same_text(handler: Api, drafter: str) -> None:
     assert (chosen["speculation"]["drafted_tokens"] > 0) == (drafter == "ngram")
 
 
+TREES: list[dict[str, Any]] = [
+    {"kind": "dynamic", "depth": 3, "width": 2, "nodes": 5},
+    {"kind": "static", "paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]},
+]
+
+
+def test_trees_give_the_chain_text_and_report_their_shapes(handler: Api) -> None:
+    prompt = "xyzxyzxyz"
+    chain = handler.completion(CompletionRequest(model="tiny", prompt=prompt, temperature=0, max_tokens=12))
+    assert isinstance(chain, dict)
+    assert chain["speculation"]["tree_shapes"] == [] and chain["speculation"]["sampling"] == "greedy"
+    for tree in TREES:
+        request = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 12, "speculation": {"tree": tree}}
+        answer = handler.completion(CompletionRequest(**request))
+        assert isinstance(answer, dict) and answer["choices"][0]["text"] == chain["choices"][0]["text"], tree
+        spec = answer["speculation"]
+        shapes = spec["tree_shapes"]
+        assert len(shapes) == spec["cycles"] > 0 and sum(nodes for nodes, _ in shapes) == spec["drafted_tokens"]
+        assert all(nodes <= 5 and depth <= 3 for nodes, depth in shapes), shapes
+        streamed = events(handler.completion(CompletionRequest(**request, stream=True)))
+        assert streamed[-1]["speculation"]["tree_shapes"] == shapes  # the last event carries the summary too
+
+
+def test_drafter_invariant_output_is_the_same_for_every_drafter(handler: Api) -> None:
+    def sampled(speculation: dict[str, Any]) -> dict[str, Any]:
+        request = CompletionRequest(
+            model="tiny", prompt="abcab", temperature=1.0, seed=5, max_tokens=12, ignore_eos=True,
+            speculation={**speculation, "drafter_invariant": True},
+        )  # fmt: skip
+        answer = handler.completion(request)
+        assert isinstance(answer, dict) and answer["speculation"]["sampling"] == "drafter_invariant"
+        return answer
+
+    first = sampled({"gamma": 2})
+    want = first["choices"][0]["text"]
+    accepted = first["speculation"]["accepted_tokens"]
+    for speculation in ({"gamma": 6}, {"drafter": "ngram"}, {"drafter": "none"}, {"tree": TREES[0]}):
+        answer = sampled(speculation)
+        assert answer["choices"][0]["text"] == want, speculation
+        accepted += answer["speculation"]["accepted_tokens"]
+    assert accepted > 0  # drafts were accepted: the equality is not that of plain decoding runs only
+    plain = handler.completion(CompletionRequest(model="tiny", prompt="abcab", temperature=1.0, seed=5, max_tokens=4))
+    assert isinstance(plain, dict) and plain["speculation"]["sampling"] == "rejection"
+
+
 def test_refusals(handler: Api) -> None:
     with pytest.raises(RequestError) as info:
         handler.completion(CompletionRequest(model="gpt-4", prompt="x"))
@@ -141,6 +190,6 @@ def test_chat_uses_the_tokenizers_own_template(handler: Api) -> None:
 
 
 def test_every_request_field_is_documented() -> None:
-    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, SpeculationOptions):
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, SpeculationOptions, *TREE_OPTIONS):
         undocumented = [name for name, field in model.model_fields.items() if not field.description]
         assert not undocumented, f"{model.__name__}: {undocumented}"

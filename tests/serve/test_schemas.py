@@ -9,12 +9,19 @@ import pytest
 import yaml
 
 from specserve.core.engine import REQUEST_DRAFTERS
+from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.serve.config import API_KEY_ENV, ServeConfig
 from specserve.serve.schemas import (
+    MAX_TREE_DEPTH,
+    MAX_TREE_NODES,
+    MAX_TREE_WIDTH,
+    ChainTree,
     ChatCompletionRequest,
     CompletionRequest,
+    DynamicTree,
     RequestError,
     SpeculationOptions,
+    StaticTree,
     parse_request,
 )
 
@@ -103,6 +110,85 @@ def test_drafter_choice_maps_to_the_generation_config() -> None:
     chat = parse({"model": "m", "messages": [{"role": "user", "content": "x"}], "speculation": {"drafter": "none"}},
                  ChatCompletionRequest)  # fmt: skip
     assert isinstance(chat, ChatCompletionRequest) and chat.generation(64, 3).drafter == "none"
+
+
+@pytest.mark.parametrize(
+    ("tree", "want"),
+    [
+        (None, None),
+        ({"kind": "chain"}, None),
+        ({"kind": "dynamic"}, TreeSpec("dynamic", budget=TreeBudget(4, 2, 8))),
+        (
+            {"kind": "dynamic", "depth": MAX_TREE_DEPTH, "width": MAX_TREE_WIDTH, "nodes": MAX_TREE_NODES},
+            TreeSpec("dynamic", budget=TreeBudget(MAX_TREE_DEPTH, MAX_TREE_WIDTH, MAX_TREE_NODES)),
+        ),
+        (
+            {"kind": "static", "paths": [[0], [1], [0, 0]]},
+            TreeSpec("static", topology=TreeTopology(((0,), (1,), (0, 0)))),
+        ),
+    ],
+)
+def test_tree_maps_to_the_tree_spec(tree: dict[str, object] | None, want: TreeSpec | None) -> None:
+    speculation = {"gamma": 5} if tree is None else {"gamma": 5, "tree": tree}
+    request = parse({**GOOD, "speculation": speculation})
+    assert isinstance(request, CompletionRequest)
+    config = request.generation(64, 3)
+    assert config.tree == want and config.gamma == 5
+    off = parse({**GOOD, "speculation": {**speculation, "enabled": False}})
+    assert isinstance(off, CompletionRequest)
+    assert off.generation(64, 3).tree is None and off.generation(64, 3).gamma == 0  # no drafting: no tree
+
+
+LE = "Input should be less than or equal to"
+TOO_DEEP = [[0] * (MAX_TREE_DEPTH + 1)]
+
+
+@pytest.mark.parametrize(
+    ("tree", "words"),
+    [
+        ({"kind": "eagle"}, "kind: Input should be 'chain', 'dynamic' or 'static'"),
+        ({"depth": 3}, "kind: Input should be 'chain', 'dynamic' or 'static'"),
+        ("dynamic", "valid dictionary"),
+        ({"kind": "dynamic", "depth": 0}, "depth: Input should be greater than or equal to 1"),
+        ({"kind": "dynamic", "depth": MAX_TREE_DEPTH + 1}, f"depth: {LE} {MAX_TREE_DEPTH}"),
+        ({"kind": "dynamic", "width": MAX_TREE_WIDTH + 1}, f"width: {LE} {MAX_TREE_WIDTH}"),
+        ({"kind": "dynamic", "nodes": MAX_TREE_NODES + 1}, f"nodes: {LE} {MAX_TREE_NODES}"),
+        ({"kind": "chain", "depth": 3}, "depth: Extra inputs are not permitted"),
+        ({"kind": "static"}, "paths: Field required"),
+        ({"kind": "static", "paths": []}, "paths: List should have at least 1 item"),
+        ({"kind": "static", "paths": [[0], [0, 1, 0]]}, "paths: topology path (0, 1, 0) has no parent path (0, 1)"),
+        ({"kind": "static", "paths": [[0], [0]]}, "paths: topology lists a path twice"),
+        ({"kind": "static", "paths": [0, 1]}, "paths.0: Input should be a valid list"),
+        ({"kind": "static", "paths": "[[0]]"}, "paths: Input should be a valid list"),
+        ({"kind": "static", "paths": [[0], []]}, "paths.1: List should have at least 1 item"),
+        ({"kind": "static", "paths": [[-1]]}, "paths.0.0: Input should be greater than or equal to 0"),
+        ({"kind": "static", "paths": TOO_DEEP}, f"paths.0: List should have at most {MAX_TREE_DEPTH} "),
+        ({"kind": "static", "paths": [[k] for k in range(MAX_TREE_NODES + 1)]}, "paths: List should have at most"),
+    ],
+)  # fmt: skip
+def test_bad_trees_are_refused_at_speculation_tree(tree: object, words: str) -> None:
+    error = refused({**GOOD, "speculation": {"tree": tree}})
+    assert error.status == 400 and error.param == "speculation.tree" and error.code == "invalid_value"
+    assert error.message.startswith("speculation.tree: ") and words in error.message, error.message
+
+
+def test_drafter_invariant_maps_to_the_sampling_params() -> None:
+    default = parse(GOOD)
+    assert isinstance(default, CompletionRequest) and default.sampling().drafter_invariant is False
+    request = parse({**GOOD, "temperature": 0.7, "seed": 3, "speculation": {"drafter_invariant": True}})
+    assert isinstance(request, CompletionRequest)
+    params = request.sampling()
+    assert params.drafter_invariant and params.invariant_sampling and params.seed == 3
+    greedy = parse({**GOOD, "temperature": 0, "speculation": {"drafter_invariant": True}})
+    assert isinstance(greedy, CompletionRequest) and not greedy.sampling().invariant_sampling  # no effect when greedy
+    error = refused({**GOOD, "speculation": {"drafter_invariant": "yes please"}})
+    assert error.param == "speculation.drafter_invariant" and "valid boolean" in error.message
+
+
+def test_tree_options_are_documented() -> None:
+    for model in (ChainTree, DynamicTree, StaticTree):
+        undocumented = [name for name, field in model.model_fields.items() if not field.description]
+        assert not undocumented, f"{model.__name__}: {undocumented}"
 
 
 def test_config_yaml_round_trip_and_replica(monkeypatch: pytest.MonkeyPatch) -> None:
