@@ -46,6 +46,7 @@ test: lint typecheck pytest
 
 bench: install
 	$(BIN)/specserve bench
+	$(BIN)/specserve bench-trees
 	$(BIN)/specserve bench-distributed
 	$(BIN)/specserve bench-serve
 

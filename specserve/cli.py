@@ -95,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench/results", help="directory for speculative.json/.png/.md")
     bench.add_argument("--quick", action="store_true", help="fewer configurations (for smoke tests)")
 
+    tbench = sub.add_parser("bench-trees", help="draft chains vs static vs dynamic trees at equal verified nodes")
+    _add_model_args(tbench)
+    tbench.add_argument("--prompts", help="JSON file with a list of prompt strings (default: held-out stdlib files)")
+    tbench.add_argument("--num-prompts", type=int, default=8)
+    tbench.add_argument("--ks", default="4,8,16,32", help="comma-separated draft nodes verified per cycle")
+    tbench.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    tbench.add_argument("--rounds", type=int, default=2, help="rounds over every configuration, order alternating")
+    tbench.add_argument("--out", default="bench/results", help="directory for trees.json/.png/.md")
+
     dbench = sub.add_parser("bench-distributed", help="in-process engine vs distributed runtime (greedy)")
     dbench.add_argument("--target", default=str(defaults.DEFAULT_TARGET))
     dbench.add_argument("--draft", default=str(defaults.DEFAULT_DRAFT))
@@ -350,6 +359,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_trees(args: argparse.Namespace) -> int:
+    from specserve.benchmarks import trees
+
+    _check_common(args)
+    ks = _number_list(args.ks, int, "--ks")
+    if not ks or any(not 1 <= k <= 64 for k in ks):
+        raise UsageError(f"--ks must be between 1 and 64, got {args.ks}")
+    if args.rounds < 1 or args.num_prompts < 1:
+        raise UsageError("--rounds and --num-prompts must be >= 1")
+    report = trees.run(
+        trees.TreeBenchConfig(
+            target=args.target,
+            draft=args.draft,
+            dtype=args.dtype,
+            device=args.device,
+            prompts_file=args.prompts,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            ks=tuple(ks),
+            temperatures=tuple(_number_list(args.temperatures, float, "--temperatures")),
+            rounds=args.rounds,
+            out_dir=Path(args.out),
+        )
+    )
+    print(json.dumps(report["headline"]) if args.json else trees.markdown(report))
+    return 0
+
+
 def cmd_bench_distributed(args: argparse.Namespace) -> int:
     from specserve.benchmarks import distributed
 
@@ -468,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {
         "generate": cmd_generate,
         "bench": cmd_bench,
+        "bench-trees": cmd_bench_trees,
         "bench-distributed": cmd_bench_distributed,
         "bench-serve": cmd_bench_serve,
         "train": cmd_train,

@@ -41,11 +41,11 @@ import grpc
 import torch
 
 from specserve.actors.compute import ComputeThread
-from specserve.core.draft import Draft, Drafter, TreeDrafter, TreeProposal, propose_tree_within, propose_within
+from specserve.core.draft import Draft, Drafter, TreeDrafter, propose_tree_within, propose_within
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.tree import TreeSpec
+from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.registry import build_drafter_set
 from specserve.rpc.codec import accepted_tokens, encode_draft
 from specserve.rpc.verifier import VerifierStream, open_channel
@@ -144,14 +144,14 @@ class DrafterActor:
         t0 = time.perf_counter()
         if job.tree is not None and not isinstance(drafter, TreeDrafter):
             raise InvalidRequest(f"the {job.drafter!r} drafter cannot draft trees; send chains (no tree)")
-        first: Draft | TreeProposal | None = run(_propose, drafter, job, remaining, device)
+        first: Draft | DraftTree | None = run(_propose, drafter, job, remaining, device)
         first_seconds = time.perf_counter() - t0
         if target_ready:
             import ray
 
             ray.get(list(target_ready))  # raises the target's error if it could not admit the request
         stream = VerifierStream(self._channel(job.verifier_address))
-        ready: Draft | TreeProposal | None = None
+        ready: Draft | DraftTree | None = None
         # Reports not yet sent to the caller. Each yield costs about a millisecond of CPU in this process and
         # the caller's, which on a small machine slows the target's verify: after the first cycle (time to
         # first token) they go out in batches, at most every report_interval_s, while the target verifies.
@@ -212,14 +212,14 @@ class DrafterActor:
                     CycleReport(
                         new_tokens=new,
                         finished=info.finished,
-                        gamma=draft.gamma if isinstance(draft, Draft) else draft.tree.depth,
+                        gamma=draft.gamma if isinstance(draft, Draft) else draft.depth,
                         num_accepted=accepted,
                         draft_seconds=t1 - t0,
                         target_seconds=info.target_seconds,
                         allreduce_seconds=info.allreduce_seconds,
                         wire_seconds=max(0.0, (t2 - t1) - busy),
                         overlap_hit=overlap_hit,
-                        drafted=None if isinstance(draft, Draft) else draft.tree.size,
+                        drafted=None if isinstance(draft, Draft) else draft.size,
                     )
                 )
                 if info.finished:
@@ -235,12 +235,12 @@ class DrafterActor:
         return self._channels[address]
 
 
-def _propose(drafter: Drafter, job: DraftJob, remaining: int, device: torch.device) -> Draft | TreeProposal:
+def _propose(drafter: Drafter, job: DraftJob, remaining: int, device: torch.device) -> Draft | DraftTree:
     """The next proposal within the request's remaining budget: a chain, or a tree of the job's shape."""
     if job.tree is None:
         return propose_within(drafter, job.gamma, remaining, device)
     assert isinstance(drafter, TreeDrafter)
-    return TreeProposal(propose_tree_within(drafter, job.tree, remaining).to(device))
+    return propose_tree_within(drafter, job.tree, remaining).to(device)
 
 
 def _trim(draft: Draft, start: int, budget: int) -> Draft | None:

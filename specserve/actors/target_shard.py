@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
-from specserve.core.draft import Draft, TreeProposal
+from specserve.core.draft import Draft
 from specserve.core.model import CausalLM, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, TargetVerifier
@@ -239,7 +239,7 @@ class TargetShardActor:
             self._requests[request_id] = _Request(sequence, verifier)
 
     @on_compute_thread  # the gRPC server already calls it there (run_in): then it runs in place
-    def verify(self, request_id: str, cycle: int, draft: Draft | TreeProposal) -> pb.Verdict:
+    def verify(self, request_id: str, cycle: int, draft: Draft | DraftTree) -> pb.Verdict:
         """One cycle (called by the gRPC verifier): forward on every rank, verify, commit, roll back
         (a chain) or compact to the accepted path (a tree)."""
         with self._lock:
@@ -251,10 +251,7 @@ class TargetShardActor:
             before = self._allreduce_seconds()
             verifier = request.verifier
             outcome: CycleOutcome[ChainVerdict] | CycleOutcome[TreeVerdict]
-            if isinstance(draft, Draft):
-                outcome = verifier.verify(draft)
-            else:
-                outcome = verifier.verify_tree(draft.tree, draft.sampling)
+            outcome = verifier.verify(draft) if isinstance(draft, Draft) else verifier.verify_tree(draft)
             return encode_verdict(
                 request_id,
                 cycle,

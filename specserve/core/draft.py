@@ -29,7 +29,6 @@ import torch
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import DraftTree, TreeSpec
-from specserve.core.tree_verification import ChildSampling
 
 # The drafters a request may choose: the deployment's configured one, prompt lookup, or none (plain
 # decoding). A draft model other than the configured one cannot be chosen per request.
@@ -48,15 +47,6 @@ class Draft:
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:
         return Draft(torch.empty(0, dtype=torch.long, device=device), None)
-
-
-@dataclass(frozen=True)
-class TreeProposal:
-    """A draft tree as sent for verification: the tree, and how its sampled children were drawn from
-    their parent's q (irrelevant for deterministic trees, which carry no q)."""
-
-    tree: DraftTree
-    sampling: ChildSampling = ChildSampling.IID
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from specserve.core.invariant import invariant_scores
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, warp_probs
 from specserve.core.tree import DraftTree
-from specserve.core.tree_verification import ChildSampling, TreeVerdict, verify_tree, verify_tree_greedy
+from specserve.core.tree_verification import TreeVerdict, verify_tree, verify_tree_greedy
 from specserve.core.verification import ChainVerdict, verify_chain
 
 FinishReason = Literal["eos", "length", "stop"]
@@ -161,7 +161,7 @@ class TargetVerifier:
         new = [*tokens[: verdict.num_accepted].tolist(), verdict.next_token]
         return self._commit(verdict, new, start)
 
-    def verify_tree(self, tree: DraftTree, sampling: ChildSampling = ChildSampling.IID) -> CycleOutcome[TreeVerdict]:
+    def verify_tree(self, tree: DraftTree) -> CycleOutcome[TreeVerdict]:
         """One cycle over a draft tree: tree-attention forward, exact tree rules, keep only the accepted path."""
         if self.finish is not None:
             raise RuntimeError(f"the request already finished ({self.finish})")
@@ -179,7 +179,7 @@ class TargetVerifier:
             positions = [first, *(first + 1 + depth for depth in tree.depths)]
             verdict = verify_tree_greedy(invariant_scores(target_logits, self.params, positions), tree)
         else:
-            verdict = verify_tree(warp_probs(target_logits, self.params), tree, self.generator, sampling)
+            verdict = verify_tree(warp_probs(target_logits, self.params), tree, self.generator)
         sequence.compact([*range(cached + 1), *(cached + 1 + node for node in verdict.accepted)])
         path = [int(tree.tokens[node]) for node in verdict.accepted]
         return self._commit(verdict, [*path, verdict.next_token], start)

@@ -4,7 +4,8 @@ A :class:`DraftTree` holds draft nodes in topological order (a node's parent com
 their tokens, parent indices (``-1`` = a child of the *root*, which is the last committed
 token), and, per parent (the root first, then every node), the exact draft distribution that
 parent's children were drawn from — or ``None`` when the tokens were chosen deterministically
-(greedy, n-gram lookup). A chain is the degenerate tree whose node ``i`` has parent ``i - 1``.
+(greedy, n-gram lookup) — and how they were drawn from it (:class:`ChildSampling`). A chain is
+the degenerate tree whose node ``i`` has parent ``i - 1``.
 
 Everything the target needs is derived here once per tree: depths, root-to-node paths,
 children lists, and — for the verify block ``[root] + nodes`` that follows ``prefix_len``
@@ -18,6 +19,7 @@ Pure tensors and index arithmetic: no model, no sampling, no verification rules.
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +29,13 @@ from typing import Literal
 import torch
 
 ROOT = -1
+
+
+class ChildSampling(enum.StrEnum):
+    """How a node's sampled children were drawn from its ``child_probs`` row (deterministic children: no q)."""
+
+    IID = "iid"  # independently, each from q
+    WITHOUT_REPLACEMENT = "without_replacement"  # distinct, one after another from q with the earlier ones removed
 
 
 class InvalidTree(ValueError):
@@ -40,6 +49,7 @@ class DraftTree:
     # [n + 1, vocab]: row 0 = the distribution the root's children were drawn from, row i + 1 = node i's
     # children's; None = every token was chosen deterministically (verification treats q as a point mass)
     child_probs: torch.Tensor | None = None
+    sampling: ChildSampling = ChildSampling.IID  # how sampled children were drawn (the verifier needs it)
 
     def __post_init__(self) -> None:
         n = int(self.tokens.shape[0]) if self.tokens.dim() == 1 else -1
@@ -110,7 +120,7 @@ class DraftTree:
 
     def to(self, device: torch.device | str) -> DraftTree:
         probs = self.child_probs.to(device) if self.child_probs is not None else None
-        return DraftTree(self.tokens.to(device), self.parents, probs)
+        return DraftTree(self.tokens.to(device), self.parents, probs, self.sampling)
 
     def truncate(self, max_depth: int) -> DraftTree:
         """The nodes shallower than ``max_depth`` (a verdict adds one token after the path: a tree never
@@ -123,7 +133,7 @@ class DraftTree:
         if self.child_probs is not None:
             probs = self.child_probs[[0, *(i + 1 for i in kept)]]
         parents = tuple(index[self.parents[i]] if self.parents[i] != ROOT else ROOT for i in kept)
-        return DraftTree(self.tokens[kept], parents, probs)
+        return DraftTree(self.tokens[kept], parents, probs, self.sampling)
 
     def path_tokens(self, node: int) -> list[int]:
         return [int(self.tokens[i]) for i in self.paths[node]]

@@ -29,18 +29,12 @@ parent — so :func:`reference_verify_tree` (plain Python floats, written for re
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
-from specserve.core.tree import ROOT, DraftTree
+from specserve.core.tree import ROOT, ChildSampling, DraftTree
 from specserve.core.verification import TokenKind
-
-
-class ChildSampling(enum.StrEnum):
-    IID = "iid"
-    WITHOUT_REPLACEMENT = "without_replacement"
 
 
 @dataclass(frozen=True)
@@ -82,9 +76,11 @@ def verify_tree(
     target_probs: torch.Tensor,  # [n + 1, vocab] warped target distributions per parent
     tree: DraftTree,
     generator: torch.Generator,
-    sampling: ChildSampling = ChildSampling.IID,
+    sampling: ChildSampling | None = None,
 ) -> TreeVerdict:
-    """Recursive rejection sampling down the tree (see the module docstring)."""
+    """Recursive rejection sampling down the tree (see the module docstring). ``sampling`` overrides how the
+    children are taken to have been drawn (``tree.sampling``); tests use it to check a wrong rule fails."""
+    sampling = tree.sampling if sampling is None else sampling
     vocab = target_probs.shape[-1]
     uniforms, noise = _draw_randomness(tree, vocab, generator)
     probs = target_probs.to(torch.float64)
@@ -144,8 +140,9 @@ def reference_verify_tree(
     target_probs: torch.Tensor,
     tree: DraftTree,
     generator: torch.Generator,
-    sampling: ChildSampling = ChildSampling.IID,
+    sampling: ChildSampling | None = None,
 ) -> TreeVerdict:
+    sampling = tree.sampling if sampling is None else sampling
     vocab = target_probs.shape[-1]
     uniform_t, noise_t = _draw_randomness(tree, vocab, generator)
     uniforms, noise = uniform_t.tolist(), noise_t.tolist()

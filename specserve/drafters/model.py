@@ -85,7 +85,7 @@ class DraftModelDrafter:
             self._trees = TreeModelDrafter(self.model)
             self._trees.start(self._context)
         self._trees.context = self._context  # the same list: accept() and rewind() keep both in step
-        self._trees.coupling = self._params if self._params.invariant_sampling else None
+        self._trees.configure(self._params, self._generator)
         return self._trees.propose_tree(spec).to(self._output_device)
 
     def rewind(self, length: int) -> None:

@@ -1,16 +1,29 @@
 """Tree drafting with a small LM: static trees from a topology, dynamic trees in the EAGLE-2 manner.
 
-The drafter's children are *deterministic*: the draft model's top-ranked tokens after each
-node's path. They carry no q, so verification treats each child as a point-mass proposal
-(:mod:`specserve.core.tree_verification`), which is exact at any temperature.
+How a node's children are chosen depends on the request (:meth:`TreeModelDrafter.configure`):
+
+* **greedy** (temperature 0) — *deterministic* children: the draft model's top-ranked tokens
+  after the node's path. They carry no q; verification treats each as a point-mass proposal
+  (:mod:`specserve.core.tree_verification`), exact at any temperature.
+* **sampled** (temperature > 0) — children drawn *without replacement* from the draft's warped
+  distribution q (same temperature / top-k / top-p as the request), sent with q so the verifier
+  runs SpecInfer's recursive rejection for that law: the first child alone is accepted with
+  probability 1 - TV(p, q), where a point mass would get only p(x).
+* **drafter-invariant** requests — deterministic children, the first being the token coupled to
+  the request's noise (below).
+
+Shapes:
 
 * **static** — a :class:`~specserve.core.tree.TreeTopology` (index paths): the node at path
-  ``(r_0, ..., r_d)`` is the rank-``r_d`` token after its parent's path.
-* **dynamic** (EAGLE-2) — grow level by level: expand the ``width`` frontier nodes with the
-  highest cumulative draft confidence (product of the draft's probabilities along the path)
+  ``(r_0, ..., r_d)`` is the rank-``r_d`` child of its parent (the r-th best, or the r-th drawn).
+* **dynamic**, greedy (EAGLE-2) — grow level by level: expand the ``width`` frontier nodes with
+  the highest cumulative draft confidence (product of the draft's probabilities along the path)
   into their ``width`` best children, down to ``depth``; then keep the ``nodes`` best nodes of
   the whole tree. A child's confidence never exceeds its parent's, so the best ``nodes`` (ties
   broken towards shallower nodes) always include their ancestors.
+* **dynamic**, sampled — the same expansion, but a sampled child must never be pruned by its
+  own value (that would change the law it was drawn from), so the budget is spent while
+  growing instead (:meth:`TreeModelDrafter.propose_dynamic_sampled`).
 
 Each level is one draft forward over only the nodes of the level above that get children — leaves
 are never forwarded, and the committed tokens the draft has not seen go in one causal forward
@@ -19,7 +32,7 @@ end). A dynamic tree of depth d, like a chain of d tokens, costs d draft forward
 ``width`` rows each. Confidence uses the draft's plain softmax (temperature 1), whatever the
 request's sampling parameters.
 
-For drafter-invariant requests (``coupling`` set to their :class:`SamplingParams`; see
+For drafter-invariant requests (``coupling`` = their :class:`SamplingParams`; see
 :mod:`specserve.core.invariant`) each node's rank-0 child is the *coupled* token
 argmax(log q + G_t) under the request's keyed Gumbel noise at the child's absolute position t
 (the one the target will emit if it agrees with the draft), followed by the draft's best tokens
@@ -37,8 +50,8 @@ import torch
 
 from specserve.core.invariant import invariant_tokens
 from specserve.core.model import CausalLM, KVCache, TargetDescription
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.model import check_same_vocabulary
 
 
@@ -52,7 +65,8 @@ class TreeModelDrafter:
         self._output_device = target.device if target is not None else draft.device
         self._cache: KVCache | None = None
         self.context: list[int] = []  # the committed text (a chain drafter sharing the model may share this list)
-        self.coupling: SamplingParams | None = None  # drafter-invariant requests: rank 0 = the coupled token
+        self.params = SamplingParams()  # the request's sampling (configure): greedy until told otherwise
+        self._generator: torch.Generator | None = None
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self._cache = self.model.new_cache()
@@ -61,31 +75,95 @@ class TreeModelDrafter:
     def accept(self, committed: Sequence[int]) -> None:
         self.context.extend(committed)
 
+    def configure(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        """The request's sampling: sampled requests (temperature > 0, not drafter-invariant) get children drawn
+        without replacement from the warped draft distribution, using ``generator``; the others top-k children."""
+        self.params, self._generator = params, generator
+
+    @property
+    def coupling(self) -> SamplingParams | None:
+        """Drafter-invariant requests: their parameters (each node's rank-0 child is the coupled token)."""
+        return self.params if self.params.invariant_sampling else None
+
+    @property
+    def sampled(self) -> bool:
+        return not self.params.greedy and not self.params.invariant_sampling and self._generator is not None
+
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         if spec.kind == "static":
             assert spec.topology is not None
             return self.propose_static(spec.topology)
         assert spec.budget is not None
+        if self.sampled:
+            return self.propose_dynamic_sampled(spec.budget)
         return self.propose_dynamic(spec.budget)
 
     # -----------------------------------------------------------------------------------------
 
     def propose_static(self, topology: TreeTopology) -> DraftTree:
+        """The topology's shape; a sampled request's tree lacks the paths whose rank exceeds the support of q."""
         parents = topology.parents
         tokens = [0] * topology.size
         expanded = {parent for parent in parents if parent != ROOT}  # nodes the topology gives children
         levels = max((len(p) for p in topology.paths), default=0)
+        kept: list[int] = []  # nodes present (a sampled tree may lack ranks beyond q's support)
+        q_rows: dict[int, torch.Tensor] = {}  # sampled requests: the q each node's children were drawn from
         with self._session() as session:
-            rows = {ROOT: session.root_logits}  # draft logits after each node that has children
+            rows = {ROOT: session.root_logits}  # draft logits after each node that gets children
             for level in range(levels):
-                at_level = [node for node, path in enumerate(topology.paths) if len(path) - 1 == level]
-                ranked = self._children(rows, level, 1 + max(topology.ranks[n] for n in at_level))
+                at_level = [n for n, path in enumerate(topology.paths) if len(path) - 1 == level and parents[n] in rows]
+                if not at_level:
+                    break
+                count = 1 + max(topology.ranks[n] for n in at_level)
+                if self.sampled:
+                    ranked = {}
+                    for parent, logits in rows.items():
+                        q_rows[parent], ranked[parent] = self._draw(logits, count)
+                    at_level = [n for n in at_level if topology.ranks[n] < len(ranked[parents[n]])]
+                else:
+                    ranked = self._children(rows, level, count)
                 for node in at_level:
                     tokens[node] = ranked[parents[node]][topology.ranks[node]]
+                kept.extend(at_level)
                 grown = [node for node in at_level if node in expanded]
-                if grown:
-                    rows = dict(zip(grown, session.expand(grown, tokens, parents), strict=True))
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._output_device), parents)
+                rows = dict(zip(grown, session.expand(grown, tokens, parents), strict=True)) if grown else {}
+        if not self.sampled:
+            return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._output_device), parents)
+        return self._sampled_tree(sorted(kept), tokens, parents, q_rows)
+
+    def propose_dynamic_sampled(self, budget: TreeBudget) -> DraftTree:
+        """A dynamic tree whose children are *sampled* (without replacement from the warped q), for temperature > 0.
+
+        Exactness needs each node's number of children fixed before they are drawn, so the tree is never
+        pruned by its children's own values (EAGLE-2's final reranking would bias them). Instead, level by
+        level, the ``width`` most confident nodes are expanded — the i-th most confident with
+        ``max(1, width - i)`` children — until ``depth`` levels or ``nodes`` nodes.
+        """
+        tokens: list[int] = []
+        parents: list[int] = []
+        confidence: list[float] = []
+        q_rows: dict[int, torch.Tensor] = {}
+        with self._session() as session:
+            rows = {ROOT: session.root_logits}  # the nodes to expand, most confident first
+            for level in range(budget.depth):
+                new_nodes = []
+                for rank, (parent, logits) in enumerate(rows.items()):
+                    count = min(max(1, budget.width - rank), budget.nodes - len(tokens))
+                    if count <= 0:
+                        break
+                    q, children = self._draw(logits, count)
+                    q_rows[parent] = q
+                    base = confidence[parent] if parent != ROOT else 0.0
+                    for token, log_q in zip(children, q[children].double().log().tolist(), strict=True):
+                        tokens.append(token)
+                        parents.append(parent)
+                        confidence.append(base + log_q)
+                        new_nodes.append(len(tokens) - 1)
+                if level + 1 == budget.depth or len(tokens) >= budget.nodes:
+                    break
+                grown = sorted(new_nodes, key=lambda n: -confidence[n])[: budget.width]
+                rows = dict(zip(grown, session.expand(grown, tokens, parents), strict=True))
+        return self._sampled_tree(list(range(len(tokens))), tokens, parents, q_rows)
 
     def propose_dynamic(self, budget: TreeBudget) -> DraftTree:
         tokens: list[int] = []
@@ -138,6 +216,33 @@ class TreeModelDrafter:
             return None
         position = len(self.context) + level
         return invariant_tokens(logits, self.coupling, [position] * logits.shape[0]).tolist()
+
+    def _draw(self, logits: torch.Tensor, count: int) -> tuple[torch.Tensor, list[int]]:
+        """q = the request's warp of the draft logits, and up to ``count`` distinct tokens drawn from it one after
+        another without replacement (an exponential race: sorting q / E, E ~ Exp(1), gives that order)."""
+        assert self._generator is not None
+        q = warp_probs(logits, self.params)
+        race = q / torch.empty_like(q).exponential_(1.0, generator=self._generator)
+        count = min(count, int((q > 0).sum()))
+        return q, race.topk(count).indices.tolist()
+
+    def _sampled_tree(
+        self, nodes: list[int], tokens: list[int], parents: Sequence[int], q_rows: dict[int, torch.Tensor]
+    ) -> DraftTree:
+        """The tree of ``nodes`` (ancestor-closed, parents first) with each parent's q; children without replacement."""
+        index = {node: i for i, node in enumerate(nodes)}
+        vocab = self.model.info.vocab_size
+        dtype = next(iter(q_rows.values())).dtype if q_rows else torch.float32
+        zeros = torch.zeros(vocab, dtype=dtype, device=self.model.device)
+        rows = [q_rows.get(node, zeros) for node in [ROOT, *nodes]]
+        return DraftTree(
+            torch.tensor([tokens[n] for n in nodes], dtype=torch.long, device=self._output_device),
+            tuple(index[parents[n]] if parents[n] != ROOT else ROOT for n in nodes),
+            torch.stack([row.to(zeros.dtype) if row.dtype != zeros.dtype else row for row in rows]).to(
+                self._output_device
+            ),
+            ChildSampling.WITHOUT_REPLACEMENT,
+        )
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[_Session]:

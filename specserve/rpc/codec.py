@@ -3,8 +3,8 @@
 * tensors travel as dtype + shape + raw bytes (never pickled); :func:`decode_tensor` checks that
   the byte count matches the shape and dtype before viewing the buffer;
 * a :class:`~specserve.core.draft.Draft` becomes a ``DraftTree`` whose parents form a chain
-  (``rules = RULES_CHAIN``); a :class:`~specserve.core.draft.TreeProposal` keeps its parents and
-  names its child-sampling rule (``RULES_TREE_*``). q travels per node — the distribution that
+  (``rules = RULES_CHAIN``); a :class:`~specserve.core.tree.DraftTree` keeps its parents and
+  names how its children were sampled (``RULES_TREE_*``). q travels per node — the distribution that
   node was drawn from, i.e. its parent's children's — sparsely (support + probabilities, as
   doubles, with q's dtype named), which is exact: the support is where the drafter could have
   sampled, and the receiver rebuilds q bit for bit in its original dtype;
@@ -24,10 +24,10 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import DecodeError
 
-from specserve.core.draft import Draft, TreeProposal
+from specserve.core.draft import Draft
 from specserve.core.errors import UserError
-from specserve.core.tree import DraftTree, InvalidTree
-from specserve.core.tree_verification import ChildSampling, TreeVerdict
+from specserve.core.tree import ChildSampling, DraftTree, InvalidTree
+from specserve.core.tree_verification import TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.rpc.gen import speculation_pb2 as pb
 
@@ -93,13 +93,13 @@ def decode_tensor(message: pb.Tensor) -> torch.Tensor:
 # Drafts
 
 
-def encode_draft(request_id: str, cycle: int, draft: Draft | TreeProposal) -> pb.DraftTree:
-    """A chain (verified by the chain rules) or a tree proposal (tree rules) as a wire message."""
+def encode_draft(request_id: str, cycle: int, draft: Draft | DraftTree) -> pb.DraftTree:
+    """A chain draft (verified by the chain rules) or a draft tree (tree rules) as a wire message."""
     if isinstance(draft, Draft):
         tokens, parents, probs = draft.tokens.tolist(), list(range(-1, draft.gamma - 1)), draft.draft_probs
         rules = pb.RULES_CHAIN
     else:
-        tree = draft.tree
+        tree = draft
         tokens, parents, rules = tree.tokens.tolist(), list(tree.parents), _RULES_TO_WIRE[draft.sampling]
         # per node: the q it was drawn from = its parent's children's distribution
         probs = tree.child_probs[[p + 1 for p in tree.parents]] if tree.child_probs is not None else None
@@ -121,9 +121,9 @@ def encode_draft(request_id: str, cycle: int, draft: Draft | TreeProposal) -> pb
     return message
 
 
-def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | str = "cpu") -> Draft | TreeProposal:
+def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | str = "cpu") -> Draft | DraftTree:
     """Validate a received message: a chain draft with dense q rows (or none) under the chain rules, a
-    :class:`TreeProposal` under the tree rules."""
+    :class:`~specserve.core.tree.DraftTree` under the tree rules."""
     nodes = len(message.token_ids)
     if len(message.parents) != nodes:
         raise WireError(f"draft tree has {nodes} tokens but {len(message.parents)} parents")
@@ -139,13 +139,14 @@ def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | 
     probs = _decode_probs(message, vocab_size)
     if message.rules == pb.RULES_CHAIN:
         return Draft(tokens, probs.to(device) if probs is not None else None)
+    sampling = _RULES_FROM_WIRE[message.rules]
     try:
-        tree = DraftTree(tokens, tuple(int(p) for p in message.parents))
+        tree = DraftTree(tokens, tuple(int(p) for p in message.parents), sampling=sampling)
     except InvalidTree as exc:
         raise WireError(f"malformed draft tree: {exc}") from exc
     if probs is not None:
-        tree = DraftTree(tokens, tree.parents, _child_probs(tree, probs).to(device))
-    return TreeProposal(tree, _RULES_FROM_WIRE[message.rules])
+        tree = DraftTree(tokens, tree.parents, _child_probs(tree, probs).to(device), sampling)
+    return tree
 
 
 def _decode_probs(message: pb.DraftTree, vocab_size: int) -> torch.Tensor | None:
@@ -189,9 +190,7 @@ def _child_probs(tree: DraftTree, node_probs: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def parse_draft(
-    data: bytes, vocab_size: int, device: torch.device | str = "cpu"
-) -> tuple[str, int, Draft | TreeProposal]:
+def parse_draft(data: bytes, vocab_size: int, device: torch.device | str = "cpu") -> tuple[str, int, Draft | DraftTree]:
     """Bytes from the wire -> (request id, cycle, chain draft or tree proposal)."""
     message = _parse(pb.DraftTree, data)
     return message.request_id, int(message.cycle), decode_draft(message, vocab_size, device)
@@ -253,13 +252,13 @@ def decode_verdict(message: pb.Verdict) -> ChainVerdict | TreeVerdict:
     return TreeVerdict(tuple(path), int(message.next_token), kind)
 
 
-def accepted_tokens(sent: Draft | TreeProposal, verdict: ChainVerdict | TreeVerdict) -> list[int]:
+def accepted_tokens(sent: Draft | DraftTree, verdict: ChainVerdict | TreeVerdict) -> list[int]:
     """The tokens a verdict commits (accepted path + next token), checked against the draft that was sent."""
     if isinstance(sent, Draft):
         if isinstance(verdict, TreeVerdict) or verdict.num_accepted > sent.gamma:
             raise WireError(f"the verdict accepts {verdict.num_accepted} tokens of a {sent.gamma}-token chain")
         return [*sent.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-    tree = sent.tree
+    tree = sent
     path = list(verdict.accepted) if isinstance(verdict, TreeVerdict) else list(range(verdict.num_accepted))
     expected = -1
     for node in path:

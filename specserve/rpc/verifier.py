@@ -22,8 +22,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from specserve.core.draft import Draft, TreeProposal
+from specserve.core.draft import Draft
 from specserve.core.errors import UserError
+from specserve.core.tree import DraftTree
 from specserve.rpc.codec import MAX_MESSAGE_BYTES, VerdictInfo, WireError, encode_draft, parse_draft, parse_verdict
 from specserve.rpc.gen import speculation_pb2 as pb
 
@@ -55,7 +56,7 @@ class VerifierBackend(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def verify(self, request_id: str, cycle: int, draft: Draft | TreeProposal) -> pb.Verdict:
+    def verify(self, request_id: str, cycle: int, draft: Draft | DraftTree) -> pb.Verdict:
         """Verify one chain or tree of a known request; raise :class:`UnknownRequest` for any other."""
         ...
 
@@ -129,7 +130,7 @@ class VerifierStream:
         call = channel.stream_stream(SPECULATE)
         self._call = call(iter(self._outbox.get, _END), timeout=timeout)
 
-    def send(self, request_id: str, cycle: int, draft: Draft | TreeProposal) -> None:
+    def send(self, request_id: str, cycle: int, draft: Draft | DraftTree) -> None:
         self.send_raw(encode_draft(request_id, cycle, draft).SerializeToString())
 
     def send_raw(self, data: bytes) -> None:

@@ -32,9 +32,9 @@ def test_every_shard_holds_exactly_the_committed_kv(
     (chains: rolled back; trees: compacted to the accepted path on every shard)."""
     import ray
 
-    from specserve.core.draft import Draft, TreeProposal, propose_tree_within, propose_within
+    from specserve.core.draft import Draft, propose_tree_within, propose_within
     from specserve.core.sampling import make_generators
-    from specserve.core.tree import TreeBudget, TreeSpec
+    from specserve.core.tree import DraftTree, TreeBudget, TreeSpec
     from specserve.drafters.model import DraftModelDrafter
     from specserve.rpc.codec import accepted_tokens
     from specserve.rpc.verifier import VerifierStream, open_channel
@@ -55,12 +55,12 @@ def test_every_shard_holds_exactly_the_committed_kv(
         branched = 0
         for cycle in range(40):
             remaining = 24 - (len(committed) - len(prompt))
-            draft: Draft | TreeProposal
+            draft: Draft | DraftTree
             if shape == "chain":
                 draft = propose_within(drafter, 3, remaining)
             else:
-                draft = TreeProposal(propose_tree_within(drafter, spec, remaining))
-                branched += int(not draft.tree.is_chain)
+                draft = propose_tree_within(drafter, spec, remaining)
+                branched += int(not draft.is_chain)
             stream.send("r", cycle, draft)
             info = stream.receive()
             new = accepted_tokens(draft, info.verdict)

@@ -17,8 +17,7 @@ from conftest import EOS_ID, TinyPair
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, warp_probs
 from specserve.core.target import LocalSequence, TargetVerifier
-from specserve.core.tree import DraftTree, TreeTopology
-from specserve.core.tree_verification import ChildSampling
+from specserve.core.tree import ChildSampling, DraftTree, TreeTopology
 
 TOPOLOGIES = {
     "chain4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],
@@ -63,7 +62,7 @@ def sampled_tree(
             paths[child] = [*paths[node], token]
     vocab = draft.info.vocab_size
     rows = [q_rows.get(node, torch.zeros(vocab, dtype=torch.float64)) for node in [-1, *range(topology.size)]]
-    return DraftTree(torch.tensor(tokens), topology.parents, torch.stack(rows))
+    return DraftTree(torch.tensor(tokens), topology.parents, torch.stack(rows), ChildSampling.WITHOUT_REPLACEMENT)
 
 
 def run_tree_decoding(
@@ -74,7 +73,7 @@ def run_tree_decoding(
     )
     verifier.prefill()
     while verifier.finish is None:
-        verifier.verify_tree(make_tree(verifier.committed), ChildSampling.WITHOUT_REPLACEMENT)
+        verifier.verify_tree(make_tree(verifier.committed))
     return verifier
 
 

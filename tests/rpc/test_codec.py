@@ -7,10 +7,10 @@ import contextlib
 import pytest
 import torch
 
-from specserve.core.draft import Draft, TreeProposal
+from specserve.core.draft import Draft
 from specserve.core.sampling import SamplingParams, warp_probs
-from specserve.core.tree import DraftTree
-from specserve.core.tree_verification import ChildSampling, TreeVerdict
+from specserve.core.tree import ChildSampling, DraftTree
+from specserve.core.tree_verification import TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.rpc import codec
 from specserve.rpc.codec import WireError
@@ -348,24 +348,23 @@ def _tree_with_q(dtype: torch.dtype) -> DraftTree:
 @pytest.mark.parametrize("sampling", list(ChildSampling))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_tree_proposals_round_trip_with_q_bit_exact(sampling: ChildSampling, dtype: torch.dtype) -> None:
-    tree = _tree_with_q(dtype)
-    data = codec.encode_draft("t", 4, TreeProposal(tree, sampling)).SerializeToString()
+    base = _tree_with_q(dtype)
+    tree = DraftTree(base.tokens, base.parents, base.child_probs, sampling)
+    data = codec.encode_draft("t", 4, tree).SerializeToString()
     request_id, cycle, back = codec.parse_draft(data, VOCAB)
-    assert (request_id, cycle) == ("t", 4) and isinstance(back, TreeProposal)
-    assert back.sampling is sampling and back.tree.parents == tree.parents
-    assert torch.equal(back.tree.tokens, tree.tokens)
-    assert back.tree.child_probs is not None and tree.child_probs is not None
-    assert back.tree.child_probs.dtype == dtype and torch.equal(back.tree.child_probs, tree.child_probs)
+    assert (request_id, cycle) == ("t", 4) and isinstance(back, DraftTree)
+    assert back.sampling is sampling and back.parents == tree.parents
+    assert torch.equal(back.tokens, tree.tokens)
+    assert back.child_probs is not None and tree.child_probs is not None
+    assert back.child_probs.dtype == dtype and torch.equal(back.child_probs, tree.child_probs)
 
 
 def test_deterministic_trees_and_chain_shaped_trees_keep_the_tree_rules() -> None:
     tree = DraftTree(torch.tensor([5, 6, 7]), (-1, -1, 1))
-    back = codec.parse_draft(codec.encode_draft("d", 0, TreeProposal(tree)).SerializeToString(), VOCAB)[2]
-    assert isinstance(back, TreeProposal) and back.tree.child_probs is None and back.tree.parents == (-1, -1, 1)
+    back = codec.parse_draft(codec.encode_draft("d", 0, tree).SerializeToString(), VOCAB)[2]
+    assert isinstance(back, DraftTree) and back.child_probs is None and back.parents == (-1, -1, 1)
     chain = DraftTree.chain(torch.tensor([1, 2]))  # a chain-shaped tree is still verified by the tree rules
-    assert isinstance(
-        codec.parse_draft(codec.encode_draft("c", 0, TreeProposal(chain)).SerializeToString(), VOCAB)[2], TreeProposal
-    )
+    assert isinstance(codec.parse_draft(codec.encode_draft("c", 0, chain).SerializeToString(), VOCAB)[2], DraftTree)
     assert isinstance(
         codec.parse_draft(codec.encode_draft("c", 0, Draft(torch.tensor([1, 2]), None)).SerializeToString(), VOCAB)[2],
         Draft,
@@ -373,7 +372,7 @@ def test_deterministic_trees_and_chain_shaped_trees_keep_the_tree_rules() -> Non
 
 
 def test_siblings_with_different_q_are_rejected() -> None:
-    message = codec.encode_draft("s", 0, TreeProposal(_tree_with_q(torch.float64)))
+    message = codec.encode_draft("s", 0, _tree_with_q(torch.float64))
     message.draft_probs[1].CopyFrom(pb.SparseDistribution(token_ids=[7, 8], probs=[0.5, 0.5]))
     with pytest.raises(WireError, match="siblings share"):
         codec.decode_draft(message, VOCAB)
@@ -384,12 +383,12 @@ def test_tree_verdicts_round_trip_and_paths_are_checked_against_the_tree() -> No
     verdict = TreeVerdict((1, 2, 3), 11, TokenKind.BONUS)
     info = codec.parse_verdict(codec.encode_verdict("v", 1, verdict, 10, False).SerializeToString())
     assert info.verdict == verdict
-    assert codec.accepted_tokens(TreeProposal(tree), info.verdict) == [6, 7, 8, 11]
-    assert codec.accepted_tokens(TreeProposal(tree), ChainVerdict(1, 3, TokenKind.RECOVERED)) == [5, 3]
+    assert codec.accepted_tokens(tree, info.verdict) == [6, 7, 8, 11]
+    assert codec.accepted_tokens(tree, ChainVerdict(1, 3, TokenKind.RECOVERED)) == [5, 3]
     with pytest.raises(WireError, match="not a root path"):  # node 2's parent is 1, not 0
-        codec.accepted_tokens(TreeProposal(tree), TreeVerdict((0, 2), 1, TokenKind.BONUS))
+        codec.accepted_tokens(tree, TreeVerdict((0, 2), 1, TokenKind.BONUS))
     with pytest.raises(WireError, match="not a root path"):
-        codec.accepted_tokens(TreeProposal(tree), TreeVerdict((1, 2, 3, 4), 1, TokenKind.BONUS))
+        codec.accepted_tokens(tree, TreeVerdict((1, 2, 3, 4), 1, TokenKind.BONUS))
     with pytest.raises(WireError, match="chain"):
         codec.accepted_tokens(Draft(torch.tensor([1, 2]), None), ChainVerdict(3, 1, TokenKind.BONUS))
     with pytest.raises(WireError, match="chain"):

@@ -1,0 +1,277 @@
+"""`specserve bench-trees`: draft chains against static and dynamic draft trees at equal verified nodes.
+
+One question: at the same number k of draft nodes the target verifies per cycle, how do a chain
+(gamma = k), a static tree (k nodes) and a dynamic EAGLE-2 tree (k nodes kept) compare in mean
+accepted length and tokens/s, greedy and sampled? All run in one process on the same prompts
+and ``max_new_tokens``, with the same draft model, exact at every temperature:
+
+* ``chain k`` — the draft model's k-token chain (sampled with q at temperature > 0);
+* ``static k`` — a Medusa-style calibrated topology: the k index paths with the highest product
+  of rank probabilities (:meth:`~specserve.core.tree.TreeTopology.best_first`), where
+  ``rank_probs[r]`` is how often the target's greedy token is the draft's rank-r candidate on
+  calibration prompts that are not benchmark prompts (:func:`calibrate_rank_probs`);
+* ``dynamic k (d, w)`` — expand the ``w`` most confident nodes per level down to depth ``d``,
+  keep the best ``k`` nodes (:class:`~specserve.core.tree.TreeBudget`);
+* ``plain`` — no drafting, the baseline of every speedup.
+
+A CPU's verify cost grows with k (BENCHMARKS.md), so k is a real cost here. Machine speed drifts
+on a shared host, so each configuration runs once per round, rounds alternate the order, and the
+totals pool all rounds. The baseline of the target is the best chain *of the same run*.
+
+Results: ``trees.json``, ``trees.md`` (the table for BENCHMARKS.md) and ``trees.png`` (tokens/s
+against k per shape and temperature) under ``--out``; the last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specserve.benchmarks.prompts import heldout_prompts, load_prompts
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.model import CausalLM
+from specserve.core.sampling import SamplingParams
+from specserve.core.stats import RequestStats
+from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.drafters.registry import build_drafter_set
+
+# Dynamic (depth, width) per k: deep and narrow, and wider; the best of them is the headline.
+DYNAMIC_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
+    4: ((4, 2), (3, 2)),
+    8: ((6, 2), (5, 3)),
+    16: ((8, 2), (7, 3)),
+    32: ((10, 3), (8, 4)),
+}
+CALIBRATION_RANKS = 8
+TARGET_SPEEDUP = 1.2
+
+
+@dataclass(frozen=True)
+class TreeBenchConfig:
+    target: str
+    draft: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    prompts_file: str | None = None
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    ks: tuple[int, ...] = (4, 8, 16, 32)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    rounds: int = 2
+    calibration_prompts: int = 8
+    out_dir: Path = Path("bench/results")
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    name: str
+    shape: str  # plain | chain | static | dynamic
+    k: int  # draft nodes verified per cycle (0 for plain)
+    temperature: float
+    config: GenerationConfig
+    new_tokens: int = 0
+    seconds: float = 0.0
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+def calibrate_rank_probs(
+    target: CausalLM, draft: CausalLM, prompt_ids: list[list[int]], new_tokens: int = 64, ranks: int = CALIBRATION_RANKS
+) -> list[float]:
+    """How often the target's greedy next token is the draft's rank-r candidate (r < ``ranks``), teacher-forced
+    on the target's own greedy continuations of ``prompt_ids``."""
+    engine = SpeculativeEngine(target, build_drafter_set("none", target))
+    hits = torch.zeros(ranks, dtype=torch.float64)
+    total = 0
+    for ids in prompt_ids:
+        out = engine.generate(ids, SamplingParams(), GenerationConfig(max_new_tokens=new_tokens, gamma=0))
+        sequence = torch.tensor(ids + out.output_ids, dtype=torch.long)
+        logits = draft.forward(draft.new_cache(), sequence[:-1])[len(ids) - 1 :]  # predicts each output token
+        actual = sequence[len(ids) :]
+        rank = (logits > logits.gather(1, actual[:, None])).sum(-1)  # candidates the draft ranks above it
+        hits += torch.bincount(rank.clamp(max=ranks), minlength=ranks + 1)[:ranks].double()
+        total += int(actual.numel())
+    return [max(float(h) / max(total, 1), 1e-6) for h in hits]
+
+
+def configurations(cfg: TreeBenchConfig, rank_probs: list[float]) -> list[tuple[str, str, int, GenerationConfig]]:
+    """(name, shape, k, generation config) for plain and every shape at every k."""
+    n = cfg.max_new_tokens
+    out = [("plain", "plain", 0, GenerationConfig(max_new_tokens=n, gamma=0))]
+    for k in cfg.ks:
+        out.append((f"chain {k}", "chain", k, GenerationConfig(max_new_tokens=n, gamma=k)))
+        topology = TreeTopology.best_first(k, rank_probs)
+        spec = TreeSpec("static", topology=topology)
+        out.append((f"static {k} (depth {max(map(len, topology.paths))})", "static", k, _tree(n, spec)))
+        for depth, width in DYNAMIC_SHAPES.get(k, ((min(k, 8), 2),)):
+            spec = TreeSpec("dynamic", budget=TreeBudget(depth, width, k))
+            out.append((f"dynamic {k} (d{depth} w{width})", "dynamic", k, _tree(n, spec)))
+    return out
+
+
+def _tree(max_new_tokens: int, spec: TreeSpec) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=max_new_tokens, tree=spec)
+
+
+def run(cfg: TreeBenchConfig) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
+    drafters = build_drafter_set(cfg.draft, target, dtype=cfg.dtype, device=cfg.device)
+    draft_model = getattr(drafters.configured, "model", None)
+    if not isinstance(draft_model, CausalLM):
+        raise ValueError(f"bench-trees needs a draft model directory, got {cfg.draft!r}")
+    engine = SpeculativeEngine(target, drafters)
+    if cfg.prompts_file:
+        texts = load_prompts(cfg.prompts_file)
+        prompts, calibration = texts[: cfg.num_prompts], texts[cfg.num_prompts :][: cfg.calibration_prompts]
+    else:
+        texts = heldout_prompts(cfg.num_prompts + cfg.calibration_prompts)
+        prompts, calibration = texts[: cfg.num_prompts], texts[cfg.num_prompts :]
+    prompt_ids = [engine.encode(p) for p in prompts]
+    rank_probs = calibrate_rank_probs(target, draft_model, [engine.encode(p) for p in calibration or prompts])
+    rows = [
+        Row(name, shape, k, temperature, config)
+        for temperature in cfg.temperatures
+        for name, shape, k, config in configurations(cfg, rank_probs)
+    ]
+    for row in rows:  # warm-up: one short request per configuration
+        warm = GenerationConfig(max_new_tokens=8, gamma=row.config.gamma, tree=row.config.tree)
+        engine.generate(prompt_ids[0], SamplingParams(temperature=row.temperature, seed=cfg.seed), warm)
+    progress = tqdm(total=cfg.rounds * len(rows) * len(prompt_ids), desc="bench-trees", unit="req")
+    for round_index in range(cfg.rounds):
+        order = rows if round_index % 2 == 0 else rows[::-1]
+        for row in order:
+            for i, ids in enumerate(prompt_ids):
+                params = SamplingParams(temperature=row.temperature, seed=cfg.seed + i)
+                start = time.perf_counter()
+                out = engine.generate(ids, params, row.config)
+                row.seconds += time.perf_counter() - start
+                row.new_tokens += len(out.output_ids)
+                row.stats.merge(out.stats)
+                progress.update()
+    progress.close()
+    summary = summarise(rows)
+    report: dict[str, Any] = {
+        "config": {**{k: v for k, v in cfg.__dict__.items() if k != "out_dir"}, "out_dir": str(cfg.out_dir)},
+        "machine": {"torch_threads": torch.get_num_threads()},
+        "rank_probs": rank_probs,
+        "rows": summary,
+        "headline": headline(summary),
+    }
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "trees.json").write_text(json.dumps(report, indent=2))
+    (cfg.out_dir / "trees.md").write_text(markdown(report))
+    plot(summary, cfg.out_dir / "trees.png")
+    return report
+
+
+def summarise(rows: list[Row]) -> list[dict[str, Any]]:
+    plain = {row.temperature: row.tokens_per_second for row in rows if row.shape == "plain"}
+    out = []
+    for row in rows:
+        shapes = row.stats.tree_shapes
+        out.append(
+            {
+                "name": row.name,
+                "shape": row.shape,
+                "k": row.k,
+                "temperature": row.temperature,
+                "tree": row.config.tree.describe() if row.config.tree is not None else None,
+                "new_tokens": row.new_tokens,
+                "seconds": row.seconds,
+                "tokens_per_second": row.tokens_per_second,
+                "speedup_vs_plain": row.tokens_per_second / plain[row.temperature]
+                if plain.get(row.temperature)
+                else None,
+                "mean_accepted": row.stats.mean_accepted,
+                "cycles": row.stats.cycles,
+                "mean_nodes": sum(n for n, _ in shapes) / len(shapes) if shapes else None,
+                "draft_ms_per_cycle": 1000 * row.stats.draft_seconds / row.stats.cycles if row.stats.cycles else None,
+                "verify_ms_per_cycle": 1000 * row.stats.verify_seconds / row.stats.cycles if row.stats.cycles else None,
+            }
+        )
+    return out
+
+
+def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per temperature: the best chain, the best static and dynamic tree, and dynamic / best chain."""
+    out: dict[str, Any] = {}
+    for temperature in sorted({r["temperature"] for r in rows}):
+        at = [r for r in rows if r["temperature"] == temperature]
+        best = {
+            shape: max((r for r in at if r["shape"] == shape), key=lambda r: r["tokens_per_second"])
+            for shape in ("chain", "static", "dynamic")
+            if any(r["shape"] == shape for r in at)
+        }
+        entry = {shape: {"name": r["name"], "tokens_per_second": r["tokens_per_second"]} for shape, r in best.items()}
+        if "chain" in best and "dynamic" in best:
+            ratio = best["dynamic"]["tokens_per_second"] / best["chain"]["tokens_per_second"]
+            entry["dynamic_over_best_chain"] = ratio
+            entry["target_met"] = ratio >= TARGET_SPEEDUP
+        out[f"T={temperature:g}"] = entry
+    return out
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "| T | configuration | k | tokens/s | × plain | mean accepted | nodes/cycle | draft ms | verify ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['temperature']:g} | {r['name']} | {r['k']} | {r['tokens_per_second']:.1f} | "
+            f"{_fmt(r['speedup_vs_plain'])} | {r['mean_accepted']:.2f} | {_fmt(r['mean_nodes'], 1)} | "
+            f"{_fmt(r['draft_ms_per_cycle'], 1)} | {_fmt(r['verify_ms_per_cycle'], 1)} |"
+        )
+    lines.append("")
+    for temperature, entry in report["headline"].items():
+        parts = [f"best {shape}: {v['name']} {v['tokens_per_second']:.1f} tok/s" for shape, v in entry.items()
+                 if isinstance(v, dict)]  # fmt: skip
+        ratio = entry.get("dynamic_over_best_chain")
+        if ratio is not None:
+            parts.append(f"best dynamic / best chain = {ratio:.2f}× (target {TARGET_SPEEDUP}×)")
+        lines.append(f"- **{temperature}**: " + "; ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures, strict=True):
+        at = [r for r in rows if r["temperature"] == temperature]
+        for shape, marker in (("chain", "o"), ("static", "s"), ("dynamic", "^")):
+            ks = sorted({r["k"] for r in at if r["shape"] == shape})
+            best = [max(r["tokens_per_second"] for r in at if r["shape"] == shape and r["k"] == k) for k in ks]
+            ax.plot(ks, best, marker=marker, label=shape if shape == "chain" else f"{shape} (best shape)")
+        plain = [r["tokens_per_second"] for r in at if r["shape"] == "plain"]
+        if plain:
+            ax.axhline(plain[0], color="grey", linestyle="--", label="plain")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("draft nodes verified per cycle (k)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"temperature {temperature:g}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
