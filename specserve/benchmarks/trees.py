@@ -6,8 +6,9 @@ accepted length and tokens/s, greedy and sampled? All run in one process on the 
 and ``max_new_tokens``, with the same draft model, exact at every temperature:
 
 * ``chain k`` — the draft model's k-token chain (sampled with q at temperature > 0);
-* ``static k`` — a Medusa-style calibrated topology: the k index paths with the highest product
-  of rank probabilities (:meth:`~specserve.core.tree.TreeTopology.best_first`), where
+* ``static k (depth d)`` — a Medusa-style calibrated topology: the k index paths of at most
+  ``STATIC_DEPTHS`` levels with the highest product of rank probabilities
+  (:meth:`~specserve.core.tree.TreeTopology.best_first`), where
   ``rank_probs[r]`` is how often the target's greedy token is the draft's rank-r candidate on
   calibration prompts that are not benchmark prompts (:func:`calibrate_rank_probs`);
 * ``dynamic k (d, w)`` — expand the ``w`` most confident nodes per level down to depth ``d``,
@@ -48,6 +49,9 @@ DYNAMIC_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
     16: ((8, 2), (7, 3)),
     32: ((10, 3), (8, 4)),
 }
+# Depth caps of the calibrated static trees: uncapped, a well-calibrated drafter's best tree is nearly a chain;
+# capped, the nodes go to second and third candidates near the root.
+STATIC_DEPTHS = (16, 4)
 CALIBRATION_RANKS = 8
 TARGET_SPEEDUP = 1.2
 
@@ -110,9 +114,10 @@ def configurations(cfg: TreeBenchConfig, rank_probs: list[float]) -> list[tuple[
     out = [("plain", "plain", 0, GenerationConfig(max_new_tokens=n, gamma=0))]
     for k in cfg.ks:
         out.append((f"chain {k}", "chain", k, GenerationConfig(max_new_tokens=n, gamma=k)))
-        topology = TreeTopology.best_first(k, rank_probs)
-        spec = TreeSpec("static", topology=topology)
-        out.append((f"static {k} (depth {max(map(len, topology.paths))})", "static", k, _tree(n, spec)))
+        topologies = {TreeTopology.best_first(k, rank_probs, max_depth=d) for d in STATIC_DEPTHS}
+        for topology in sorted(topologies, key=lambda t: -max(map(len, t.paths))):
+            spec = TreeSpec("static", topology=topology)
+            out.append((f"static {k} (depth {max(map(len, topology.paths))})", "static", k, _tree(n, spec)))
         for depth, width in DYNAMIC_SHAPES.get(k, ((min(k, 8), 2),)):
             spec = TreeSpec("dynamic", budget=TreeBudget(depth, width, k))
             out.append((f"dynamic {k} (d{depth} w{width})", "dynamic", k, _tree(n, spec)))
