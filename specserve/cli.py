@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     trees.add_argument("--tree-width", type=int, default=2, help="dynamic: children per expanded node")
     trees.add_argument("--tree-nodes", type=int, default=8, help="dynamic: nodes verified per cycle")
     trees.add_argument(
+        "--tree-expand",
+        type=int,
+        help="dynamic: nodes expanded per level (default: --tree-width; 1 = cheapest drafting)",
+    )
+    trees.add_argument(
         "--tree-topology", help="static: JSON file with a list of index paths, e.g. [[0], [1], [0, 0]] (Medusa form)"
     )
     dist = gen.add_argument_group("distributed (Ray actors, gRPC draft streams, tensor-parallel target)")
@@ -127,6 +132,31 @@ def build_parser() -> argparse.ArgumentParser:
     sbench.add_argument("--time-limit", type=float, default=300.0, help="seconds per level; no request starts after")
     sbench.add_argument("--port", type=int, default=8123, help="HTTP port on 127.0.0.1")
     sbench.add_argument("--out", default="bench/results")
+
+    exp = sub.add_parser("experiment", help="γ policies over workloads: live, or replayed from cycle traces")
+    exp.add_argument("--target", default=str(defaults.DEFAULT_TARGET), help="target model directory (live runs)")
+    exp.add_argument("--draft", default=str(defaults.DEFAULT_DRAFT), help="draft model directory (live runs)")
+    exp.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    exp.add_argument("--device", default="cpu", help="cpu or cuda")
+    exp.add_argument(
+        "--workloads",
+        help="comma-separated of code-t0, code-t1, code-t1.5, shuffled (default: all; replays: those in the traces)",
+    )
+    exp.add_argument(
+        "--policies",
+        help="comma-separated fixed:γ, heuristic, adaptive, none (plain decoding), module:ClassName or "
+        "file.py:ClassName (default: fixed:1,fixed:2,fixed:4,fixed:6,fixed:8,heuristic,adaptive,none)",
+    )
+    exp.add_argument("--prompts", help="JSON file with a list of prompt strings (default: held-out stdlib files)")
+    exp.add_argument("--num-prompts", type=int, default=8)
+    exp.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS)
+    exp.add_argument("--rounds", type=int, default=2, help="rounds over every cell, order alternating")
+    exp.add_argument("--max-gamma", type=int, default=16, help="the largest γ adaptive and heuristic may choose")
+    exp.add_argument("--seed", type=int, default=0)
+    exp.add_argument("--replay", nargs="+", metavar="TRACE", help="simulate the policies over these trace files")
+    exp.add_argument("--trace-out", metavar="FILE", help="live runs: append every cycle to this trace file")
+    exp.add_argument("--out", default="bench/results/experiment", help="directory for experiment.csv/.json/*.png")
+    exp.add_argument("--json", action="store_true", help="print only the JSON summary line, not the table")
 
     train = sub.add_parser("train", help="train the default model pair on the Python standard library")
     train.add_argument("--out", default=str(defaults.MODELS_DIR))
@@ -208,7 +238,8 @@ def _tree_spec(args: argparse.Namespace) -> Any:
         return None
     try:
         if args.tree == "dynamic":
-            return TreeSpec("dynamic", budget=TreeBudget(args.tree_depth, args.tree_width, args.tree_nodes))
+            budget = TreeBudget(args.tree_depth, args.tree_width, args.tree_nodes, args.tree_expand)
+            return TreeSpec("dynamic", budget=budget)
         if not args.tree_topology:
             raise UsageError("--tree static needs --tree-topology FILE (a JSON list of index paths)")
         path = Path(args.tree_topology)
@@ -443,6 +474,39 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from specserve.policies import experiment
+
+    workloads = None
+    if args.workloads is not None:
+        workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+        if not workloads:
+            raise UsageError("--workloads needs at least one workload name")
+    report = experiment.run(
+        experiment.ExperimentConfig(
+            target=args.target,
+            draft=args.draft,
+            dtype=args.dtype,
+            device=args.device,
+            prompts_file=args.prompts,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            workloads=workloads,
+            policies=args.policies or experiment.DEFAULT_POLICIES,
+            rounds=args.rounds,
+            out_dir=Path(args.out),
+            seed=args.seed,
+            replay=tuple(args.replay or ()),
+            trace_out=args.trace_out,
+            max_gamma=args.max_gamma,
+        )
+    )
+    if not args.json:
+        print(experiment.markdown(report))
+    print(json.dumps(experiment.headline(report)))
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from specserve.training import pipeline
 
@@ -508,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench-trees": cmd_bench_trees,
         "bench-distributed": cmd_bench_distributed,
         "bench-serve": cmd_bench_serve,
+        "experiment": cmd_experiment,
         "train": cmd_train,
         "cluster": _cmd_cluster,
         "serve": cmd_serve,

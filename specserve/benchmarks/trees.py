@@ -11,8 +11,9 @@ and ``max_new_tokens``, with the same draft model, exact at every temperature:
   (:meth:`~specserve.core.tree.TreeTopology.best_first`), where
   ``rank_probs[r]`` is how often the target's greedy token is the draft's rank-r candidate on
   calibration prompts that are not benchmark prompts (:func:`calibrate_rank_probs`);
-* ``dynamic k (d, w)`` — expand the ``w`` most confident nodes per level down to depth ``d``,
-  keep the best ``k`` nodes (:class:`~specserve.core.tree.TreeBudget`);
+* ``dynamic k (d w e)`` — expand the ``e`` most confident nodes per level into ``w`` children
+  each, down to depth ``d``, keep the best ``k`` nodes (:class:`~specserve.core.tree.TreeBudget`;
+  sampled trees spend the ``k`` while growing instead);
 * ``plain`` — no drafting, the baseline of every speedup.
 
 A CPU's verify cost grows with k (BENCHMARKS.md), so k is a real cost here. Machine speed drifts
@@ -42,12 +43,13 @@ from specserve.core.stats import RequestStats
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter_set
 
-# Dynamic (depth, width) per k: deep and narrow, and wider; the best of them is the headline.
-DYNAMIC_SHAPES: dict[int, tuple[tuple[int, int], ...]] = {
-    4: ((4, 2), (3, 2)),
-    8: ((6, 2), (5, 3)),
-    16: ((8, 2), (7, 3)),
-    32: ((10, 3), (8, 4)),
+# Dynamic (depth, width, expand) per k: one confident path with alternatives on its nodes (expand 1: each level
+# is a one-row draft forward, like a chain), and EAGLE-2's shape (expand = width).
+DYNAMIC_SHAPES: dict[int, tuple[tuple[int, int, int], ...]] = {
+    4: ((3, 2, 1), (4, 2, 2)),
+    8: ((4, 2, 1), (5, 3, 3)),
+    16: ((4, 4, 1), (7, 3, 3)),
+    32: ((6, 6, 1), (8, 4, 4)),
 }
 # Depth caps of the calibrated static trees: uncapped, a well-calibrated drafter's best tree is nearly a chain;
 # capped, the nodes go to second and third candidates near the root.
@@ -118,9 +120,9 @@ def configurations(cfg: TreeBenchConfig, rank_probs: list[float]) -> list[tuple[
         for topology in sorted(topologies, key=lambda t: -max(map(len, t.paths))):
             spec = TreeSpec("static", topology=topology)
             out.append((f"static {k} (depth {max(map(len, topology.paths))})", "static", k, _tree(n, spec)))
-        for depth, width in DYNAMIC_SHAPES.get(k, ((min(k, 8), 2),)):
-            spec = TreeSpec("dynamic", budget=TreeBudget(depth, width, k))
-            out.append((f"dynamic {k} (d{depth} w{width})", "dynamic", k, _tree(n, spec)))
+        for depth, width, expand in DYNAMIC_SHAPES.get(k, ((min(k, 4), 2, 1),)):
+            spec = TreeSpec("dynamic", budget=TreeBudget(depth, width, k, expand))
+            out.append((f"dynamic {k} (d{depth} w{width} e{expand})", "dynamic", k, _tree(n, spec)))
     return out
 
 

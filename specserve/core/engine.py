@@ -42,6 +42,7 @@ from specserve.core.draft import (
 from specserve.core.model import CausalLM
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.schedule import Budget, CycleObservation, ScheduleFactory, check_policy_name, fixed_schedules
 from specserve.core.stats import RequestStats
 from specserve.core.target import CycleOutcome, FinishReason, LocalSequence, TargetVerifier
 from specserve.core.tree import TreeSpec
@@ -70,6 +71,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     drafter: str = "default"  # one of REQUEST_DRAFTERS: the configured drafter, "ngram" or "none"
     tree: TreeSpec | None = None  # draft trees instead of chains (drafters that can; gamma unused)
+    policy: str = "fixed"  # how much to draft each cycle: POLICY_NAMES (gamma / tree = the fixed budget)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -79,6 +81,12 @@ class GenerationConfig:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty strings")
         check_drafter_name(self.drafter)
+        check_policy_name(self.policy)
+
+    @property
+    def budget(self) -> Budget:
+        """The request's own budget: what the fixed policy drafts every cycle (and where the others start)."""
+        return Budget(self.gamma, self.tree)
 
 
 @dataclass
@@ -187,15 +195,19 @@ class SpeculativeEngine(GenerationFrontend):
     the ``ngram`` and ``none`` drafters requests may ask for.
     """
 
-    def __init__(self, target: CausalLM, drafter: Drafter | DrafterSet) -> None:
+    def __init__(
+        self, target: CausalLM, drafter: Drafter | DrafterSet, schedules: ScheduleFactory = fixed_schedules
+    ) -> None:
         self.target = target
         self.drafters = drafter if isinstance(drafter, DrafterSet) else DrafterSet(drafter)
         self.drafter = self.drafters.configured
+        self.schedules = schedules
         self.prompts = PromptCodec(target.info, target.tokenizer)
 
     def validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         super().validate(prompt_ids, config)
         self.drafters.check(config.drafter)
+        self.schedules(config.policy, config.budget)  # raises for a policy this engine cannot run
         if config.tree is not None and not isinstance(self.drafters.get(config.drafter), TreeDrafter):
             raise InvalidRequest(
                 f"the {config.drafter!r} drafter cannot draft trees; use one that can (a draft model, ngram), or chains"
@@ -221,26 +233,27 @@ class SpeculativeEngine(GenerationFrontend):
         stats.prefill_seconds = time.perf_counter() - start
 
         out = RequestOutput(prompt_ids, text, stats, start)
+        schedule = self.schedules(config.policy, config.budget)
         while out.finish is None:
-            # 1. draft, 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
+            # 0. budget, 1. draft, 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
+            budget = schedule.next_budget(verifier.remaining)
             t0 = time.perf_counter()
-            if config.tree is None:
-                draft = propose_within(drafter, config.gamma, verifier.remaining, device)
+            if budget.tree is None:
+                draft = propose_within(drafter, budget.gamma, verifier.remaining, device)
                 t1 = time.perf_counter()
                 outcome: CycleOutcome[ChainVerdict] | CycleOutcome[TreeVerdict] = verifier.verify(draft)
-                stats.record_cycle(draft.gamma, outcome.verdict.num_accepted, t1 - t0, outcome.verify_seconds)
+                drafted = depth = draft.gamma
             else:
                 assert isinstance(drafter, TreeDrafter)
-                tree = propose_tree_within(drafter, config.tree, verifier.remaining)
+                tree = propose_tree_within(drafter, budget.tree, verifier.remaining)
                 t1 = time.perf_counter()
                 outcome = verifier.verify_tree(tree)
-                stats.record_cycle(
-                    tree.depth,
-                    outcome.verdict.num_accepted,
-                    t1 - t0,
-                    outcome.verify_seconds,
-                    drafted=tree.size,
-                )
+                drafted, depth = tree.size, tree.depth
+            observation = CycleObservation(
+                budget, drafted, depth, outcome.verdict.num_accepted, t1 - t0, outcome.verify_seconds
+            )
+            schedule.observe(observation)
+            stats.record(observation)
             # 4. stop strings, stream out
             chunk = out.push(outcome.new_tokens, outcome.finish)
             if out.finish == "stop":

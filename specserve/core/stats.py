@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.core.schedule import CycleObservation
+
 
 @dataclass
 class RequestStats:
@@ -30,7 +32,24 @@ class RequestStats:
     allreduce_seconds: float = 0.0  # distributed runs: tensor-parallel all-reduces inside verify
     overlap_hits: int = 0  # overlap mode: cycles whose draft was ready when the verdict came
     tree_shapes: list[tuple[int, int]] = field(default_factory=list)  # tree runs: (nodes, depth) per cycle
+    budgets: list[int] = field(default_factory=list)  # the budget the policy chose per cycle (γ, or tree nodes)
+    observations: list[CycleObservation] = field(default_factory=list)  # every cycle, as the policy saw it
     total_seconds: float = 0.0
+
+    def record(self, observation: CycleObservation, allreduce_seconds: float = 0.0, overlap_hit: bool = False) -> None:
+        """One cycle as the engine loop (or the coordinator) observed it: budget, draft, verdict, times."""
+        self.record_cycle(
+            observation.depth,
+            observation.accepted,
+            observation.draft_seconds,
+            observation.verify_seconds,
+            wire_seconds=observation.wire_seconds,
+            allreduce_seconds=allreduce_seconds,
+            overlap_hit=overlap_hit,
+            drafted=observation.drafted if observation.budget.tree is not None else None,
+        )
+        self.budgets.append(observation.budget.nodes)
+        self.observations.append(observation)
 
     def record_cycle(
         self,
@@ -83,6 +102,8 @@ class RequestStats:
         self.allreduce_seconds += other.allreduce_seconds
         self.overlap_hits += other.overlap_hits
         self.tree_shapes.extend(other.tree_shapes)
+        self.budgets.extend(other.budgets)
+        self.observations.extend(other.observations)
         self.total_seconds += other.total_seconds
 
     def _grow(self, positions: int) -> None:
@@ -128,6 +149,7 @@ class RequestStats:
             "allreduce_seconds": self.allreduce_seconds,
             "overlap_hits": self.overlap_hits,
             "tree_shapes": [list(shape) for shape in self.tree_shapes],
+            "budgets": list(self.budgets),
             "total_seconds": self.total_seconds,
             "tokens_per_second": self.tokens_per_second,
         }

@@ -164,16 +164,26 @@ class DraftTree:
 
 @dataclass(frozen=True)
 class TreeBudget:
-    """A dynamic tree's budget: levels below the root, children per expanded node (and nodes expanded per
-    level), and nodes kept for verification."""
+    """A dynamic tree's budget: levels below the root, children per expanded node, nodes kept for
+    verification, and nodes expanded per level (``expand``; default ``width``, as EAGLE-2 does).
+
+    ``expand = 1`` grows one path of the most confident nodes and hangs up to ``width - 1``
+    alternatives on each of its nodes: each level costs the drafter a one-row forward, like a chain.
+    """
 
     depth: int
     width: int
     nodes: int
+    expand: int | None = None
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.width < 1 or self.nodes < 1:
-            raise InvalidTree(f"tree budget needs depth, width and nodes >= 1, got {self}")
+        if self.depth < 1 or self.width < 1 or self.nodes < 1 or (self.expand is not None and self.expand < 1):
+            raise InvalidTree(f"tree budget needs depth, width, nodes (and expand) >= 1, got {self}")
+
+    @property
+    def expanded(self) -> int:
+        """Nodes expanded per level."""
+        return self.width if self.expand is None else self.expand
 
 
 @dataclass(frozen=True)
@@ -195,7 +205,9 @@ class TreeSpec:
             assert self.topology is not None
             return f"static({self.topology.size} nodes)"
         assert self.budget is not None
-        return f"dynamic(depth={self.budget.depth}, width={self.budget.width}, nodes={self.budget.nodes})"
+        budget = self.budget
+        expand = f", expand={budget.expand}" if budget.expand is not None else ""
+        return f"dynamic(depth={budget.depth}, width={budget.width}, nodes={budget.nodes}{expand})"
 
 
 @dataclass(frozen=True)

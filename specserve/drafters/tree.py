@@ -18,7 +18,8 @@ Shapes:
   ``(r_0, ..., r_d)`` is the rank-``r_d`` child of its parent (the r-th best, or the r-th drawn).
 * **dynamic**, greedy (EAGLE-2) — grow level by level: expand the ``width`` frontier nodes with
   the highest cumulative draft confidence (product of the draft's probabilities along the path)
-  into their ``width`` best children, down to ``depth``; then keep the ``nodes`` best nodes of
+  (``expand`` of them, if set) into their ``width`` best children, down to ``depth``; then keep
+  the ``nodes`` best nodes of
   the whole tree. A child's confidence never exceeds its parent's, so the best ``nodes`` (ties
   broken towards shallower nodes) always include their ancestors.
 * **dynamic**, sampled — the same expansion, but a sampled child must never be pruned by its
@@ -136,8 +137,8 @@ class TreeModelDrafter:
 
         Exactness needs each node's number of children fixed before they are drawn, so the tree is never
         pruned by its children's own values (EAGLE-2's final reranking would bias them). Instead, level by
-        level, the ``width`` most confident nodes are expanded — the i-th most confident with
-        ``max(1, width - i)`` children — until ``depth`` levels or ``nodes`` nodes.
+        level, the ``expand`` (default ``width``) most confident nodes are expanded — the i-th most
+        confident with ``max(1, width - i)`` children — until ``depth`` levels or ``nodes`` nodes.
         """
         tokens: list[int] = []
         parents: list[int] = []
@@ -161,7 +162,7 @@ class TreeModelDrafter:
                         new_nodes.append(len(tokens) - 1)
                 if level + 1 == budget.depth or len(tokens) >= budget.nodes:
                     break
-                grown = sorted(new_nodes, key=lambda n: -confidence[n])[: budget.width]
+                grown = sorted(new_nodes, key=lambda n: -confidence[n])[: budget.expanded]
                 rows = dict(zip(grown, session.expand(grown, tokens, parents), strict=True))
         return self._sampled_tree(list(range(len(tokens))), tokens, parents, q_rows)
 
@@ -188,7 +189,7 @@ class TreeModelDrafter:
                         new_nodes.append(len(tokens) - 1)
                 if level + 1 == budget.depth:
                     break
-                grown = sorted(new_nodes, key=lambda n: -confidence[n])[: budget.width]
+                grown = sorted(new_nodes, key=lambda n: -confidence[n])[: budget.expanded]
                 rows = dict(zip(grown, session.expand(grown, tokens, parents), strict=True))
         return self._keep_best(tokens, parents, confidence, budget.nodes)
 

@@ -103,13 +103,14 @@ class DynamicTree(BaseModel):
 
     kind: Literal["dynamic"] = Field(..., description="a tree grown each cycle from the draft's confidence")
     depth: int = Field(4, ge=1, le=MAX_TREE_DEPTH, description="levels below the last committed token")
-    width: int = Field(
-        2, ge=1, le=MAX_TREE_WIDTH, description="children per expanded node, and nodes expanded per level"
-    )
+    width: int = Field(2, ge=1, le=MAX_TREE_WIDTH, description="children per expanded node")
     nodes: int = Field(8, ge=1, le=MAX_TREE_NODES, description="draft nodes kept for verification")
+    expand: int | None = Field(
+        None, ge=1, le=MAX_TREE_WIDTH, description="nodes expanded per level (default: width; 1 = cheapest drafting)"
+    )
 
     def spec(self) -> TreeSpec:
-        return TreeSpec("dynamic", budget=TreeBudget(self.depth, self.width, self.nodes))
+        return TreeSpec("dynamic", budget=TreeBudget(self.depth, self.width, self.nodes, self.expand))
 
 
 TreeRank = Annotated[int, Field(ge=0, lt=MAX_TREE_NODES)]  # which candidate of its parent: 0 = the best

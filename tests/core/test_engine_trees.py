@@ -21,6 +21,7 @@ SPECS = {
     "static": TreeSpec("static", topology=TreeTopology.from_lists([[0], [1], [0, 0], [0, 1], [0, 0, 0]])),
     "dynamic": TreeSpec("dynamic", budget=TreeBudget(depth=4, width=2, nodes=8)),
     "dynamic_wide": TreeSpec("dynamic", budget=TreeBudget(depth=2, width=4, nodes=12)),
+    "dynamic_one_path": TreeSpec("dynamic", budget=TreeBudget(depth=4, width=3, nodes=9, expand=1)),
 }
 
 

@@ -107,3 +107,17 @@ def test_two_emitted_tokens_follow_the_target_joint_law(tiny_pairs: dict[str, Ti
     joint = torch.stack([first[a] * target_probs(pair.target, [*PROMPT, a], PARAMS) for a in range(first.numel())])
     cells = torch.tensor([a * first.numel() + b for a, b in pairs])
     assert chi2_pvalue(cells, joint) > ALPHA
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_expand_one_grows_a_single_path_with_alternatives(pair: TinyPair, seed: int) -> None:
+    budget = TreeBudget(depth=4, width=3, nodes=10, expand=1)
+    tree = drafter_for(pair, seed).propose_dynamic_sampled(budget)
+    with_children = [p for p, children in enumerate(tree.children) if children]
+    assert len({tree.depths[p - 1] if p else -1 for p in with_children}) == len(with_children)  # one per level
+    assert tree.size == 10 and tree.depth == 4
+    check_sampled_tree(pair, tree)
+    greedy = TreeModelDrafter(pair.draft, pair.target)
+    greedy.start(PROMPT)
+    kept = greedy.propose_dynamic(budget)
+    assert kept.size == budget.nodes and kept.depth <= budget.depth

@@ -1,0 +1,113 @@
+"""What the engine loop asks before each cycle and reports after it: the budget, and the cycle's observation.
+
+The single-process engine and the distributed coordinator run every request through a
+:class:`Schedule`: ``next_budget(remaining)`` before drafting, ``observe(observation)`` after the
+verdict. :class:`FixedSchedule` (the request's own γ or tree, every cycle) is the default;
+``specserve.policies`` builds adaptive ones from online estimates. The types live here so that
+``core`` never imports policies. A budget only changes how much is proposed, never how proposals
+are verified, so every schedule keeps the output exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from specserve.core.prompts import InvalidRequest
+from specserve.core.tree import TreeSpec
+
+# The policies a request may name; ``specserve.policies`` implements them (its registry checks it agrees).
+POLICY_NAMES = ("fixed", "heuristic", "adaptive")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much to draft in one cycle: ``gamma`` chain tokens (0 = plain decoding), or a tree."""
+
+    gamma: int
+    tree: TreeSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.gamma < 0:
+            raise ValueError(f"gamma must be >= 0, got {self.gamma}")
+
+    @property
+    def nodes(self) -> int:
+        """Draft nodes the target verifies at most (k - 1, with k the verify block including the root)."""
+        if self.tree is None:
+            return self.gamma
+        if self.tree.kind == "static":
+            assert self.tree.topology is not None
+            return self.tree.topology.size
+        assert self.tree.budget is not None
+        return self.tree.budget.nodes
+
+    def describe(self) -> str:
+        return self.tree.describe() if self.tree is not None else f"chain(gamma={self.gamma})"
+
+
+@dataclass(frozen=True)
+class CycleObservation:
+    """What one verdict tells the estimators (and what a trace records of it)."""
+
+    budget: Budget  # what the policy chose
+    drafted: int  # draft nodes actually sent (a drafter may return fewer; budgets are cut at the request's end)
+    depth: int  # depth of what was sent (== drafted for a chain)
+    accepted: int  # accepted path length
+    draft_seconds: float  # drafting on the critical path
+    verify_seconds: float  # the target's forward + verification + rollback
+    wire_seconds: float = 0.0  # distributed runs: transit
+    batch_size: int = 1  # sequences verified together (1 until batching exists)
+
+    @property
+    def accept_flags(self) -> tuple[bool, ...]:
+        """Per depth reached: accepted (True) or the first rejection (False); deeper depths were not reached."""
+        flags = [True] * self.accepted
+        if self.accepted < self.depth:
+            flags.append(False)
+        return tuple(flags)
+
+
+@runtime_checkable
+class Schedule(Protocol):
+    """One request's budget per cycle."""
+
+    def next_budget(self, remaining: int) -> Budget:
+        """The next cycle's budget; ``remaining`` = tokens the request may still emit (callers cut drafts
+        to ``remaining - 1``, since the verdict always adds one token)."""
+        ...
+
+    def observe(self, observation: CycleObservation) -> None: ...
+
+
+class FixedSchedule:
+    """The same budget every cycle (the request's ``gamma`` or ``tree``)."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+
+    def next_budget(self, remaining: int) -> Budget:
+        return self.budget
+
+    def observe(self, observation: CycleObservation) -> None:
+        pass
+
+
+# (policy name, the request's own budget: its gamma or tree) -> that request's schedule
+ScheduleFactory = Callable[[str, Budget], Schedule]
+
+
+def check_policy_name(name: str) -> None:
+    if name not in POLICY_NAMES:
+        raise InvalidRequest(f"policy must be one of {', '.join(POLICY_NAMES)}, got {name!r}")
+
+
+def fixed_schedules(policy: str, budget: Budget) -> Schedule:
+    """The schedule factory of an engine built without ``specserve.policies``: the fixed policy only."""
+    check_policy_name(policy)
+    if policy != "fixed":
+        raise InvalidRequest(
+            f"policy {policy!r} is not available here: build the engine with schedules=specserve.policies.schedules()"
+        )
+    return FixedSchedule(budget)
