@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="file whose whole content is the prompt")
     gen.add_argument("--gamma", type=int, default=defaults.DEFAULT_GAMMA, help="draft tokens per cycle (1..64)")
+    gen.add_argument(
+        "--policy",
+        choices=["fixed", "heuristic", "adaptive"],
+        default="fixed",
+        help="how much to draft each cycle: --gamma (or --tree) every cycle, transformers' +2/-1 schedule "
+        "from --gamma, or the γ that maximises predicted tokens/s from online estimates (0 = plain decoding)",
+    )
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -219,7 +226,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         drafter_invariant=args.drafter_invariant,
     )
     tree = _tree_spec(args)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop), tree=tree)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop), tree=tree, policy=args.policy
+    )
     prompt = _read_prompt(args)
     if not prompt:
         raise UsageError("the prompt is empty; pass some text with --prompt or --prompt-file")
@@ -258,12 +267,13 @@ def _engine(args: argparse.Namespace) -> Any:
     from specserve.core.engine import SpeculativeEngine
     from specserve.core.model import CausalLM
     from specserve.drafters import build_drafter
+    from specserve.policies.schedules import schedules
 
     target = CausalLM.load(args.target, dtype=args.dtype, device=args.device)
     drafter = build_drafter(
         args.draft, target, dtype=args.dtype, device=args.device, max_ngram=args.ngram_max, min_ngram=args.ngram_min
     )
-    return SpeculativeEngine(target, drafter)
+    return SpeculativeEngine(target, drafter, schedules=schedules())
 
 
 @contextlib.contextmanager

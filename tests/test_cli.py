@@ -77,6 +77,19 @@ def test_generate_with_trees_equals_chains(capsys: pytest.CaptureFixture[str], t
     assert all(nodes <= 5 for nodes, _ in runs["static"]["stats"]["tree_shapes"])
 
 
+def test_generate_with_policies_lists_the_budget_of_every_cycle(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["generate", "--prompt", "import os\n", "--max-new-tokens", "24", "--json", "--dtype", "float64"]
+    runs = {}
+    for policy in ("fixed", "heuristic", "adaptive"):
+        code, out, err = run_cli(capsys, *common, "--policy", policy)
+        assert code == 0, err
+        runs[policy] = json.loads(out)
+    assert runs["fixed"]["output_ids"] == runs["heuristic"]["output_ids"] == runs["adaptive"]["output_ids"]
+    for run in runs.values():
+        assert len(run["stats"]["budgets"]) == run["stats"]["cycles"] > 0
+    assert set(runs["fixed"]["stats"]["budgets"][:-1]) <= {3}  # the default γ until the request's end cuts it
+
+
 def test_console_script_streams_text() -> None:
     exe = Path(sys.executable).parent / "specserve"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -13,9 +13,10 @@ be made remote like the other actors. For each request it
    yields the same :class:`~specserve.core.engine.StreamChunk` the engine yields;
 5. frees the request's KV on every shard when it ends, however it ends.
 
-The γ policy is a fixed ``gamma`` from the request's :class:`GenerationConfig` for now; the
-request's ``drafter`` (configured, ``ngram`` or ``none``) and its tree shape (``tree``: drafted
-by the drafter actor, verified with tree attention on every shard) are passed to the drafter actor.
+The request's ``policy`` (fixed, heuristic or adaptive: ``specserve.policies``), its ``gamma`` /
+``tree`` budget, and its ``drafter`` (configured, ``ngram`` or ``none``) go to the drafter actor,
+which decides each cycle's budget there (its replica's estimates are shared by its requests); trees
+are verified with tree attention on every shard.
 Requests to one replica are served one at a time (a drafter holds one request's state).
 """
 
@@ -86,6 +87,7 @@ class Coordinator(GenerationFrontend):
             overlap=replica.config.overlap,
             drafter=config.drafter,
             tree=config.tree,
+            policy=config.policy,
         )
         out = RequestOutput(prompt_ids, text, stats, start)
         try:
@@ -97,16 +99,7 @@ class Coordinator(GenerationFrontend):
             for ref in reports:
                 batch: list[CycleReport] = ray.get(ref)
                 for report in batch:
-                    stats.record_cycle(
-                        report.gamma,
-                        report.num_accepted,
-                        report.draft_seconds,
-                        report.target_seconds,
-                        wire_seconds=report.wire_seconds,
-                        allreduce_seconds=report.allreduce_seconds,
-                        overlap_hit=report.overlap_hit,
-                        drafted=report.drafted,
-                    )
+                    stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
                     new = report.new_tokens
                     finish: FinishReason | None = None
                     if report.finished:  # the target cut at EOS (the last token) or at max_new_tokens

@@ -45,8 +45,10 @@ from specserve.core.draft import Draft, Drafter, TreeDrafter, propose_tree_withi
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.schedule import Budget, CycleObservation
 from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.registry import build_drafter_set
+from specserve.policies.schedules import schedules
 from specserve.rpc.codec import accepted_tokens, encode_draft
 from specserve.rpc.verifier import VerifierStream, open_channel
 
@@ -63,20 +65,27 @@ class DraftJob:
     report_interval_s: float = 0.1  # after the first cycle, reports are batched at most this often
     drafter: str = "default"  # the configured drafter, "ngram" or "none" (REQUEST_DRAFTERS)
     tree: TreeSpec | None = None  # draft trees of this shape instead of gamma-token chains (never overlapped)
+    policy: str = "fixed"  # how much to draft each cycle (POLICY_NAMES); gamma / tree = the request's own budget
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.gamma, self.tree)
 
 
 @dataclass(frozen=True)
 class CycleReport:
     new_tokens: list[int]  # committed this cycle (already cut at EOS / max_new_tokens by the target)
     finished: bool  # the target ended the request (EOS or max_new_tokens)
-    gamma: int  # draft tokens sent (a tree: its depth)
-    num_accepted: int
-    draft_seconds: float  # drafting on the critical path (0 when overlap had the tree ready)
-    target_seconds: float  # the target's forward + verification + rollback
-    allreduce_seconds: float  # of which tensor-parallel all-reduces
-    wire_seconds: float  # send-to-verdict time not spent by the target (gRPC, serialisation)
-    overlap_hit: bool  # the next tree was drafted during this verification and is used
-    drafted: int | None = None  # a tree's node count (None for chains: gamma tokens)
+    # the budget, what was sent and accepted; draft_seconds = drafting on the critical path (0 when overlap had
+    # the draft ready), verify_seconds = the target's forward + verification + rollback, wire_seconds =
+    # send-to-verdict time the target did not spend (gRPC, serialisation)
+    observation: CycleObservation
+    allreduce_seconds: float  # of verify_seconds, tensor-parallel all-reduces
+    overlap_hit: bool  # the next draft was drafted during this verification and is used
+
+    @property
+    def num_accepted(self) -> int:
+        return self.observation.accepted
 
 
 class RequestCancelled(Exception):
@@ -103,6 +112,7 @@ class DrafterActor:
         self.drafters = self.compute.run(
             build_drafter_set, drafter, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram
         )
+        self.schedules = schedules()  # per request; the adaptive ones share this replica's prior
         self._channels: dict[str, grpc.Channel] = {}
         self._current: str | None = None  # the request whose loop is running
         self._cancel = False  # set by cancel(): stop that loop after its current cycle
@@ -144,14 +154,17 @@ class DrafterActor:
         t0 = time.perf_counter()
         if job.tree is not None and not isinstance(drafter, TreeDrafter):
             raise InvalidRequest(f"the {job.drafter!r} drafter cannot draft trees; send chains (no tree)")
-        first: Draft | DraftTree | None = run(_propose, drafter, job, remaining, device)
+        schedule = self.schedules(job.policy, job.budget)
+        budget = schedule.next_budget(remaining)
+        first: Draft | DraftTree | None = run(_propose, drafter, budget, remaining, device)
         first_seconds = time.perf_counter() - t0
         if target_ready:
             import ray
 
             ray.get(list(target_ready))  # raises the target's error if it could not admit the request
         stream = VerifierStream(self._channel(job.verifier_address))
-        ready: Draft | DraftTree | None = None
+        ready: Draft | None = None
+        ready_budget = budget
         # Reports not yet sent to the caller. Each yield costs about a millisecond of CPU in this process and
         # the caller's, which on a small machine slows the target's verify: after the first cycle (time to
         # first token) they go out in batches, at most every report_interval_s, while the target verifies.
@@ -162,11 +175,15 @@ class DrafterActor:
             while not self._cancel:
                 t0 = time.perf_counter()
                 overlap_hit = ready is not None
+                draft: Draft | DraftTree
                 if first is not None:
                     draft, first = first, None
                     t0 -= first_seconds
+                elif ready is not None:  # drafted during the last verification, with the budget of that time
+                    draft, budget = ready, ready_budget
                 else:
-                    draft = ready if ready is not None else run(_propose, drafter, job, remaining, device)
+                    budget = schedule.next_budget(remaining)
+                    draft = run(_propose, drafter, budget, remaining, device)
                 t1 = time.perf_counter()
                 stream.send_raw(run(encode_draft, job.request_id, cycle, draft).SerializeToString())
 
@@ -175,7 +192,7 @@ class DrafterActor:
                 if job.overlap and isinstance(draft, Draft) and remaining - draft.gamma - 1 > 0:
                     # Assume the likeliest verdict (all accepted) and draft the bonus guess plus the next tree.
                     run(drafter.accept, draft.tokens.tolist())
-                    ahead = run(drafter.propose, job.gamma + 1)
+                    ahead = run(drafter.propose, budget.gamma + 1)
                     ahead_seconds = time.perf_counter() - t1
 
                 if pending and (cycle == 1 or time.perf_counter() - last_report >= job.report_interval_s):
@@ -199,7 +216,8 @@ class DrafterActor:
                     )
                     if hit:  # the verdict is the assumed one: only the bonus token is new to the drafter
                         run(drafter.accept, new[-1:])
-                        ready = _trim(ahead, 1, min(job.gamma, remaining - 1))
+                        ready = _trim(ahead, 1, min(budget.gamma, remaining - 1))
+                        ready_budget = budget
                     else:
                         run(drafter.rewind, committed - len(new))
                         if not info.finished:
@@ -208,20 +226,18 @@ class DrafterActor:
                     run(drafter.accept, new)
 
                 busy = max(info.target_seconds, ahead_seconds)
-                pending.append(
-                    CycleReport(
-                        new_tokens=new,
-                        finished=info.finished,
-                        gamma=draft.gamma if isinstance(draft, Draft) else draft.depth,
-                        num_accepted=accepted,
-                        draft_seconds=t1 - t0,
-                        target_seconds=info.target_seconds,
-                        allreduce_seconds=info.allreduce_seconds,
-                        wire_seconds=max(0.0, (t2 - t1) - busy),
-                        overlap_hit=overlap_hit,
-                        drafted=None if isinstance(draft, Draft) else draft.size,
-                    )
+                drafted, depth = (draft.gamma, draft.gamma) if isinstance(draft, Draft) else (draft.size, draft.depth)
+                observation = CycleObservation(
+                    budget,
+                    drafted,
+                    depth,
+                    accepted,
+                    draft_seconds=t1 - t0,
+                    verify_seconds=info.target_seconds,
+                    wire_seconds=max(0.0, (t2 - t1) - busy),
                 )
+                schedule.observe(observation)
+                pending.append(CycleReport(new, info.finished, observation, info.allreduce_seconds, overlap_hit))
                 if info.finished:
                     yield pending
                     return
@@ -235,12 +251,13 @@ class DrafterActor:
         return self._channels[address]
 
 
-def _propose(drafter: Drafter, job: DraftJob, remaining: int, device: torch.device) -> Draft | DraftTree:
-    """The next proposal within the request's remaining budget: a chain, or a tree of the job's shape."""
-    if job.tree is None:
-        return propose_within(drafter, job.gamma, remaining, device)
-    assert isinstance(drafter, TreeDrafter)
-    return propose_tree_within(drafter, job.tree, remaining).to(device)
+def _propose(drafter: Drafter, budget: Budget, remaining: int, device: torch.device) -> Draft | DraftTree:
+    """The next proposal within the request's remaining tokens: a chain, or a tree of the budget's shape."""
+    if budget.tree is None:
+        return propose_within(drafter, budget.gamma, remaining, device)
+    if not isinstance(drafter, TreeDrafter):
+        raise InvalidRequest("this drafter cannot draft the trees the policy chose; send chains (no tree)")
+    return propose_tree_within(drafter, budget.tree, remaining).to(device)
 
 
 def _trim(draft: Draft, start: int, budget: int) -> Draft | None:

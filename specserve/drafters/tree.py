@@ -138,7 +138,9 @@ class TreeModelDrafter:
         Exactness needs each node's number of children fixed before they are drawn, so the tree is never
         pruned by its children's own values (EAGLE-2's final reranking would bias them). Instead, level by
         level, the ``expand`` (default ``width``) most confident nodes are expanded — the i-th most
-        confident with ``max(1, width - i)`` children — until ``depth`` levels or ``nodes`` nodes.
+        confident with ``max(1, width - i)`` children — until ``depth`` levels or ``nodes`` nodes. A first
+        drawn child counts as its parent's best token (it is tried first, and accepted with probability
+        1 - TV(p, q) whatever its own q), later ones by their q.
         """
         tokens: list[int] = []
         parents: list[int] = []
@@ -155,7 +157,11 @@ class TreeModelDrafter:
                     q, children = self._draw(logits, count)
                     q_rows[parent] = q
                     base = confidence[parent] if parent != ROOT else 0.0
-                    for token, log_q in zip(children, q[children].double().log().tolist(), strict=True):
+                    values = q[children].double().log().tolist()
+                    # the first drawn child is tried first and accepted most often (with probability 1 - TV(p, q),
+                    # whatever its own q): rank it as the draft's best token, so it is the one expanded
+                    values[0] = float(q.max().double().log())
+                    for token, log_q in zip(children, values, strict=True):
                         tokens.append(token)
                         parents.append(parent)
                         confidence.append(base + log_q)

@@ -53,7 +53,10 @@ class ServeMetrics:
             TAGS,
         )
         self.gamma = Histogram(
-            "specserve_gamma", "draft tokens proposed per cycle (the chosen gamma)", LENGTH_BOUNDARIES, TAGS
+            "specserve_gamma",
+            "the budget the request's policy chose per cycle (gamma, or a tree's nodes; 0 = plain decoding)",
+            LENGTH_BOUNDARIES,
+            TAGS,
         )
         self.tokens_per_second = Histogram(
             "specserve_tokens_per_second", "per request: generated tokens / generation time", RATE_BOUNDARIES, TAGS
@@ -90,9 +93,8 @@ class ServeMetrics:
             _inc(self.accepted_by_position, accepted, {**tags, "position": str(position)})
         if stats.cycles:
             self.mean_accepted_length.observe(stats.mean_accepted, tags)
-        for length, count in stats.draft_length_histogram.items():
-            for _ in range(count):
-                self.gamma.observe(length, tags)
+        for budget in stats.budgets:
+            self.gamma.observe(budget, tags)
         if stats.total_seconds > 0:
             self.tokens_per_second.observe(stats.tokens_per_second, tags)
 

@@ -55,6 +55,7 @@ def speculation_summary(stats: RequestStats, params: SamplingParams) -> dict[str
         "mean_accepted_length": stats.mean_accepted,
         "acceptance_by_position": stats.acceptance_by_position,
         "tree_shapes": [[nodes, depth] for nodes, depth in stats.tree_shapes],  # per cycle; empty for chains
+        "budgets": list(stats.budgets),  # the budget the policy chose per cycle (γ, or tree nodes)
         "sampling": sampling_mode(params),
         "lossy": False,  # no lossy acceptance mode exists yet; every answer is exact
     }

@@ -172,6 +172,14 @@ class SpeculationOptions(BaseModel):
             f" {MAX_TREE_NODES} nodes; output is the same, only speed differs"
         ),
     )
+    policy: Literal["fixed", "heuristic", "adaptive"] = Field(
+        "fixed",
+        description=(
+            "how much to draft each cycle: gamma (or the tree) every cycle (fixed), transformers' +2/-1 schedule"
+            " from gamma (heuristic), or the gamma that maximises predicted tokens/s from online estimates of"
+            " acceptance and cost, 0 = plain decoding (adaptive); output is the same, only speed differs"
+        ),
+    )
     drafter_invariant: bool = Field(
         False,
         description=(
@@ -253,6 +261,7 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             drafter=speculation.drafter,
             tree=speculation.tree.spec() if speculation.enabled else None,
+            policy=speculation.policy if speculation.enabled else "fixed",
         )
 
 

@@ -152,6 +152,16 @@ def test_drafter_invariant_output_is_the_same_whatever_the_drafter(running: Runn
             assert got.output_ids == want, (seed, config)
 
 
+def test_policies_keep_greedy_exact(running: Running) -> None:
+    """The drafter actor decides each cycle's budget (heuristic, adaptive): the greedy text never changes."""
+    for policy in ("heuristic", "adaptive"):
+        for prompt in running.pair.prompts[:3]:
+            config = GenerationConfig(max_new_tokens=20, gamma=3, policy=policy)
+            got = running.coordinator.generate(prompt, SamplingParams(), config)
+            assert got.output_ids == greedy_reference(running.pair, prompt, 20), (policy, prompt)
+            assert len(got.stats.budgets) == got.stats.cycles > 0
+
+
 def test_stop_string_and_streaming(running: Running) -> None:
     prompt = running.pair.length_prompts[0]
     full = running.engine.generate(prompt, SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=3))

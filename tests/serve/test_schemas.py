@@ -7,6 +7,7 @@ import typing
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from specserve.core.engine import REQUEST_DRAFTERS
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
@@ -212,3 +213,18 @@ def test_config_yaml_round_trip_and_replica(monkeypatch: pytest.MonkeyPatch) -> 
         ServeConfig(tp_degree=0)
     with pytest.raises(ValueError, match="Extra inputs"):
         ServeConfig.model_validate({"tp": 2})
+
+
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "adaptive"])
+def test_policy_maps_to_the_generation_config(policy: str) -> None:
+    request = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "speculation": {"policy": policy, "gamma": 5}}
+    )
+    config = request.generation(default_max_tokens=8, default_gamma=3)
+    assert config.policy == policy and config.gamma == 5
+    off = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "x", "speculation": {"policy": policy, "enabled": False}}
+    )
+    assert off.generation(8, 3).policy == "fixed" and off.generation(8, 3).gamma == 0
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "speculation": {"policy": "sometimes"}})

@@ -1,0 +1,50 @@
+"""Speculation policies (how much to draft each cycle), the online estimators they read, and the per-request
+controller that ties the two together (DESIGN.md §6).
+
+The decision side touches no model, clock or random generator: estimators are fed
+:class:`~specserve.policies.base.CycleObservation` records and policies are pure functions of a
+:class:`~specserve.policies.base.PolicyState` snapshot. A policy only changes how much is proposed, never
+how proposals are verified, so the output stays exact whichever policy runs. Around it:
+:mod:`~specserve.policies.schedules` (per-request schedules for the engine and the drafter actor),
+:mod:`~specserve.policies.traces` (msgpack cycle traces), :mod:`~specserve.policies.simulator` (replays
+traces with a seeded RNG) and :mod:`~specserve.policies.experiment` (``specserve experiment``: live runs
+time real models).
+"""
+
+from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
+from specserve.policies.controller import SpeculationController
+from specserve.policies.estimators import (
+    AcceptanceEstimator,
+    CostEstimator,
+    EstimatorPrior,
+    Estimators,
+    ReplicaPrior,
+)
+from specserve.policies.policies import (
+    POLICY_NAMES,
+    AdaptivePolicy,
+    FixedPolicy,
+    HeuristicPolicy,
+    build_policy,
+)
+from specserve.policies.rates import optimal_gamma, predicted_rate
+
+__all__ = [
+    "POLICY_NAMES",
+    "AcceptanceEstimator",
+    "AdaptivePolicy",
+    "Budget",
+    "CostEstimator",
+    "CycleObservation",
+    "EstimatorPrior",
+    "Estimators",
+    "FixedPolicy",
+    "HeuristicPolicy",
+    "Policy",
+    "PolicyState",
+    "ReplicaPrior",
+    "SpeculationController",
+    "build_policy",
+    "optimal_gamma",
+    "predicted_rate",
+]

@@ -1,0 +1,145 @@
+"""Per-request glue between estimators and a policy: decide the next budget, learn from each verdict.
+
+One :class:`SpeculationController` per request. Each cycle the caller asks :meth:`next_budget` (with the
+tokens the request may still produce), drafts and verifies, and reports the outcome with :meth:`observe`.
+The controller keeps the request's own :class:`~specserve.policies.estimators.Estimators` (seeded from the
+replica's :class:`~specserve.policies.estimators.ReplicaPrior` when given one), forwards every observation
+to that prior, keeps the decision counters the policy reads (previous budget, cycles since a change,
+cycles off), and records a JSON-ready :attr:`history`.
+
+A policy that sets ``calibrates_plain`` (the adaptive one) gets one plain-decoding cycle first when
+neither the request nor the replica has measured T_verify(1): plain decoding is what every γ is compared
+against, it is never observed while speculating, and its cost is not on the line through the others
+(matrix-vector kernels). That cycle is not the policy's decision (it does not count as switching off).
+
+Budgets are clipped here, never in policies: to ``max_gamma_cap`` draft depth (a replica's limit) and to
+``remaining − 1`` (a cycle always adds one token of its own: recovered or bonus). A tree deeper than
+allowed is cut to a dynamic tree of the allowed depth, or to a chain when it is a static topology.
+
+Not here: timing (the caller measures seconds), drafting or verification, thread-safety of one request's
+controller (one request is driven by one thread; only the shared prior is locked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specserve.core.tree import TreeSpec
+from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
+from specserve.policies.estimators import (
+    REQUEST_HALF_LIFE_CYCLES,
+    VERIFY_TABLE_SIZE,
+    EstimatorPrior,
+    Estimators,
+    ReplicaPrior,
+)
+from specserve.policies.rates import budget_depth
+
+DEFAULT_MAX_GAMMA_CAP = 16
+
+
+def clip_budget(budget: Budget, max_depth: int) -> Budget:
+    """``budget`` with at most ``max_depth`` tokens on any path (0 → plain decoding)."""
+    if max_depth <= 0:
+        return Budget(0)
+    if budget.tree is None:
+        return budget if budget.gamma <= max_depth else Budget(max_depth)
+    if budget_depth(budget) <= max_depth:
+        return budget
+    tree = budget.tree
+    if tree.kind == "dynamic":
+        assert tree.budget is not None
+        clipped = dataclasses.replace(tree.budget, depth=max_depth)
+        return Budget(budget.gamma, TreeSpec("dynamic", budget=clipped))
+    return Budget(max_depth)
+
+
+class SpeculationController:
+    """Decides and learns for one request; see the module docstring."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        prior: ReplicaPrior | None = None,
+        max_gamma_cap: int = DEFAULT_MAX_GAMMA_CAP,
+        *,
+        half_life: float | None = REQUEST_HALF_LIFE_CYCLES,
+    ):
+        if max_gamma_cap < 0:
+            raise ValueError(f"max_gamma_cap must be >= 0, got {max_gamma_cap}")
+        self.policy = policy
+        self.replica_prior = prior
+        self.max_gamma_cap = max_gamma_cap
+        seed = prior.prior(max_depth=max(1, max_gamma_cap)) if prior is not None else EstimatorPrior()
+        self.estimators = Estimators(seed, half_life)
+        self.history: list[dict[str, Any]] = []
+        self._chosen: Budget | None = None  # the policy's last decision after the cap (what hysteresis compares)
+        self._cycles_since_change = 0
+        self._cycles_off = 0
+        self._calibrate = bool(getattr(policy, "calibrates_plain", False))
+
+    def snapshot(self) -> PolicyState:
+        """The state the next decision will be made from."""
+        return self.estimators.snapshot(
+            self._chosen,
+            cycles_since_change=self._cycles_since_change,
+            cycles_off=self._cycles_off,
+            max_depth=max(1, self.max_gamma_cap),
+            max_k=VERIFY_TABLE_SIZE,
+        )
+
+    def next_budget(self, remaining: int) -> Budget:
+        """The budget for the next cycle: the policy's choice, capped, and cut to ``remaining − 1`` (``remaining`` =
+        tokens the request may still emit; the verdict always adds one of its own)."""
+        if remaining < 1:
+            raise ValueError(f"remaining must be >= 1, got {remaining}")
+        if self._calibrate:
+            self._calibrate = False
+            if not self.estimators.plain_measured:
+                self.history.append(self._entry(Budget(0), Budget(0), remaining, probe=False, calibration=True))
+                return Budget(0)
+        state = self.snapshot()
+        chosen = clip_budget(self.policy.decide(state), self.max_gamma_cap)
+        previous = self._chosen
+        probe = chosen.nodes > 0 and self._cycles_off > 0 and previous is not None and previous.nodes == 0
+        if chosen.nodes == 0 or probe:
+            self._cycles_off += 1
+        else:
+            self._cycles_off = 0
+        self._cycles_since_change = self._cycles_since_change + 1 if chosen == previous else 0
+        self._chosen = chosen
+        sent = clip_budget(chosen, remaining - 1)
+        self.history.append(self._entry(chosen, sent, remaining, probe=probe, calibration=False))
+        return sent
+
+    def _entry(self, chosen: Budget, sent: Budget, remaining: int, probe: bool, calibration: bool) -> dict[str, Any]:
+        return {
+            "cycle": len(self.history),
+            "policy": self.policy.name,
+            "chosen": chosen.describe(),
+            "sent": sent.describe(),
+            "gamma": budget_depth(sent),
+            "nodes": sent.nodes,
+            "probe": probe,
+            "calibration": calibration,
+            "remaining": remaining,
+        }
+
+    def observe(self, obs: CycleObservation) -> None:
+        """The verdict of the last cycle: updates this request's estimators and the replica's prior."""
+        self.estimators.observe(obs)
+        if self.replica_prior is not None:
+            self.replica_prior.observe(obs)
+        record = {
+            "drafted": obs.drafted,
+            "depth": obs.depth,
+            "accepted": obs.accepted,
+            "draft_seconds": obs.draft_seconds,
+            "verify_seconds": obs.verify_seconds,
+            "wire_seconds": obs.wire_seconds,
+        }
+        if self.history and "accepted" not in self.history[-1]:
+            self.history[-1].update(record)
+        else:  # an observation without a decision from this controller (e.g. a replayed trace)
+            self.history.append({"cycle": len(self.history), **record})

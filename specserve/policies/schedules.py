@@ -1,0 +1,46 @@
+"""Per-request schedules for the engine and the distributed runtime, from the policy name a request gives.
+
+:func:`schedules` returns the :data:`~specserve.core.schedule.ScheduleFactory` that
+:class:`~specserve.core.engine.SpeculativeEngine` and the drafter actor call once per request:
+``fixed`` drafts the request's own γ or tree every cycle; ``heuristic`` starts at the request's γ
+and follows transformers' +2 / −1 schedule; ``adaptive`` chooses each cycle's γ (and, when the
+request names a tree, that tree as a further candidate) from the online estimates. Every request's
+controller is seeded from, and feeds, one :class:`~specserve.policies.estimators.ReplicaPrior`
+per factory — one per engine or drafter actor, i.e. per replica. Does not draft, verify or time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.core.schedule import (
+    POLICY_NAMES,
+    Budget,
+    FixedSchedule,
+    Schedule,
+    ScheduleFactory,
+    check_policy_name,
+)
+from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
+from specserve.policies.estimators import ReplicaPrior
+from specserve.policies.policies import build_policy
+
+__all__ = ["POLICY_NAMES", "schedules"]
+
+
+def schedules(prior: ReplicaPrior | None = None, max_gamma_cap: int = DEFAULT_MAX_GAMMA_CAP) -> ScheduleFactory:
+    """A schedule factory whose adaptive and heuristic requests share ``prior`` (a fresh one by default)."""
+    shared = prior if prior is not None else ReplicaPrior()
+
+    def make(policy: str, budget: Budget) -> Schedule:
+        check_policy_name(policy)
+        if policy == "fixed":
+            return FixedSchedule(budget)
+        options: dict[str, Any] = {"max_gamma": max_gamma_cap}
+        if policy == "heuristic":
+            options["start_gamma"] = max(1, min(budget.gamma, max_gamma_cap))
+        elif budget.tree is not None:
+            options["trees"] = (budget.tree,)
+        return SpeculationController(build_policy(policy, **options), shared, max_gamma_cap)
+
+    return make
