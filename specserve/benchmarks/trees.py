@@ -48,8 +48,8 @@ from specserve.drafters.registry import build_drafter_set
 DYNAMIC_SHAPES: dict[int, tuple[tuple[int, int, int], ...]] = {
     4: ((3, 2, 1), (4, 2, 2)),
     8: ((4, 2, 1), (5, 3, 3)),
-    16: ((4, 4, 1), (7, 3, 3)),
-    32: ((6, 6, 1), (8, 4, 4)),
+    16: ((6, 3, 1), (7, 3, 3)),
+    32: ((8, 4, 1), (8, 4, 4)),
 }
 # Depth caps of the calibrated static trees: uncapped, a well-calibrated drafter's best tree is nearly a chain;
 # capped, the nodes go to second and third candidates near the root.
