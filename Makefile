@@ -47,6 +47,7 @@ test: lint typecheck pytest
 bench: install
 	$(BIN)/specserve bench
 	$(BIN)/specserve bench-trees
+	$(BIN)/specserve experiment
 	$(BIN)/specserve bench-distributed
 	$(BIN)/specserve bench-serve
 
