@@ -15,6 +15,8 @@ controller that ties estimators and a policy to one request in :mod:`specserve.p
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -38,7 +40,20 @@ class PolicyState:
     last_accepted: int = 0  # the previous cycle's accepted path length (what transformers' heuristic schedule reads)
     last_drafted: int = 0  # the previous cycle's draft nodes actually sent
     cycles_off: int = 0  # consecutive decisions spent off (plain decoding, probes included); 0 while speculating
+    # pseudo-counts behind each alpha (prior strength + forgetting-weighted observations): how sure it is
+    alpha_weight: tuple[float, ...] = ()
     extra: dict[str, float] = field(default_factory=dict)
+
+    def optimistic(self, z: float) -> PolicyState:
+        """The same state with every alpha raised by ``z`` posterior standard deviations (capped at 1): what
+        the drafts could still be worth given how little has been seen of them."""
+        if not self.alpha_weight:
+            return self
+        raised = tuple(
+            min(1.0, a + z * math.sqrt(a * (1.0 - a) / (w + 1.0)))
+            for a, w in zip(self.alpha, self.alpha_weight, strict=False)
+        )
+        return dataclasses.replace(self, alpha=raised + self.alpha[len(raised) :])
 
     def t_verify(self, k: int) -> float:
         """T_verify(k), extrapolated linearly past the last estimated k."""

@@ -325,6 +325,10 @@ class AcceptanceEstimator:
         counts = self._reported.reached
         return counts[depth - 1] if 0 < depth <= len(counts) else 0.0
 
+    def weights(self, max_depth: int) -> tuple[float, ...]:
+        """The pseudo-counts behind :meth:`alphas` (prior strength + forgetting-weighted reached counts)."""
+        return self._reported.posterior(self.prior, max_depth)[1]
+
     def alphas(self, max_depth: int) -> tuple[float, ...]:
         """Estimated acceptance at depths 1 .. ``max_depth`` (index i is depth i + 1)."""
         return self._reported.posterior(self.prior, max_depth)[0]
@@ -542,6 +546,7 @@ class Estimators:
         fixed, per_token = self.costs.draft_fit()
         return PolicyState(
             alpha=self.acceptance.alphas(max(1, max_depth)),
+            alpha_weight=self.acceptance.weights(max(1, max_depth)),
             draft_seconds_per_token=per_token,
             draft_fixed_seconds=fixed,
             verify_seconds=self.costs.verify_table(max_k),

@@ -117,6 +117,12 @@ class AdaptivePolicy:
       estimators restart their long memory when drafting resumes after a pause
       (:class:`~specserve.policies.estimators.AcceptanceEstimator`), so a probe after a long pause weighs
       heavily.
+    * **Evidence before the off switch** — speculation is not switched off while the acceptance estimate
+      at depth 1 rests on fewer than ``min_evidence`` pseudo-counts (the prior's 4 plus the request's own
+      cycles): a handful of unlucky cycles, or a pessimistic replica prior, must not switch a request off
+      for good. After a probe, speculation comes back on if the drafts' rate under acceptance raised by
+      ``optimism`` posterior standard deviations (:meth:`~specserve.policies.base.PolicyState.optimistic`)
+      beats plain decoding by the margin.
     * **Trees** — optional candidates (static topologies or dynamic budgets), rated with the simple tree
       model of :mod:`specserve.policies.rates`; chains are the main case.
     """
@@ -134,6 +140,8 @@ class AdaptivePolicy:
         max_probe_interval: int = 128,
         probe_gamma: int = 2,
         overlap: bool = False,
+        optimism: float = 1.0,
+        min_evidence: float = 12.0,
         trees: Sequence[TreeSpec] = (),
     ):
         _check_int("adaptive", "max_gamma", max_gamma, minimum=1)
@@ -158,6 +166,12 @@ class AdaptivePolicy:
         self.max_probe_interval = max_probe_interval
         self.probe_gamma = probe_gamma
         self.overlap = overlap
+        if isinstance(optimism, bool) or not isinstance(optimism, int | float) or not 0 <= optimism <= 5:
+            raise UserError(f"adaptive policy: optimism must be a number in [0, 5], got {optimism!r}")
+        self.optimism = float(optimism)
+        if isinstance(min_evidence, bool) or not isinstance(min_evidence, int | float) or min_evidence < 0:
+            raise UserError(f"adaptive policy: min_evidence must be a number >= 0, got {min_evidence!r}")
+        self.min_evidence = float(min_evidence)
         self.candidates: tuple[Budget, ...] = (
             *(Budget(g) for g in range(max_gamma + 1)),
             *(Budget(0, tree) for tree in trees),
@@ -188,6 +202,18 @@ class AdaptivePolicy:
             margin = self.margin(state.cycles_since_change)
         rates = self.rates(state)
         best = max(rates, key=lambda b: rates[b])  # dicts keep order: ties go to the earlier (smaller) candidate
+        drafting = [b for b in rates if b.nodes > 0]
+        if drafting and reference is not None and reference.nodes == 0:
+            # just probed: back on if the drafts might pay — acceptance raised by `optimism` standard deviations
+            hopeful = self.rates(state.optimistic(self.optimism))
+            if max(hopeful[b] for b in drafting) > rates[Budget(0)] * (1.0 + margin):
+                return max(drafting, key=lambda b: rates[b])
+            return Budget(0)
+        if drafting and best.nodes == 0 and state.alpha_weight and state.alpha_weight[0] < self.min_evidence:
+            # too little seen of these drafts to give up on them (a few unlucky cycles, a pessimistic prior)
+            if reference is not None and reference.nodes > 0 and reference in rates:
+                return reference
+            return max(drafting, key=lambda b: rates[b])
         if reference is not None and reference in rates and rates[best] <= rates[reference] * (1.0 + margin):
             return reference
         return best
@@ -216,6 +242,8 @@ _FACTORIES: Mapping[str, tuple[Callable[..., Policy], tuple[str, ...]]] = {
             "max_probe_interval",
             "probe_gamma",
             "overlap",
+            "optimism",
+            "min_evidence",
             "trees",
         ),
     ),

@@ -58,13 +58,16 @@ def test_adaptive_with_a_tree_candidate_stays_exact(pair: TinyPair, hf_greedy: H
         )
 
 
-def test_seeded_sampling_under_the_adaptive_policy_reproduces(pair: TinyPair) -> None:
-    params = SamplingParams(temperature=1.0, top_k=20, seed=5)
-    config = GenerationConfig(max_new_tokens=20, policy="adaptive")
+def test_seeded_sampling_under_the_adaptive_policy_reproduces_when_drafter_invariant(pair: TinyPair) -> None:
+    """The adaptive policy decides from measured seconds, so its γ sequence (and with it which random numbers a
+    sampled run draws) can differ between runs; drafter-invariant sampling makes the tokens independent of γ,
+    so the same seed gives the same tokens whatever the policy decided — and equals plain decoding."""
+    params = SamplingParams(temperature=1.0, top_k=20, seed=5, drafter_invariant=True)
     prompt = pair.prompts[0]
-    first = engine_for(pair).generate(prompt, params, config)
-    again = engine_for(pair).generate(prompt, params, config)  # a fresh replica prior: the same decisions
-    assert first.output_ids == again.output_ids and first.stats.budgets == again.stats.budgets
+    plain = engine_for(pair, "none").generate(prompt, params, GenerationConfig(max_new_tokens=20, gamma=0))
+    for _ in range(2):
+        got = engine_for(pair).generate(prompt, params, GenerationConfig(max_new_tokens=20, policy="adaptive"))
+        assert got.output_ids == plain.output_ids
 
 
 def test_the_replica_prior_learns_across_requests(pair: TinyPair) -> None:

@@ -178,6 +178,12 @@ def test_trees_and_drafter_invariant_sampling(client: openai.OpenAI) -> None:
     }
     assert by_drafter["default"][0] == by_drafter["ngram"][0]
     assert all(stats["sampling"] == "drafter_invariant" for _, stats in by_drafter.values())
+    # a policy decides each cycle's budget in the replica's drafter actor; the answer is the same
+    for policy in ("adaptive", "heuristic"):
+        text, stats = complete(0, {"policy": policy})
+        assert text == chain, policy
+        assert len(stats["budgets"]) == stats["cycles"] > 0, stats
+    assert set(chain_stats["budgets"][:-1]) <= {3}  # fixed: the deployment's γ every cycle (the last may be cut)
 
 
 def test_models_health_and_readiness(client: openai.OpenAI, url: str) -> None:
