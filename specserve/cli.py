@@ -30,7 +30,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft",
         default=str(defaults.DEFAULT_DRAFT),
-        help="draft model directory, 'ngram' (prompt lookup) or 'none' (plain decoding)",
+        help="draft model directory, 'ngram' (prompt lookup), 'layerskip:L' (the target's first L layers) or 'none'",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")

@@ -90,6 +90,18 @@ def test_generate_with_policies_lists_the_budget_of_every_cycle(capsys: pytest.C
     assert set(runs["fixed"]["stats"]["budgets"][:-1]) <= {3}  # the default γ until the request's end cuts it
 
 
+def test_generate_with_layerskip_self_speculation(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["generate", "--prompt", "import os\n", "--max-new-tokens", "16", "--json", "--dtype", "float64"]
+    code, out, err = run_cli(capsys, *common, "--draft", "layerskip:3")
+    assert code == 0, err
+    code, plain_out, err = run_cli(capsys, *common, "--draft", "none")
+    assert code == 0, err
+    assert json.loads(out)["output_ids"] == json.loads(plain_out)["output_ids"]
+    assert json.loads(out)["stats"]["drafted_tokens"] > 0
+    code, _, err = run_cli(capsys, *common, "--draft", "layerskip:99")
+    assert code == 2 and "layers <" in err
+
+
 def test_console_script_streams_text() -> None:
     exe = Path(sys.executable).parent / "specserve"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
