@@ -83,10 +83,6 @@ class CycleReport:
     allreduce_seconds: float  # of verify_seconds, tensor-parallel all-reduces
     overlap_hit: bool  # the next draft was drafted during this verification and is used
 
-    @property
-    def num_accepted(self) -> int:
-        return self.observation.accepted
-
 
 class RequestCancelled(Exception):
     pass

@@ -44,6 +44,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
+from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
@@ -383,14 +384,6 @@ def headline(rows: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
     return out
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "| T | method | γ | tok/s | speedup | decode speedup | mean acc. len | α by position | pred. (formula) "
@@ -401,10 +394,11 @@ def markdown(report: dict[str, Any]) -> str:
         alphas = r.get("acceptance_by_position")
         alpha_text = " ".join("–" if a is None else f"{a:.2f}" for a in alphas) if alphas else "–"
         lines.append(
-            f"| {r['temperature']:g} | {r['method']} | {_fmt(r['gamma'])} | {r['tokens_per_second']:.1f} | "
-            f"{_fmt(r['speedup'])} | {_fmt(r.get('decode_speedup'))} | {_fmt(r.get('mean_accepted'))} | {alpha_text} | "
-            f"{_fmt(r.get('predicted_formula'))} | {_fmt(r.get('predicted_measured'))} | "
-            f"{_fmt(r.get('measured_over_predicted'))} |"
+            f"| {r['temperature']:g} | {r['method']} | {table_cell(r['gamma'])} | {r['tokens_per_second']:.1f} | "
+            f"{table_cell(r['speedup'])} | {table_cell(r.get('decode_speedup'))} | "
+            f"{table_cell(r.get('mean_accepted'))} | {alpha_text} | "
+            f"{table_cell(r.get('predicted_formula'))} | {table_cell(r.get('predicted_measured'))} | "
+            f"{table_cell(r.get('measured_over_predicted'))} |"
         )
     lines.append("")
     lines.append("Summary: `" + json.dumps(report["summary"]) + "`")

@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
+from specserve.benchmarks.tables import table_cell
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
@@ -229,12 +230,6 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "–"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "| T | configuration | k | tokens/s | × plain | mean accepted | nodes/cycle | draft ms | verify ms |",
@@ -243,8 +238,8 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         lines.append(
             f"| {r['temperature']:g} | {r['name']} | {r['k']} | {r['tokens_per_second']:.1f} | "
-            f"{_fmt(r['speedup_vs_plain'])} | {r['mean_accepted']:.2f} | {_fmt(r['mean_nodes'], 1)} | "
-            f"{_fmt(r['draft_ms_per_cycle'], 1)} | {_fmt(r['verify_ms_per_cycle'], 1)} |"
+            f"{table_cell(r['speedup_vs_plain'])} | {r['mean_accepted']:.2f} | {table_cell(r['mean_nodes'], 1)} | "
+            f"{table_cell(r['draft_ms_per_cycle'], 1)} | {table_cell(r['verify_ms_per_cycle'], 1)} |"
         )
     lines.append("")
     for temperature, entry in report["headline"].items():

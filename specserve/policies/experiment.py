@@ -69,6 +69,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specserve.benchmarks.tables import table_cell
 from specserve.core.errors import UserError
 from specserve.core.schedule import Budget, FixedSchedule, Schedule, ScheduleFactory
 from specserve.policies.base import Policy
@@ -603,12 +604,6 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
             writer.writerow({k: "" if row[k] is None else row[k] for k in CSV_COLUMNS})
 
 
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "–"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "| workload | policy | tokens/s | × none | predicted × none | mean accepted | cycles | mean γ |",
@@ -616,8 +611,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for r in report["rows"]:
         lines.append(
-            f"| {r['workload']} | {r['policy']} | {r['tokens_per_second']:.1f} | {_fmt(r['speedup_vs_none'])} | "
-            f"{_fmt(r['predicted_speedup'])} | {r['mean_accepted']:.2f} | {r['cycles']} | {r['mean_gamma']:.2f} |"
+            f"| {r['workload']} | {r['policy']} | {r['tokens_per_second']:.1f} | {table_cell(r['speedup_vs_none'])} | "
+            f"{table_cell(r['predicted_speedup'])} | {r['mean_accepted']:.2f} | {r['cycles']} | {r['mean_gamma']:.2f} |"
         )
     lines.append("")
     for workload, entry in report["workloads"].items():
