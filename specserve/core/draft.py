@@ -72,6 +72,29 @@ class TreeDrafter(Drafter, Protocol):
     def propose_tree(self, spec: TreeSpec) -> DraftTree: ...
 
 
+@runtime_checkable
+class FeatureDrafter(Drafter, Protocol):
+    """A drafter that drafts from the target's own hidden states (EAGLE, Medusa).
+
+    ``feature_layers`` index the target's ``hidden_states`` as transformers returns them: 0 = the
+    embeddings, i = the output of decoder layer i, and the last (= the number of layers) the
+    output of the final norm. The target's *feature* of position t is those states of token t
+    concatenated in that order (``[len(feature_layers) * hidden]``); it depends on tokens 0..t only.
+
+    The runtime hands them over as the target computes them: after the prefill the features of
+    every prompt token but the last (``add_features(0, ...)``), and after each verdict those of
+    the block's root (the last token committed before the cycle) and of the accepted draft
+    tokens, starting at the root's position. So before each proposal the drafter knows the
+    features of every committed token except the last one.
+    """
+
+    feature_layers: tuple[int, ...]
+
+    def add_features(self, start: int, features: torch.Tensor) -> None:
+        """The features ``[k, len(feature_layers) * hidden]`` of committed positions ``start .. start + k - 1``."""
+        ...
+
+
 def propose_within(drafter: Drafter, gamma: int, remaining: int, device: torch.device | str = "cpu") -> Draft:
     """Ask for ``gamma`` tokens but never more than ``remaining - 1``: the verdict always adds one more.
 

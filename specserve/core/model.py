@@ -116,6 +116,32 @@ class KVCache:
         return copies
 
 
+def select_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int]) -> torch.Tensor:
+    """The features a hidden-state drafter reads (:class:`~specserve.core.draft.FeatureDrafter`): the
+    ``hidden_states`` transformers returns (0 = embeddings, i = after layer i, the last after the final
+    norm) at ``layers``, concatenated on the last axis. Serving and training both use this one definition."""
+    count = len(hidden_states)
+    if not layers or any(not 0 <= layer < count for layer in layers):
+        raise ValueError(f"feature layers must be in 0..{count - 1}, got {list(layers)}")
+    return torch.cat([hidden_states[layer] for layer in layers], dim=-1)
+
+
+class FeatureCapture:
+    """Asks one forward for the target's features at ``layers``; :attr:`value` holds them afterwards
+    (``[k, len(layers) * hidden]``, one row per token of the block)."""
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        self.layers = tuple(int(layer) for layer in layers)
+        self.value: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor:
+        """The captured features (once), for the forward that was just run."""
+        if self.value is None:
+            raise RuntimeError("no forward has captured features yet")
+        value, self.value = self.value, None
+        return value
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     path: str
@@ -183,14 +209,26 @@ class CausalLM:
         cache: KVCache,
         input_ids: torch.Tensor,  # [k] int64, the tokens at positions cache.length .. cache.length + k - 1
         last_only: bool = False,
+        capture: FeatureCapture | None = None,
     ) -> torch.Tensor:  # [k, vocab] (or [1, vocab] when last_only) logits, in the model's dtype
-        """Append ``input_ids`` to the cache and return their next-token logits."""
+        """Append ``input_ids`` to the cache and return their next-token logits (and, with ``capture``, keep
+        every token's features there)."""
         kwargs = {self._cache_kwarg: cache.inner, "logits_to_keep": 1 if last_only else 0}
-        out = self.model(input_ids=input_ids.to(self.device)[None], use_cache=True, **kwargs)
+        return self._call(input_ids.to(self.device)[None], capture, kwargs)
+
+    def _call(self, input_ids: torch.Tensor, capture: FeatureCapture | None, kwargs: dict[str, Any]) -> torch.Tensor:
+        """One model call on a batch of one; the logits, and the features into ``capture`` when given."""
+        if capture is not None:
+            kwargs["output_hidden_states"] = True
+        out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
+        if capture is not None:
+            capture.value = select_features(out.hidden_states, capture.layers)[0]
         return out.logits[0]
 
     @torch.inference_mode()
-    def forward_tree(self, cache: KVCache, root: int, tree: DraftTree) -> torch.Tensor:
+    def forward_tree(
+        self, cache: KVCache, root: int, tree: DraftTree, capture: FeatureCapture | None = None
+    ) -> torch.Tensor:
         """Append the block ``[root] + tree nodes`` to the cache in one forward with tree attention.
 
         Returns ``[n + 1, vocab]`` logits: row 0 is the next-token distribution after the root,
@@ -204,8 +242,7 @@ class CausalLM:
             "attention_mask": tree.attention_mask(prefix, self.dtype, self.device),
             "position_ids": tree.position_ids(prefix, self.device),
         }
-        out = self.model(input_ids=ids.to(self.device)[None], use_cache=True, **kwargs)
-        return out.logits[0]
+        return self._call(ids.to(self.device)[None], capture, kwargs)
 
     @torch.inference_mode()
     def extend_tree(self, cache: KVCache, tree: DraftTree, start: int) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""What every drafter-head training shares: a frozen target, its features, token streams, the acceptance report.
+
+The heads trained here (EAGLE, Medusa, the layer-skip exit head) all learn from a frozen target's
+hidden states (:func:`target_features`, with the serving definition
+:func:`~specserve.core.model.select_features`) and are judged the same way: by running the real
+speculative engine on held-out prompts (:func:`heldout_acceptance`) rather than by a proxy.
+Token streams come from the default corpus (the standard library) or a user's folder of text or
+code (:func:`token_streams`). Does not define any head or loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from specserve.core.draft import Drafter
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.errors import UserError
+from specserve.core.model import CausalLM, select_features
+from specserve.core.sampling import SamplingParams
+from specserve.core.stats import RequestStats
+from specserve.core.tree import TreeSpec
+from specserve.training import corpus
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java", ".json", ".toml")
+
+
+def frozen(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` in eval mode with every parameter frozen (the target is never trained here)."""
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def target_features(target: PreTrainedModel, input_ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+    """The target's features ``[batch, seq, len(layers) * hidden]`` of ``input_ids`` ``[batch, seq]``."""
+    out = target(input_ids=input_ids, output_hidden_states=True, logits_to_keep=1)
+    return select_features(out.hidden_states, layers)
+
+
+def output_head(target: PreTrainedModel) -> torch.nn.Module:
+    """The target's (frozen) LM head: the final hidden state (after the final norm) -> logits."""
+    head = target.get_output_embeddings()
+    if not isinstance(head, torch.nn.Module):
+        raise UserError(f"{type(target).__name__} has no output embeddings (LM head)")
+    return head
+
+
+def source_files(split: corpus.Split, folder: str | Path | None = None) -> list[corpus.SourceFile]:
+    """The default corpus's ``split``, or the text/code files of ``folder`` split the same stable way."""
+    if folder is None:
+        return corpus.load_corpus(split)
+    root = Path(folder)
+    if not root.is_dir():
+        raise UserError(f"training data folder {root} does not exist or is not a directory")
+    files = []
+    for path in sorted(root.rglob("*")):
+        if not path.is_file() or path.suffix not in TEXT_SUFFIXES:
+            continue
+        rel = path.relative_to(root).as_posix()
+        if corpus.split_of(rel) != split:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            files.append(corpus.SourceFile(rel, text))
+    if not files:
+        raise UserError(f"no {split} text files ({', '.join(TEXT_SUFFIXES)}) found under {root}")
+    return files
+
+
+def token_streams(
+    tokenizer: Any, folder: str | Path | None = None, max_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, held-out) token streams: every file's ids followed by EOS, at most ``max_tokens`` each."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise UserError("the target's tokenizer has no EOS token to separate files with")
+    streams = []
+    for split in ("train", "heldout"):
+        ids: list[int] = []
+        files = source_files(split, folder)  # type: ignore[arg-type]
+        for start in tqdm(range(0, len(files), 256), desc=f"tokenize {split}", unit="batch", leave=False):
+            for row in tokenizer([f.text for f in files[start : start + 256]])["input_ids"]:
+                ids.extend(row)
+                ids.append(eos)
+            if max_tokens is not None and len(ids) >= max_tokens:
+                break
+        streams.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
+    return streams[0], streams[1]
+
+
+def heldout_acceptance(
+    target: CausalLM,
+    drafter: Drafter,
+    prompts: Sequence[str | Sequence[int]],
+    max_new_tokens: int = 64,
+    gamma: int = 4,
+    tree: TreeSpec | None = None,
+    temperature: float = 0.0,
+) -> dict[str, Any]:
+    """Run the real speculative engine on ``prompts``: mean accepted length (tokens per target pass) and
+    acceptance by draft position, greedy unless ``temperature`` says otherwise (seed = prompt index)."""
+    engine = SpeculativeEngine(target, drafter)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, tree=tree, ignore_eos=True)
+    total = RequestStats()
+    for seed, prompt in enumerate(prompts):
+        total.merge(engine.generate(prompt, SamplingParams(temperature=temperature, seed=seed), config).stats)
+    return {
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "gamma": gamma if tree is None else None,
+        "tree": None if tree is None else tree.describe(),
+        "cycles": total.cycles,
+        "mean_accepted_length": total.mean_accepted,
+        "acceptance_by_depth": total.acceptance_by_position,
+        "drafted_tokens": total.drafted_tokens,
+        "accepted_tokens": total.accepted_tokens,
+    }
