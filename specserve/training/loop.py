@@ -1,7 +1,14 @@
-"""One training loop for both default models: random windows, AdamW, warmup + cosine, bf16 autocast.
+"""One training loop for every model the project trains: random windows, AdamW, warmup + cosine, bf16 autocast.
 
 The loop knows nothing about what it trains; the caller passes a ``loss_fn(model, batch)``.
-Pre-training uses next-token cross-entropy, distillation uses KL to the target's distribution.
+Pre-training uses next-token cross-entropy, distillation uses KL to the target's distribution, the
+drafter heads (``specserve.training.eagle`` / ``medusa`` / ``exit_head``) their own losses on a
+frozen target's features. Only ``model``'s trainable parameters are optimised.
+
+With a ``checkpoint_dir`` the loop saves its whole state (trainable weights, optimizer, step, the
+window sampler's random state, the running loss) every ``checkpoint_every`` steps and at the end,
+and a later call with the same directory resumes from it: a run killed after a checkpoint and
+resumed draws the same windows and ends with the same weights as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -9,7 +16,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -51,14 +59,20 @@ def sample_windows(
     return stream[starts[:, None] + offsets[None, :]]
 
 
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
 def train(
     model: torch.nn.Module,
     stream: torch.Tensor,  # [num_tokens] training token ids
     loss_fn: LossFn,
     cfg: TrainConfig,
     desc: str,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 100,
 ) -> dict[str, float]:
-    """Train in place; return {"final_loss", "seconds", "tokens"}."""
+    """Train in place (resuming from ``checkpoint_dir`` when it holds a checkpoint of the same config);
+    return {"final_loss", "seconds", "tokens", "resumed_from_step"}."""
     generator = torch.Generator().manual_seed(cfg.seed)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -67,10 +81,25 @@ def train(
         lr=cfg.peak_lr,
         betas=(0.9, 0.95),
     )
+    ema_loss = float("nan")
+    first_step = 0
+    checkpoint = Path(checkpoint_dir) / CHECKPOINT_FILE if checkpoint_dir is not None else None
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] != asdict(cfg):
+            raise ValueError(
+                f"{checkpoint} was written with another training config ({state['config']}); "
+                "use a new checkpoint directory or the same settings"
+            )
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
+        first_step, ema_loss = int(state["step"]), float(state["ema_loss"])
     model.train()
     start = time.perf_counter()
-    ema_loss = float("nan")
-    bar = tqdm(range(cfg.steps), desc=desc, unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        range(first_step, cfg.steps), desc=desc, unit="step", dynamic_ncols=True, initial=first_step, total=cfg.steps
+    )
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -84,13 +113,42 @@ def train(
         value = loss.item()
         ema_loss = value if math.isnan(ema_loss) else 0.95 * ema_loss + 0.05 * value
         bar.set_postfix(loss=f"{ema_loss:.3f}", lr=f"{lr_at(step, cfg):.2e}")
+        if checkpoint is not None and (step + 1 == cfg.steps or (step + 1) % checkpoint_every == 0):
+            _save_checkpoint(checkpoint, model, optimizer, generator, step + 1, ema_loss, cfg)
     model.eval()
     seconds = time.perf_counter() - start
     return {
         "final_loss": ema_loss,
         "seconds": seconds,
         "tokens": float(cfg.steps * cfg.batch_size * cfg.seq_len),
+        "resumed_from_step": float(first_step),
     }
+
+
+def _save_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    step: int,
+    ema_loss: float,
+    cfg: TrainConfig,
+) -> None:
+    """The loop's whole state, written to a temporary file first so a kill never leaves a torn checkpoint."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    weights = {k: v for k, v in model.state_dict().items() if k in trainable}
+    state = {
+        "model": weights,
+        "optimizer": optimizer.state_dict(),
+        "generator": generator.get_state(),
+        "step": step,
+        "ema_loss": ema_loss,
+        "config": asdict(cfg),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save(state, partial)
+    partial.replace(path)
 
 
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
