@@ -19,6 +19,8 @@ from specserve import defaults
 from specserve.core.errors import UserError
 
 N = TypeVar("N", int, float)
+TRAINABLE = ("pair", "eagle", "medusa", "exit-head")
+DRAFT_PREFIX = {"eagle": "eagle:", "medusa": "medusa:", "exit-head": "layerskip:"}  # how --draft loads each head
 
 
 class UsageError(UserError):
@@ -30,7 +32,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft",
         default=str(defaults.DEFAULT_DRAFT),
-        help="draft model directory, 'ngram' (prompt lookup), 'layerskip:L' (the target's first L layers) or 'none'",
+        help="draft model directory, 'ngram' (prompt lookup), 'layerskip:L' (the target's first L layers) or "
+        "'layerskip:DIR' (with a trained exit head), 'eagle:DIR' or 'medusa:DIR' (trained heads), or 'none'",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -68,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the drafter, gamma or tree (exact, fewer drafts accepted); no effect at temperature 0",
     )
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    lossy = gen.add_argument_group("lossy acceptance (NOT exact: the output is no longer distributed as the target's)")
+    lossy.add_argument(
+        "--typical-acceptance",
+        action="store_true",
+        help="Medusa's typical acceptance: accept a draft token x when p(x) > min(epsilon, delta * exp(-H(p))); "
+        "needs --lossy; the output then says lossy true",
+    )
+    lossy.add_argument("--typical-epsilon", type=float, default=0.09, help="typical acceptance: epsilon, in (0, 1)")
+    lossy.add_argument("--typical-delta", type=float, default=0.3, help="typical acceptance: delta, in (0, 1]")
+    lossy.add_argument("--lossy", action="store_true", help="allow a lossy acceptance rule (--typical-acceptance)")
     trees = gen.add_argument_group("draft trees (exact at any temperature; in process or --distributed)")
     trees.add_argument("--tree", choices=["chain", "static", "dynamic"], default="chain", help="draft shape")
     trees.add_argument("--tree-depth", type=int, default=4, help="dynamic: levels below the root")
@@ -165,11 +178,31 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", default="bench/results/experiment", help="directory for experiment.csv/.json/*.png")
     exp.add_argument("--json", action="store_true", help="print only the JSON summary line, not the table")
 
-    train = sub.add_parser("train", help="train the default model pair on the Python standard library")
-    train.add_argument("--out", default=str(defaults.MODELS_DIR))
-    train.add_argument("--target-steps", type=int, default=1000)
-    train.add_argument("--draft-steps", type=int, default=400)
+    train = sub.add_parser(
+        "train",
+        help="train the default model pair, or a drafter head (eagle, medusa, exit-head) for a frozen target",
+        description="`train` / `train pair`: the default target and draft model on the Python standard library. "
+        "`train eagle|medusa|exit-head --target DIR`: a drafter head for a frozen target, on the default corpus or "
+        "--data FOLDER; checkpoints under OUT/checkpoints (a rerun resumes), a held-out acceptance report, "
+        "a model card; load the result with --draft eagle:OUT, medusa:OUT or layerskip:OUT.",
+    )
+    train.add_argument("what", nargs="?", choices=TRAINABLE, default="pair", help="what to train (default: pair)")
+    train.add_argument("--out", help="output directory (default: models/ for the pair, models/<what>/ for a head)")
     train.add_argument("--seed", type=int, default=0)
+    pair = train.add_argument_group("the default pair")
+    pair.add_argument("--target-steps", type=int, default=1000)
+    pair.add_argument("--draft-steps", type=int, default=400)
+    head = train.add_argument_group("drafter heads (defaults sized for the default target on 2 CPU cores)")
+    head.add_argument("--target", default=str(defaults.DEFAULT_TARGET), help="the frozen target's directory")
+    head.add_argument("--data", help="a folder of text/code to train on (default: the standard library corpus)")
+    head.add_argument("--steps", type=int, help="optimizer steps")
+    head.add_argument("--batch-size", type=int)
+    head.add_argument("--seq-len", type=int)
+    head.add_argument("--max-tokens", type=int, help="cap on the training stream's tokens")
+    head.add_argument("--feature-layers", help="eagle: comma-separated target layers to fuse (default: low,mid,top)")
+    head.add_argument("--unroll", type=int, help="eagle: training-time-test steps on the head's own outputs")
+    head.add_argument("--heads", type=int, help="medusa: number of heads (tokens t+2 .. t+1+heads)")
+    head.add_argument("--layers", type=int, help="exit-head: the exit layer L")
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve until Ctrl-C")
     srv.add_argument("--config", help="Serve config YAML (as deploy/serve.yaml; default: the default models)")
@@ -224,6 +257,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         drafter_invariant=args.drafter_invariant,
+        acceptance="typical" if args.typical_acceptance else "exact",
+        lossy=args.lossy,
+        typical_epsilon=args.typical_epsilon,
+        typical_delta=args.typical_delta,
     )
     tree = _tree_spec(args)
     config = GenerationConfig(
@@ -306,9 +343,12 @@ def _coordinator(args: argparse.Namespace) -> Iterator[Any]:
 
 def _sampling_mode(params: Any) -> str:
     """How tokens were chosen: ``greedy`` (temperature 0, where --drafter-invariant has no effect),
-    ``drafter_invariant`` (keyed Gumbel noise) or ``rejection`` (speculative rejection sampling)."""
+    ``drafter_invariant`` (keyed Gumbel noise), ``typical`` (lossy typical acceptance) or ``rejection``
+    (speculative rejection sampling)."""
     if params.greedy:
         return "greedy"
+    if params.lossy_acceptance:
+        return "typical"
     return "drafter_invariant" if params.drafter_invariant else "rejection"
 
 
@@ -325,6 +365,7 @@ def _print_generation(runner: Any, prompt: str, params: Any, config: Any, as_jso
                     "text": result.text,
                     "finish_reason": result.finish_reason,
                     "sampling": _sampling_mode(params),
+                    "lossy": params.lossy_acceptance,  # true: a lossy acceptance rule ran (not the target's law)
                     "stats": stats,
                 }
             )
@@ -337,7 +378,8 @@ def _print_generation(runner: Any, prompt: str, params: Any, config: Any, as_jso
             s = chunk.result.stats
             print(
                 f"\n[{s.new_tokens} tokens, {s.cycles} cycles, mean accepted {s.mean_accepted:.2f}, "
-                f"{s.tokens_per_second:.1f} tok/s, finish={chunk.result.finish_reason}]",
+                f"{s.tokens_per_second:.1f} tok/s, finish={chunk.result.finish_reason}, "
+                f"lossy={'true' if params.lossy_acceptance else 'false'}]",
                 file=sys.stderr,
             )
     return 0
@@ -518,14 +560,59 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from specserve.training import pipeline
+    if args.what == "pair":
+        from specserve.training import pipeline
 
-    if args.target_steps < 1 or args.draft_steps < 1:
-        raise UsageError("--target-steps and --draft-steps must be >= 1")
-    pipeline.run(
-        pipeline.RecipeConfig(
-            out_dir=Path(args.out), target_steps=args.target_steps, draft_steps=args.draft_steps, seed=args.seed
+        if args.target_steps < 1 or args.draft_steps < 1:
+            raise UsageError("--target-steps and --draft-steps must be >= 1")
+        out = Path(args.out or defaults.MODELS_DIR)
+        pipeline.run(
+            pipeline.RecipeConfig(
+                out_dir=out, target_steps=args.target_steps, draft_steps=args.draft_steps, seed=args.seed
+            )
         )
+        return 0
+    for name in ("steps", "batch_size", "seq_len", "max_tokens", "unroll", "heads", "layers"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "unroll" else 1):
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {0 if name == 'unroll' else 1}, got {value}")
+    if not Path(args.target, "config.json").is_file():
+        raise UsageError(f"--target {args.target} is not a model directory (no config.json)")
+    out = Path(args.out or Path(defaults.MODELS_DIR) / args.what)
+    common = {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "seed": args.seed}
+    common["max_tokens"] = args.max_tokens
+    if args.what == "eagle":
+        import dataclasses
+
+        from specserve.training.eagle import EagleRecipe, train_eagle
+
+        options = {**common, "unroll": args.unroll}
+        if args.feature_layers:
+            try:
+                options["feature_layers"] = tuple(int(x) for x in args.feature_layers.split(","))
+            except ValueError as exc:
+                raise UsageError(
+                    f"--feature-layers must be comma-separated integers, got {args.feature_layers!r}"
+                ) from exc
+        recipe = dataclasses.replace(EagleRecipe(), **{k: v for k, v in options.items() if v is not None})
+        summary = train_eagle(args.target, out, recipe, data_folder=args.data)
+    elif args.what == "medusa":
+        from specserve.training.medusa import train_medusa
+
+        options = {**common, "heads": args.heads}
+        summary = train_medusa(
+            args.target, out, data_folder=args.data, **{k: v for k, v in options.items() if v is not None}
+        )
+    else:
+        from specserve.training.exit_head import train_exit_head
+
+        options = {**common, "layers": args.layers}
+        summary = train_exit_head(
+            args.target, out, data_folder=args.data, **{k: v for k, v in options.items() if v is not None}
+        )
+    print(json.dumps({"out": str(out), "heldout_acceptance": summary.get("heldout_acceptance")}, indent=2))
+    print(
+        f"trained {args.what} for {args.target}: load it with --draft {DRAFT_PREFIX[args.what]}{out}", file=sys.stderr
     )
     return 0
 

@@ -76,7 +76,8 @@ class Coordinator(GenerationFrontend):
         stats = RequestStats()
         text = TextStream(self.prompts.decode, config.stop)
         start = time.perf_counter()
-        started = replica.rank0.start_request.remote(request_id, prompt_ids, params, config.max_new_tokens, eos)
+        layers = replica.feature_layers if config.drafter == "default" else ()  # hidden-state drafters' features
+        started = replica.rank0.start_request.remote(request_id, prompt_ids, params, config.max_new_tokens, eos, layers)
         job = DraftJob(
             request_id=request_id,
             prompt_ids=tuple(prompt_ids),

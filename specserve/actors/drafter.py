@@ -23,7 +23,10 @@ verified by the exact rules, so exactness is unaffected; only the drafter's rand
 so the sampled text for a given seed) differs from a run without overlap.
 
 Overlap applies to chains: a request that drafts trees (:attr:`DraftJob.tree`) drafts each tree
-after the previous verdict, as the single-process engine does.
+after the previous verdict, as the single-process engine does. So does a drafter that reads the
+target's hidden states (EAGLE, Medusa: :class:`~specserve.core.draft.FeatureDrafter`), which needs
+the verdict's features before it can draft again; it also waits for the target's prefill (whose
+features it drafts from) before its first draft, and is handed each verdict's features.
 
 With overlap off, the sequence of drafter calls and random draws is exactly the single-process
 engine's, so a seeded run emits exactly what the in-process engine emits.
@@ -41,7 +44,7 @@ import grpc
 import torch
 
 from specserve.actors.compute import ComputeThread
-from specserve.core.draft import Draft, Drafter, TreeDrafter, propose_tree_within, propose_within
+from specserve.core.draft import Draft, Drafter, FeatureDrafter, TreeDrafter, propose_tree_within, propose_within
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams, make_generators
@@ -119,6 +122,11 @@ class DrafterActor:
 
         return str(ray.get_runtime_context().get_node_id())
 
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target features the configured drafter reads (EAGLE, Medusa); empty for any other drafter."""
+        drafter = self.drafters.configured
+        return tuple(drafter.feature_layers) if isinstance(drafter, FeatureDrafter) else ()
+
     def cancel(self, request_id: str) -> None:
         """Stop a running request's loop after its current cycle (the caller no longer wants it)."""
         if request_id == self._current:
@@ -144,6 +152,15 @@ class DrafterActor:
         drafter = run(self.drafters.get, job.drafter)  # built here on first use, then kept
         generators = make_generators(job.params.seed, device)
         run(drafter.start, job.prompt_ids, job.params, generators.draft)
+        reader = drafter if isinstance(drafter, FeatureDrafter) else None  # drafts from the target's features
+        reads_features = reader is not None
+        if reader is not None and target_ready:  # it drafts from the prompt's features: wait for the target's prefill
+            import ray
+
+            features = ray.get(list(target_ready))[0]
+            if features is not None:
+                run(reader.add_features, 0, features.to(device))
+            target_ready = ()
         committed = len(job.prompt_ids)
         remaining = job.max_new_tokens
         # The first tree is drafted before waiting for the target (same calls and draws as after it).
@@ -185,7 +202,7 @@ class DrafterActor:
 
                 ahead: Draft | None = None
                 ahead_seconds = 0.0
-                if job.overlap and isinstance(draft, Draft) and remaining - draft.gamma - 1 > 0:
+                if job.overlap and not reads_features and isinstance(draft, Draft) and remaining - draft.gamma - 1 > 0:
                     # Assume the likeliest verdict (all accepted) and draft the bonus guess plus the next tree.
                     run(drafter.accept, draft.tokens.tolist())
                     ahead = run(drafter.propose, budget.gamma + 1)
@@ -199,6 +216,7 @@ class DrafterActor:
                 t2 = time.perf_counter()
                 accepted = info.verdict.num_accepted
                 new = accepted_tokens(draft, info.verdict)[: info.committed_length - committed]
+                root = committed - 1  # the position of the verified block's first token
                 committed, remaining = info.committed_length, remaining - len(new)
 
                 ready = None
@@ -220,6 +238,8 @@ class DrafterActor:
                             run(drafter.accept, new)
                 elif not info.finished:
                     run(drafter.accept, new)
+                    if reader is not None and info.features is not None:
+                        run(reader.add_features, root, info.features.to(device))
 
                 busy = max(info.target_seconds, ahead_seconds)
                 drafted, depth = (draft.gamma, draft.gamma) if isinstance(draft, Draft) else (draft.size, draft.depth)

@@ -77,6 +77,7 @@ class Replica:
     groups: list[Any]  # placement groups
     verifier_address: str
     target_info: ModelInfo
+    feature_layers: tuple[int, ...] = ()  # the configured drafter reads these target features (EAGLE, Medusa)
 
     @property
     def rank0(self) -> Any:
@@ -178,7 +179,8 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             num_threads=config.threads_per_drafter,
         )
         actors.append(drafter)
-        ray.get(drafter.node_id.remote())  # surfaces a drafter that cannot load (bad path, vocabulary)
+        # surfaces a drafter that cannot load (bad path, vocabulary); hidden-state drafters name their features
+        feature_layers = tuple(ray.get(drafter.feature_layers.remote()))
     except ray.exceptions.ActorDiedError as exc:
         for actor in actors:
             ray.kill(actor)
@@ -191,7 +193,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
         for group in groups:
             remove_placement_group(group)
         raise
-    return Replica(config, shards, drafter, groups, address, info)
+    return Replica(config, shards, drafter, groups, address, info, feature_layers)
 
 
 def _actor_env(threads: int) -> dict[str, str]:

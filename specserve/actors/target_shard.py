@@ -13,7 +13,10 @@ that receives the commands and mirrors them on their own KV shard, so after ever
 shard's cache holds exactly the committed text. Draft trees take two more commands: a tree
 forward (root, node tokens and parents: every rank builds the same tree attention mask) and the
 compaction that keeps only the accepted path's entries. Verification (and its random numbers) happens on
-rank 0 only; the other ranks never need the verdict, only the rollback command that follows it.
+rank 0 only; the other ranks never need the verdict, only the rollback command that follows it. For a
+hidden-state drafter (EAGLE, Medusa) rank 0 also keeps the features of the prompt (returned by
+``start_request``) and of each verdict's root and accepted path (sent with the verdict): after each
+row-parallel all-reduce every rank holds the full residual stream, so rank 0's are the whole features.
 
 All torch work of a rank runs on its one compute thread (:mod:`specserve.actors.compute`
 explains why), which also serialises it: the collectives of consecutive commands must be issued
@@ -34,7 +37,7 @@ import torch
 
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
 from specserve.core.draft import Draft
-from specserve.core.model import CausalLM, KVCache, ModelInfo
+from specserve.core.model import CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, TargetVerifier
 from specserve.core.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
@@ -87,17 +90,19 @@ class ShardedSequence:
     def length(self) -> int:
         return self.cache.length
 
-    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
+    ) -> torch.Tensor:
         self.commands.send(OP_FORWARD, self.sequence_id, int(input_ids.numel()), int(last_only), input_ids)
-        return self.target.forward(self.cache, input_ids, last_only=last_only)
+        return self.target.forward(self.cache, input_ids, last_only=last_only, capture=capture)
 
     def rollback(self, length: int) -> None:
         self.commands.send(OP_ROLLBACK, self.sequence_id, length)
         self.cache.rollback(length)
 
-    def forward_tree(self, root: int, tree: DraftTree) -> torch.Tensor:
+    def forward_tree(self, root: int, tree: DraftTree, capture: FeatureCapture | None = None) -> torch.Tensor:
         self.commands.send(OP_FORWARD_TREE, self.sequence_id, tree.size, 0, _tree_block(root, tree))
-        return self.target.forward_tree(self.cache, root, tree)
+        return self.target.forward_tree(self.cache, root, tree, capture=capture)
 
     def compact(self, keep: Sequence[int]) -> None:
         self.commands.send(OP_COMPACT, self.sequence_id, len(keep), 0, torch.tensor(list(keep), dtype=torch.long))
@@ -224,8 +229,10 @@ class TargetShardActor:
         params: SamplingParams,
         max_new_tokens: int,
         eos_token_ids: Sequence[int],
-    ) -> None:
-        """Admit a request and prefill its prompt on every rank."""
+        feature_layers: Sequence[int] = (),
+    ) -> torch.Tensor | None:
+        """Admit a request and prefill its prompt on every rank. With ``feature_layers`` (a hidden-state
+        drafter's), return the prompt's features, and every verdict carries its cycle's."""
         self._require_rank0()
         with self._lock:
             if request_id in self._requests:
@@ -233,10 +240,18 @@ class TargetShardActor:
             sequence = self._new_sequence()
             generators = make_generators(params.seed, self.target.device)
             verifier = TargetVerifier(
-                sequence, prompt_ids, params, generators.verify, max_new_tokens, eos_token_ids, self.target.device
+                sequence,
+                prompt_ids,
+                params,
+                generators.verify,
+                max_new_tokens,
+                eos_token_ids,
+                self.target.device,
+                feature_layers,
             )
-            verifier.prefill()
+            features = verifier.prefill()
             self._requests[request_id] = _Request(sequence, verifier)
+            return features.cpu() if features is not None else None
 
     @on_compute_thread  # the gRPC server already calls it there (run_in): then it runs in place
     def verify(self, request_id: str, cycle: int, draft: Draft | DraftTree) -> pb.Verdict:
@@ -260,6 +275,7 @@ class TargetShardActor:
                 finished=outcome.finish is not None,
                 target_seconds=outcome.verify_seconds,
                 allreduce_seconds=self._allreduce_seconds() - before,
+                features=outcome.features,
             )
 
     @on_compute_thread

@@ -20,6 +20,10 @@ configured drafter), ``ngram`` or ``none``. The engine takes them from a
 :class:`~specserve.core.draft.DrafterSet`; given a bare drafter, it can serve only that one
 (``specserve.drafters.build_drafter_set`` makes a set that builds the others on first use).
 Output is exact whichever drafter runs; the choice only changes speed.
+
+A drafter that reads the target's hidden states (:class:`~specserve.core.draft.FeatureDrafter`:
+EAGLE, Medusa) gets them from the verifier's own forwards: the prompt's after the prefill, and
+each cycle's root and accepted tokens' after the verdict.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from specserve.core.draft import (
     REQUEST_DRAFTERS,
     Drafter,
     DrafterSet,
+    FeatureDrafter,
     TreeDrafter,
     check_drafter_name,
     propose_tree_within,
@@ -225,11 +230,14 @@ class SpeculativeEngine(GenerationFrontend):
         generators = make_generators(params.seed, device)
         start = time.perf_counter()
 
+        layers = drafter.feature_layers if isinstance(drafter, FeatureDrafter) else ()
         verifier = TargetVerifier(
-            LocalSequence(target), prompt_ids, params, generators.verify, config.max_new_tokens, eos, device
+            LocalSequence(target), prompt_ids, params, generators.verify, config.max_new_tokens, eos, device, layers
         )
-        verifier.prefill()
+        prompt_features = verifier.prefill()
         drafter.start(prompt_ids, params, generators.draft)
+        if isinstance(drafter, FeatureDrafter) and prompt_features is not None:
+            drafter.add_features(0, prompt_features)
         stats.prefill_seconds = time.perf_counter() - start
 
         out = RequestOutput(prompt_ids, text, stats, start)
@@ -237,6 +245,7 @@ class SpeculativeEngine(GenerationFrontend):
         while out.finish is None:
             # 0. budget, 1. draft, 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
             budget = schedule.next_budget(verifier.remaining)
+            root = len(verifier.committed) - 1  # the position of the verify block's first token
             t0 = time.perf_counter()
             if budget.tree is None:
                 draft = propose_within(drafter, budget.gamma, verifier.remaining, device)
@@ -260,4 +269,6 @@ class SpeculativeEngine(GenerationFrontend):
                 verifier.stop_at(len(out.tokens))
             elif out.finish is None:
                 drafter.accept(chunk.token_ids)
+                if outcome.features is not None and isinstance(drafter, FeatureDrafter):
+                    drafter.add_features(root, outcome.features)
             yield chunk

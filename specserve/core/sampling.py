@@ -11,17 +11,27 @@ Randomness is always an argument: each request owns ``torch.Generator`` objects 
 :mod:`specserve.core.invariant` (VERIFICATION.md, rule E): every token is argmax(log p + Gumbel
 noise keyed by (seed, position)), so the output depends on the seed and the target only, never on
 the drafter, gamma, tree or tensor-parallel layout. It has no effect at temperature 0.
+
+``SamplingParams.acceptance = "typical"`` selects Medusa's typical acceptance
+(:mod:`specserve.core.typical`), which is NOT exact: the output is no longer distributed as the
+target's. It runs only with ``lossy=True`` as well, and everything it produces says ``lossy``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from specserve.core.errors import UserError
 
 MAX_TOP_K = 1 << 20
+Acceptance = Literal["exact", "typical"]
+ACCEPTANCE_MODES: tuple[Acceptance, ...] = ("exact", "typical")
+# Medusa's defaults (Cai et al. 2024; its code's posterior_threshold and posterior_alpha = sqrt(threshold)).
+TYPICAL_EPSILON = 0.09
+TYPICAL_DELTA = 0.3
 
 
 class InvalidSamplingParams(UserError):
@@ -38,6 +48,13 @@ class SamplingParams:
     # by (seed, absolute position)); same seed -> same output whatever the drafter, gamma, tree or TP
     # degree. Exact, but accepts fewer drafts than rejection sampling. No effect when greedy.
     drafter_invariant: bool = False
+    # How drafts are accepted: "exact" (the rules of VERIFICATION.md) or "typical" (Medusa's typical acceptance,
+    # specserve.core.typical: LOSSY, the output is no longer distributed as the target's). "typical" runs only
+    # with lossy=True, the explicit opt-in; epsilon and delta are its threshold min(epsilon, delta * exp(-H(p))).
+    acceptance: Acceptance = "exact"
+    lossy: bool = False
+    typical_epsilon: float = TYPICAL_EPSILON
+    typical_delta: float = TYPICAL_DELTA
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
@@ -50,6 +67,26 @@ class SamplingParams:
             raise InvalidSamplingParams(f"seed must be in [0, 2**63), got {self.seed}")
         if not isinstance(self.drafter_invariant, bool):
             raise InvalidSamplingParams(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
+        self._check_acceptance()
+
+    def _check_acceptance(self) -> None:
+        if self.acceptance not in ACCEPTANCE_MODES:
+            raise InvalidSamplingParams(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
+        if not isinstance(self.lossy, bool):
+            raise InvalidSamplingParams(f"lossy must be true or false, got {self.lossy!r}")
+        if not (0.0 < self.typical_epsilon < 1.0):
+            raise InvalidSamplingParams(f"typical_epsilon must be in (0, 1), got {self.typical_epsilon}")
+        if not (0.0 < self.typical_delta <= 1.0):
+            raise InvalidSamplingParams(f"typical_delta must be in (0, 1], got {self.typical_delta}")
+        if self.acceptance == "typical" and not self.lossy:
+            raise InvalidSamplingParams(
+                "typical acceptance is lossy: the output is no longer distributed as the target's; "
+                "opt in explicitly with lossy=True (CLI --lossy, HTTP speculation.lossy: true)"
+            )
+        if self.acceptance == "typical" and self.drafter_invariant:
+            raise InvalidSamplingParams(
+                "typical acceptance cannot be combined with drafter_invariant (which is exact); choose one"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +96,11 @@ class SamplingParams:
     def invariant_sampling(self) -> bool:
         """Tokens come from the keyed Gumbel noise of :mod:`specserve.core.invariant` (asked for and not greedy)."""
         return self.drafter_invariant and not self.greedy
+
+    @property
+    def lossy_acceptance(self) -> bool:
+        """A lossy acceptance rule runs (typical): every output made with these parameters must say ``lossy``."""
+        return self.acceptance != "exact"
 
 
 @dataclass

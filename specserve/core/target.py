@@ -13,6 +13,10 @@ Where the keys and values live is behind :class:`TargetSequence`: one process
 (:class:`LocalSequence`, a :class:`~specserve.core.model.KVCache`) or several tensor-parallel
 shards that mirror every forward and rollback (``specserve.actors``). Stop strings are not
 handled here: they need detokenisation and end the request, so the caller cuts for them.
+
+For hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.FeatureDrafter`) the verifier
+is built with their ``feature_layers``: the prefill returns the prompt's features and every cycle's
+outcome the features of its root and accepted tokens, taken from the same forward that verified them.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import torch
 
 from specserve.core.draft import Draft
 from specserve.core.invariant import invariant_scores
-from specserve.core.model import CausalLM
+from specserve.core.model import CausalLM, FeatureCapture
 from specserve.core.sampling import SamplingParams, warp_probs
 from specserve.core.tree import DraftTree
 from specserve.core.tree_verification import TreeVerdict, verify_tree, verify_tree_greedy
+from specserve.core.typical import verify_chain_typical, verify_tree_typical
 from specserve.core.verification import ChainVerdict, verify_chain
 
 FinishReason = Literal["eos", "length", "stop"]
@@ -41,8 +46,11 @@ class TargetSequence(Protocol):
     @property
     def length(self) -> int: ...
 
-    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Append ``input_ids`` ([k] int64) and return their next-token logits ([k, vocab])."""
+    def forward(
+        self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
+    ) -> torch.Tensor:
+        """Append ``input_ids`` ([k] int64) and return their next-token logits ([k, vocab]); with ``capture``, keep
+        the block's features there (:class:`~specserve.core.model.FeatureCapture`)."""
         ...
 
     def rollback(self, length: int) -> None:
@@ -53,7 +61,7 @@ class TargetSequence(Protocol):
 class TreeSequence(TargetSequence, Protocol):
     """A sequence that can also verify a draft tree in one forward and keep only the accepted path."""
 
-    def forward_tree(self, root: int, tree: DraftTree) -> torch.Tensor:
+    def forward_tree(self, root: int, tree: DraftTree, capture: FeatureCapture | None = None) -> torch.Tensor:
         """Append ``[root] + tree nodes`` with tree attention; ``[n + 1, vocab]`` logits (row 0 after the root)."""
         ...
 
@@ -73,14 +81,16 @@ class LocalSequence:
     def length(self) -> int:
         return self.cache.length
 
-    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        return self.target.forward(self.cache, input_ids, last_only=last_only)
+    def forward(
+        self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
+    ) -> torch.Tensor:
+        return self.target.forward(self.cache, input_ids, last_only=last_only, capture=capture)
 
     def rollback(self, length: int) -> None:
         self.cache.rollback(length)
 
-    def forward_tree(self, root: int, tree: DraftTree) -> torch.Tensor:
-        return self.target.forward_tree(self.cache, root, tree)
+    def forward_tree(self, root: int, tree: DraftTree, capture: FeatureCapture | None = None) -> torch.Tensor:
+        return self.target.forward_tree(self.cache, root, tree, capture=capture)
 
     def compact(self, keep: Sequence[int]) -> None:
         self.cache.compact(keep)
@@ -95,6 +105,8 @@ class CycleOutcome(Generic[Verdict]):
     new_tokens: list[int]  # committed this cycle: accepted drafts + next token, cut at EOS / length
     finish: FinishReason | None  # "eos" or "length" when this cycle ended the request
     verify_seconds: float  # forward + verification + rollback
+    # with feature layers: the features of the block's root and of the accepted draft tokens, in order
+    features: torch.Tensor | None = None
 
 
 class TargetVerifier:
@@ -112,7 +124,11 @@ class TargetVerifier:
         max_new_tokens: int,
         eos_token_ids: Sequence[int] = (),
         device: torch.device | str = "cpu",
+        feature_layers: Sequence[int] = (),
     ) -> None:
+        """``feature_layers``: the target features a hidden-state drafter reads
+        (:class:`~specserve.core.draft.FeatureDrafter`); :meth:`prefill` then returns the prompt's and each
+        :class:`CycleOutcome` carries the cycle's."""
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         self.sequence = sequence
@@ -124,6 +140,7 @@ class TargetVerifier:
         self.committed: list[int] = list(prompt_ids)
         self.num_prompt = len(self.committed)
         self.finish: FinishReason | None = None
+        self.feature_layers = tuple(feature_layers)
 
     @property
     def num_output(self) -> int:
@@ -133,10 +150,18 @@ class TargetVerifier:
     def remaining(self) -> int:
         return self.max_new_tokens - self.num_output
 
-    def prefill(self) -> None:
+    def prefill(self) -> torch.Tensor | None:
+        """Cache the prompt but its last token; with feature layers, return those tokens' features."""
+        capture = self._capture()
         if len(self.committed) > 1:
             ids = torch.tensor(self.committed[:-1], dtype=torch.long, device=self.device)
-            self.sequence.forward(ids, last_only=True)
+            self.sequence.forward(ids, last_only=True, capture=capture)
+        elif capture is not None:
+            capture.value = torch.empty(0, 0)
+        return capture.take() if capture is not None else None
+
+    def _capture(self) -> FeatureCapture | None:
+        return FeatureCapture(self.feature_layers) if self.feature_layers else None
 
     def verify(self, draft: Draft) -> CycleOutcome[ChainVerdict]:
         """One cycle over a draft chain. With ``params.drafter_invariant`` (and T > 0) the greedy rule runs on
@@ -147,8 +172,14 @@ class TargetVerifier:
         start = time.perf_counter()
         head = torch.tensor([self.committed[-1]], dtype=torch.long, device=self.device)
         tokens = draft.tokens.to(self.device)
-        target_logits = self.sequence.forward(torch.cat([head, tokens]))  # [gamma + 1, vocab]
-        if self.params.invariant_sampling:
+        capture = self._capture()
+        target_logits = self.sequence.forward(torch.cat([head, tokens]), capture=capture)  # [gamma + 1, vocab]
+        if self.params.lossy_acceptance:
+            # LOSSY, opted into (specserve.core.typical): Medusa's typical acceptance; q unused; greedy at T = 0.
+            generator = None if self.params.greedy else self.generator
+            eps, delta = self.params.typical_epsilon, self.params.typical_delta
+            verdict = verify_chain_typical(warp_probs(target_logits, self.params), tokens, generator, eps, delta)
+        elif self.params.invariant_sampling:
             # Row j predicts position len(committed) + j; greedy rule on log p + G, q unused, generator untouched.
             first = len(self.committed)
             scores = invariant_scores(target_logits, self.params, range(first, first + target_logits.shape[0]))
@@ -159,7 +190,8 @@ class TargetVerifier:
             verdict = verify_chain(target_logits, target_probs, tokens, draft_probs, self.generator)
 
         new = [*tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-        return self._commit(verdict, new, start)
+        features = capture.take()[: verdict.num_accepted + 1] if capture is not None else None
+        return self._commit(verdict, new, start, features)
 
     def verify_tree(self, tree: DraftTree) -> CycleOutcome[TreeVerdict]:
         """One cycle over a draft tree: tree-attention forward, exact tree rules, keep only the accepted path."""
@@ -170,8 +202,13 @@ class TargetVerifier:
             raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
         start = time.perf_counter()
         cached = sequence.length  # == len(committed) - 1: the root (last committed token) goes first
-        target_logits = sequence.forward_tree(self.committed[-1], tree)  # [n + 1, vocab]
-        if self.params.greedy:
+        capture = self._capture()
+        target_logits = sequence.forward_tree(self.committed[-1], tree, capture=capture)  # [n + 1, vocab]
+        if self.params.lossy_acceptance:  # LOSSY, opted into: Medusa's typical acceptance (specserve.core.typical)
+            generator = None if self.params.greedy else self.generator
+            eps, delta = self.params.typical_epsilon, self.params.typical_delta
+            verdict = verify_tree_typical(warp_probs(target_logits, self.params), tree, generator, eps, delta)
+        elif self.params.greedy:
             verdict = verify_tree_greedy(target_logits, tree)
         elif self.params.invariant_sampling:
             # Row 0 predicts position len(committed), row i + 1 (after node i) len(committed) + 1 + depth(i).
@@ -182,9 +219,14 @@ class TargetVerifier:
             verdict = verify_tree(warp_probs(target_logits, self.params), tree, self.generator)
         sequence.compact([*range(cached + 1), *(cached + 1 + node for node in verdict.accepted)])
         path = [int(tree.tokens[node]) for node in verdict.accepted]
-        return self._commit(verdict, [*path, verdict.next_token], start)
+        features = None
+        if capture is not None:  # rows: the root, then node i at 1 + i
+            features = capture.take()[[0, *(1 + node for node in verdict.accepted)]]
+        return self._commit(verdict, [*path, verdict.next_token], start, features)
 
-    def _commit(self, verdict: Verdict, new: list[int], start: float) -> CycleOutcome[Verdict]:
+    def _commit(
+        self, verdict: Verdict, new: list[int], start: float, features: torch.Tensor | None = None
+    ) -> CycleOutcome[Verdict]:
         """Cut the new tokens at ``max_new_tokens`` and EOS, commit them, roll the KV back to the committed text."""
         remaining = self.remaining
         if len(new) >= remaining:
@@ -195,7 +237,7 @@ class TargetVerifier:
                 break
         self.committed.extend(new)
         self.sequence.rollback(len(self.committed) - 1)
-        return CycleOutcome(verdict, new, self.finish, time.perf_counter() - start)
+        return CycleOutcome(verdict, new, self.finish, time.perf_counter() - start, features)
 
     def stop_at(self, num_output: int) -> None:
         """End the request with only its first ``num_output`` new tokens (a stop string matched)."""

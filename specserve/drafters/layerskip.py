@@ -2,38 +2,113 @@
 
 :func:`early_exit_model` builds a :class:`~specserve.core.model.CausalLM` *view* of a loaded target
 that runs only its first ``layers`` decoder blocks: the module objects (and so every weight) are
-the target's own — no copy, no extra memory, no training — and only the config the view carries
-says ``num_hidden_layers = layers``, so its KV cache has ``layers`` layers. :class:`LayerSkipDrafter`
+the target's own — no copy, no extra memory — and only the config the view carries says
+``num_hidden_layers = layers``, so its KV cache has ``layers`` layers. :class:`LayerSkipDrafter`
 is the draft-model drafter (:class:`~specserve.drafters.model.DraftModelDrafter`: chains with q,
 trees, drafter-invariant coupling) over that view.
 
+Optionally a small trained :class:`ExitHead` sits between layer L and the target's final norm (the
+early-exit adapter of LayerSkip, Elhoushi et al. 2024, here trained post hoc on a frozen target
+instead of with the target): a residual MLP, ``h + W2 SiLU(W1 RMSNorm(h))``, with ``W2`` zero at
+initialisation so an untrained head is exactly plain layer-skip. In the view it replaces the
+``norm`` entry of the view's own module registry by :class:`ExitNorm` (exit head, then the
+target's norm); the target itself is never modified. An exit head is saved as a directory
+(:func:`save_exit_head`: ``config.json`` saying which target it fits, ``model.safetensors`` with the
+head's weights only) and loaded against a target (:func:`load_exit_head`), which refuses a head
+made for another target shape. Training lives in :mod:`specserve.training.exit_head`.
+
 What it does not do (yet): share the target's KV for those layers — the view keeps a cache of its
-own, so the committed text is also run through the first L layers on the drafter's side — and it
-has no trained exit head (the target's LM head reads the layer-L hidden state directly).
+own, so the committed text is also run through the first L layers on the drafter's side.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import math
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
 from specserve.drafters.model import DraftModelDrafter
 
+EXIT_HEAD_KIND = "exit-head"  # the "specserve_drafter" value in an exit head's config.json
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FORMAT = 1
 
-def early_exit_model(target: CausalLM, layers: int) -> CausalLM:
-    """A view of ``target`` that runs its first ``layers`` decoder layers, then its final norm and LM head."""
-    model = target.model
+
+class ExitHeadError(UserError):
+    """An exit head directory is missing, malformed, or made for another target; the message says which."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The exit head and the early-exit view
+
+
+class ExitHead(torch.nn.Module):
+    """A residual adapter on the layer-L hidden state: ``h + down(SiLU(up(RMSNorm(h))))``.
+
+    ``down`` starts at zero, so an untrained head is the identity (plain layer-skip); ``up`` is
+    drawn like ``torch.nn.Linear``'s default, from ``generator`` when given.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int | None = None,
+        eps: float = 1e-6,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size or hidden_size
+        self.eps = eps
+        self.norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        self.up = torch.nn.Linear(hidden_size, self.intermediate_size, bias=False)
+        self.down = torch.nn.Linear(self.intermediate_size, hidden_size, bias=False)
+        with torch.no_grad():
+            torch.nn.init.kaiming_uniform_(self.up.weight, a=math.sqrt(5), generator=generator)
+            self.down.weight.zero_()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., hidden]
+        return hidden + self.down(torch.nn.functional.silu(self.up(self.norm(hidden))))
+
+
+class ExitNorm(torch.nn.Module):
+    """What the view runs in place of the target's final norm: the exit head, then that norm."""
+
+    def __init__(self, exit_head: ExitHead, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.exit_head = exit_head
+        self.norm = norm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [batch, seq, hidden]
+        return self.norm(self.exit_head(hidden))
+
+
+def decoder_stack(model: torch.nn.Module) -> tuple[Any, torch.nn.ModuleList]:
+    """A causal LM's inner decoder (``model.model``, which holds ``layers`` and the final ``norm``) and its layers."""
     inner: Any = getattr(model, "model", None)
     blocks = getattr(inner, "layers", None)
-    if not isinstance(blocks, torch.nn.ModuleList):
+    if not isinstance(blocks, torch.nn.ModuleList) or not isinstance(getattr(inner, "norm", None), torch.nn.Module):
         raise UserError(
-            f"layer-skip drafting needs a decoder with a `model.layers` list (Llama, Qwen2, Mistral ...); "
-            f"{target.info.architecture} has none"
+            f"layer-skip drafting needs a decoder with a `model.layers` list and a final `model.norm` "
+            f"(Llama, Qwen2, Mistral ...); {type(model).__name__} has none"
         )
+    return inner, blocks
+
+
+def early_exit_model(target: CausalLM, layers: int, exit_head: ExitHead | None = None) -> CausalLM:
+    """A view of ``target`` that runs its first ``layers`` decoder layers, then ``exit_head`` (when given),
+    its final norm and LM head. ``exit_head`` is moved to the target's device and dtype."""
+    model = target.model
+    inner, blocks = decoder_stack(model)
     total = len(blocks)
     if not 1 <= layers < total:
         raise UserError(f"layer-skip drafting needs 1 <= layers < {total} (the target's depth), got {layers}")
@@ -42,21 +117,157 @@ def early_exit_model(target: CausalLM, layers: int) -> CausalLM:
     if getattr(config, "layer_types", None):
         config.layer_types = list(config.layer_types)[:layers]
     view_inner = copy.copy(inner)  # shallow: the same submodules and parameters ...
-    view_inner._modules = dict(inner._modules)  # ... in a registry of its own, so the swap below stays here
+    view_inner._modules = dict(inner._modules)  # ... in a registry of its own, so the swaps below stay here
     view_inner.layers = torch.nn.ModuleList(list(blocks)[:layers])
     view_inner.config = config
+    label = f"first {layers} of {total} layers"
+    if exit_head is not None:
+        if exit_head.hidden_size != config.hidden_size:
+            raise ExitHeadError(
+                f"the exit head reads hidden states of size {exit_head.hidden_size} but {target.info.path} "
+                f"has hidden size {config.hidden_size}; train an exit head for this target"
+            )
+        exit_head.to(device=target.device, dtype=target.dtype)
+        view_inner.norm = ExitNorm(exit_head, inner.norm)
+        label += " + exit head"
     view = copy.copy(model)
     view._modules = dict(model._modules)
     view.model = view_inner
     view.config = config
-    return CausalLM(view, target.tokenizer, path=f"{target.info.path} (first {layers} of {total} layers)")
+    return CausalLM(view, target.tokenizer, path=f"{target.info.path} ({label})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit head directories
+
+
+def exit_head_config(target: CausalLM, layers: int, exit_head: ExitHead) -> dict[str, Any]:
+    """The ``config.json`` of ``exit_head`` reading ``target``'s layer ``layers``."""
+    _, blocks = decoder_stack(target.model)
+    return {
+        "specserve_drafter": EXIT_HEAD_KIND,
+        "format": CONFIG_FORMAT,
+        "layers": layers,
+        "hidden_size": exit_head.hidden_size,
+        "intermediate_size": exit_head.intermediate_size,
+        "rms_norm_eps": exit_head.eps,
+        "target_num_layers": len(blocks),
+        "target_architecture": target.info.architecture,
+        "vocab_size": target.info.vocab_size,
+        "target_path": target.info.path,
+    }
+
+
+def save_exit_head(directory: str | Path, exit_head: ExitHead, target: CausalLM, layers: int) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (the head's own weights, float32) into ``directory``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = exit_head_config(target, layers, exit_head)
+    state = exit_head.state_dict()
+    weights = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in state.items()}
+    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt", "specserve_drafter": EXIT_HEAD_KIND})
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+_INT_FIELDS = ("layers", "hidden_size", "intermediate_size", "target_num_layers", "vocab_size")
+
+
+def read_exit_head_config(directory: str | Path) -> dict[str, Any]:
+    """The validated ``config.json`` of an exit head directory (checked against no target yet)."""
+    path = Path(directory)
+    hint = "pass a directory written by `specserve train exit-head`"
+    if not path.is_dir():
+        raise ExitHeadError(f"exit head directory {path} does not exist or is not a directory; {hint}")
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise ExitHeadError(f"{path} has no {CONFIG_FILE}: it is not an exit head directory; {hint}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExitHeadError(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict) or config.get("specserve_drafter") != EXIT_HEAD_KIND:
+        found = config.get("specserve_drafter") if isinstance(config, dict) else None
+        what = "a Hugging Face model directory?" if found is None else f"specserve_drafter is {found!r}"
+        raise ExitHeadError(
+            f"{path} is not an exit head directory ({CONFIG_FILE} has no specserve_drafter = {EXIT_HEAD_KIND!r}; "
+            f"{what}); {hint}"
+        )
+    for field in _INT_FIELDS:
+        value = config.get(field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ExitHeadError(f"{config_path}: {field!r} must be a positive integer, got {value!r}")
+    if not isinstance(config.get("target_architecture"), str):
+        raise ExitHeadError(f"{config_path}: 'target_architecture' must be a string")
+    if not isinstance(config.get("rms_norm_eps", 1e-6), int | float):
+        raise ExitHeadError(f"{config_path}: 'rms_norm_eps' must be a number")
+    layers, depth = config["layers"], config["target_num_layers"]
+    if not layers < depth:
+        raise ExitHeadError(f"{config_path}: layers ({layers}) must be below target_num_layers ({depth})")
+    return config
+
+
+def load_exit_head(directory: str | Path, target: CausalLM) -> tuple[ExitHead, int]:
+    """The exit head saved in ``directory`` (on ``target``'s device, in its dtype) and the layer it reads.
+
+    Raises :class:`ExitHeadError` when the directory is not an exit head or was made for a target
+    of another architecture, depth, width or vocabulary.
+    """
+    path = Path(directory)
+    config = read_exit_head_config(path)
+    _, blocks = decoder_stack(target.model)
+    actual = {
+        "target_architecture": target.info.architecture,
+        "target_num_layers": len(blocks),
+        "hidden_size": int(target.model.config.hidden_size),
+        "vocab_size": target.info.vocab_size,
+    }
+    wrong = [f"{key} {config[key]} (the target has {value})" for key, value in actual.items() if config[key] != value]
+    if wrong:
+        raise ExitHeadError(
+            f"exit head {path} was trained for another target ({config.get('target_path', 'unknown')}): "
+            f"{', '.join(wrong)}; train an exit head for {target.info.path} with `specserve train exit-head`"
+        )
+    head = ExitHead(config["hidden_size"], config["intermediate_size"], float(config.get("rms_norm_eps", 1e-6)))
+    weights_path = path / WEIGHTS_FILE
+    if not weights_path.is_file():
+        raise ExitHeadError(f"exit head {path} has no {WEIGHTS_FILE}")
+    try:
+        weights = load_file(str(weights_path))
+    except (SafetensorError, OSError) as exc:
+        raise ExitHeadError(f"could not read {weights_path}: {exc}") from exc
+    expected = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in weights.items()}
+    if found != expected:
+        raise ExitHeadError(f"{weights_path} holds {found}, but its {CONFIG_FILE} describes {expected}")
+    head.load_state_dict(weights)
+    head.requires_grad_(False)
+    return head.to(device=target.device, dtype=target.dtype).eval(), int(config["layers"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter
 
 
 class LayerSkipDrafter(DraftModelDrafter):
-    """Self-speculation: the target's first ``layers`` layers draft for the whole target."""
+    """Self-speculation: the target's first ``layers`` layers (and an optional exit head) draft for the whole
+    target."""
 
     name = "layerskip"
 
-    def __init__(self, target: CausalLM, layers: int) -> None:
-        super().__init__(early_exit_model(target, layers), target)
+    def __init__(self, target: CausalLM, layers: int, exit_head: ExitHead | None = None) -> None:
+        super().__init__(early_exit_model(target, layers, exit_head), target)
         self.layers = layers
+        self.exit_head = exit_head
+
+    @classmethod
+    def from_directory(cls, target: CausalLM, directory: str | Path) -> LayerSkipDrafter:
+        """Draft with the trained exit head saved in ``directory`` (the layer count comes from its config)."""
+        exit_head, layers = load_exit_head(directory, target)
+        return cls(target, layers, exit_head)
+
+    @staticmethod
+    def check_directory(directory: str | Path) -> dict[str, Any]:
+        """The config of the exit head in ``directory`` (:class:`ExitHeadError` if it is none), before any
+        target is at hand."""
+        return read_exit_head_config(directory)

@@ -1,4 +1,4 @@
-"""Build a drafter from its name: ``none``, ``ngram``, ``layerskip:L`` or a path to a draft model directory.
+"""Build a drafter from its name: ``none``, ``ngram``, ``layerskip:L|DIR``, ``eagle:DIR`` or a draft model directory.
 
 :func:`build_drafter_set` wraps the configured drafter in a :class:`~specserve.core.draft.DrafterSet`
 whose builder is :func:`build_drafter` with the same options, so a request can also choose
@@ -12,6 +12,7 @@ from pathlib import Path
 from specserve.core.draft import Drafter, DrafterSet
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
+from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.layerskip import LayerSkipDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
@@ -19,6 +20,7 @@ from specserve.drafters.none import NoDrafter
 
 BUILTIN_DRAFTERS = ("none", "ngram")
 LAYERSKIP_PREFIX = "layerskip:"
+EAGLE_PREFIX = "eagle:"
 
 
 def build_drafter(
@@ -29,17 +31,32 @@ def build_drafter(
     max_ngram: int = 3,
     min_ngram: int = 1,
 ) -> Drafter:
-    """``spec`` is ``"none"``, ``"ngram"``, ``"layerskip:L"`` (the target's first L layers; a process that holds
-    only the target's description loads its own copy of the target), a draft model directory, or an already
-    loaded draft model."""
+    """``spec`` is ``"none"``, ``"ngram"``, ``"layerskip:L"`` (the target's first L layers) or ``"layerskip:DIR"``
+    (with a trained exit head), ``"eagle:DIR"`` (a trained EAGLE head), a draft model directory, or an already
+    loaded draft model. Drafters built on the target's own weights load their own copy of the target in a process
+    that holds only its description."""
     if isinstance(spec, CausalLM):
         return DraftModelDrafter(spec, target)
     if spec.startswith(LAYERSKIP_PREFIX):
-        layers = spec[len(LAYERSKIP_PREFIX) :]
-        if not layers.isdigit():
-            raise UserError(f"layer-skip drafting is 'layerskip:L' with L the number of target layers, got {spec!r}")
+        # layerskip:L (the first L layers) or layerskip:DIR (a trained exit head; L from its config)
+        value = spec[len(LAYERSKIP_PREFIX) :]
+        exit_head_dir = not value.isdigit()
+        if exit_head_dir and not (value and Path(value).exists()):
+            raise UserError(
+                "layer-skip drafting is 'layerskip:L' with L the number of target layers, or 'layerskip:DIR' with "
+                f"DIR a trained exit head directory; got {spec!r}"
+            )
+        if exit_head_dir:
+            LayerSkipDrafter.check_directory(value)  # fail on a bad directory before loading a copy of the target
         model = target if isinstance(target, CausalLM) else CausalLM.load(target.info.path, dtype=dtype, device=device)
-        return LayerSkipDrafter(model, int(layers))
+        if exit_head_dir:
+            return LayerSkipDrafter.from_directory(model, value)
+        return LayerSkipDrafter(model, int(value))
+    if spec.startswith(EAGLE_PREFIX):
+        directory = spec[len(EAGLE_PREFIX) :]
+        if not directory:
+            raise UserError(f"EAGLE drafting is 'eagle:DIR' with DIR a trained head directory, got {spec!r}")
+        return EagleDrafter.load(directory, target, dtype=dtype, device=device)
     if spec == "none":
         return NoDrafter(target.device)
     if spec == "ngram":

@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 
+from specserve.core.draft import Draft
 from specserve.core.invariant import invariant_tokens
 from specserve.core.model import CausalLM, KVCache, TargetDescription
-from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.sampling import SamplingParams, sample, warp_probs
 from specserve.core.tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.model import check_same_vocabulary
 
@@ -63,6 +65,7 @@ class TreeModelDrafter:
         if target is not None:
             check_same_vocabulary(target, draft)
         self.model = draft
+        self.vocab_size = draft.info.vocab_size
         self._output_device = target.device if target is not None else draft.device
         self._cache: KVCache | None = None
         self.context: list[int] = []  # the committed text (a chain drafter sharing the model may share this list)
@@ -98,6 +101,32 @@ class TreeModelDrafter:
         if self.sampled:
             return self.propose_dynamic_sampled(spec.budget)
         return self.propose_dynamic(spec.budget)
+
+    def propose_chain(self, budget: int) -> Draft:
+        """A chain of ``budget`` tokens drafted through the session (for drafters whose only model access is a
+        session, e.g. EAGLE's head): the argmax when greedy, the coupled token for drafter-invariant requests
+        (no q either way), otherwise a draw from the warped draft distribution, sent as q."""
+        if budget <= 0:
+            return Draft.empty(self._output_device)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        with self._session() as session:
+            logits = session.root_logits
+            for i in range(budget):
+                if self.params.greedy:
+                    token = int(logits.argmax(-1))
+                elif self.coupling is not None:
+                    token = int(invariant_tokens(logits[None], self.coupling, [len(self.context) + i])[0])
+                else:
+                    assert self._generator is not None
+                    row = warp_probs(logits, self.params)
+                    token = int(sample(row, self._generator))
+                    probs.append(row)
+                tokens.append(token)
+                if i + 1 < budget:
+                    logits = session.expand([i], tokens, [ROOT, *range(i)])[0]
+        draft_probs = torch.stack(probs).to(self._output_device) if probs else None
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self._output_device), draft_probs)
 
     # -----------------------------------------------------------------------------------------
 
@@ -238,9 +267,9 @@ class TreeModelDrafter:
     ) -> DraftTree:
         """The tree of ``nodes`` (ancestor-closed, parents first) with each parent's q; children without replacement."""
         index = {node: i for i, node in enumerate(nodes)}
-        vocab = self.model.info.vocab_size
         dtype = next(iter(q_rows.values())).dtype if q_rows else torch.float32
-        zeros = torch.zeros(vocab, dtype=dtype, device=self.model.device)
+        device = next(iter(q_rows.values())).device if q_rows else self._output_device
+        zeros = torch.zeros(self.vocab_size, dtype=dtype, device=device)
         rows = [q_rows.get(node, zeros) for node in [ROOT, *nodes]]
         return DraftTree(
             torch.tensor([tokens[n] for n in nodes], dtype=torch.long, device=self._output_device),
@@ -252,14 +281,18 @@ class TreeModelDrafter:
         )
 
     @contextlib.contextmanager
-    def _session(self) -> Iterator[_Session]:
-        if self._cache is None:
-            raise RuntimeError("call start() before proposing")
-        session = _Session(self.model, self._cache, self.context)
+    def _session(self) -> Iterator[DraftSession]:
+        session = self._open_session()
         try:
             yield session
         finally:
             session.close()
+
+    def _open_session(self) -> DraftSession:
+        """The draft forwards of one proposal (a drafter over another kind of model overrides this)."""
+        if self._cache is None:
+            raise RuntimeError("call start() before proposing")
+        return _Session(self.model, self._cache, self.context)
 
     def _keep_best(self, tokens: list[int], parents: list[int], confidence: list[float], keep: int) -> DraftTree:
         depth = DraftTree(torch.tensor(tokens, dtype=torch.long), tuple(parents)).depths
@@ -276,6 +309,19 @@ class TreeModelDrafter:
             torch.tensor([tokens[n] for n in order], dtype=torch.long, device=self._output_device),
             tuple(index[parents[n]] if parents[n] != ROOT else ROOT for n in order),
         )
+
+
+class DraftSession(Protocol):
+    """What tree drafting needs from a model, for one proposal: the logits after the last committed token,
+    then the logits after tree nodes, forwarded a level at a time; :meth:`close` forgets the nodes."""
+
+    root_logits: torch.Tensor  # [vocab]
+
+    def expand(self, nodes: Sequence[int], tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Forward tree ``nodes`` (their parents forwarded already); ``[len(nodes), vocab]`` logits after each."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class _Session:

@@ -8,7 +8,9 @@
   node was drawn from, i.e. its parent's children's — sparsely (support + probabilities, as
   doubles, with q's dtype named), which is exact: the support is where the drafter could have
   sampled, and the receiver rebuilds q bit for bit in its original dtype;
-* a chain or tree verdict becomes a ``Verdict`` (the accepted path's node indices).
+* a chain or tree verdict becomes a ``Verdict`` (the accepted path's node indices), with the
+  target's features of the root and the accepted path when the drafter reads hidden states
+  (EAGLE, Medusa): only the accepted path's features travel, never the rejected branches'.
 
 Malformed input raises :class:`WireError` with a message naming the offending field; a server
 turns that into a gRPC ``INVALID_ARGUMENT`` status instead of crashing.
@@ -211,6 +213,7 @@ class VerdictInfo:
     finished: bool
     target_seconds: float = 0.0
     allreduce_seconds: float = 0.0
+    features: torch.Tensor | None = None  # hidden-state drafters: root + accepted path, one row each
 
 
 def encode_verdict(
@@ -221,9 +224,12 @@ def encode_verdict(
     finished: bool,
     target_seconds: float = 0.0,
     allreduce_seconds: float = 0.0,
+    features: torch.Tensor | None = None,
 ) -> pb.Verdict:
     path = list(verdict.accepted) if isinstance(verdict, TreeVerdict) else list(range(verdict.num_accepted))
-    return pb.Verdict(
+    if features is not None and features.shape[0] != len(path) + 1:
+        raise WireError(f"a verdict's features need one row per path node plus the root, got {features.shape[0]}")
+    message = pb.Verdict(
         request_id=request_id,
         cycle=cycle,
         accepted_path=path,
@@ -234,6 +240,10 @@ def encode_verdict(
         target_seconds=target_seconds,
         allreduce_seconds=allreduce_seconds,
     )
+    if features is not None:
+        message.features.CopyFrom(encode_tensor(features))
+    _check_size(message)
+    return message
 
 
 def decode_verdict(message: pb.Verdict) -> ChainVerdict | TreeVerdict:
@@ -271,6 +281,16 @@ def accepted_tokens(sent: Draft | DraftTree, verdict: ChainVerdict | TreeVerdict
 def parse_verdict(data: bytes) -> VerdictInfo:
     """Bytes from the wire -> a validated :class:`VerdictInfo`."""
     message = _parse(pb.Verdict, data)
+    features = None
+    if message.HasField("features"):
+        features = decode_tensor(message.features)
+        if features.dim() != 2 or features.shape[0] != len(message.accepted_path) + 1:
+            raise WireError(
+                f"verdict features of shape {list(features.shape)} must be [path length + 1, width] "
+                f"(path length {len(message.accepted_path)})"
+            )
+        if not features.is_floating_point():
+            raise WireError(f"verdict features must be floating point, got {features.dtype}")
     return VerdictInfo(
         request_id=message.request_id,
         cycle=int(message.cycle),
@@ -279,6 +299,7 @@ def parse_verdict(data: bytes) -> VerdictInfo:
         finished=bool(message.finished),
         target_seconds=float(message.target_seconds),
         allreduce_seconds=float(message.allreduce_seconds),
+        features=features,
     )
 
 

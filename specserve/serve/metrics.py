@@ -3,7 +3,9 @@
 Ray exports them from every node's metrics agent with a ``ray_`` prefix (e.g.
 ``ray_specserve_accepted_tokens_total``); Ray adds the node and worker tags. Each metric here
 carries ``model`` and ``lossy`` tags — ``lossy="true"`` marks anything produced by a lossy
-acceptance mode, so exact and lossy runs never mix on a dashboard.
+acceptance mode (a request's ``speculation.acceptance: typical``, :mod:`specserve.core.typical`),
+so exact and lossy runs never mix on a dashboard. Per-request metrics take the request's own
+``lossy``; the replica's queue gauges keep the deployment's.
 
 Recorded per request when it finishes (counts and per-request histograms), at its first token
 (time to first token), and whenever the replica's queue changes. Needs a connected Ray: the
@@ -74,15 +76,19 @@ class ServeMetrics:
         self.queue_length.set(waiting, self.tags)
         self.running.set(running, self.tags)
 
-    def first_token(self, seconds: float) -> None:
-        self.time_to_first_token.observe(seconds, self.tags)
+    def request_tags(self, lossy: bool) -> dict[str, str]:
+        """The tags of one request's metrics: ``lossy="true"`` when it ran a lossy acceptance rule."""
+        return {**self.tags, "lossy": "true"} if lossy else self.tags
 
-    def finished(self, finish_reason: str, stats: RequestStats | None) -> None:
+    def first_token(self, seconds: float, lossy: bool = False) -> None:
+        self.time_to_first_token.observe(seconds, self.request_tags(lossy))
+
+    def finished(self, finish_reason: str, stats: RequestStats | None, lossy: bool = False) -> None:
         """One request ended; ``stats`` is ``None`` when it ended without a result (cancelled, failed)."""
-        self.requests.inc(1, {**self.tags, "finish_reason": finish_reason})
+        tags = self.request_tags(lossy)
+        self.requests.inc(1, {**tags, "finish_reason": finish_reason})
         if stats is None:
             return
-        tags = self.tags
         drafts = sum(count for length, count in stats.draft_length_histogram.items() if length > 0)
         _inc(self.generated_tokens, stats.new_tokens, tags)
         _inc(self.drafts, drafts, tags)

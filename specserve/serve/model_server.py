@@ -124,19 +124,19 @@ class ModelServer:
             async with aclosing(self._run_on_worker(prompt_ids, params, generation)) as chunks:
                 async for chunk in chunks:
                     if first and chunk.token_ids and self.metrics is not None:
-                        self.metrics.first_token(time.perf_counter() - arrived)
+                        self.metrics.first_token(time.perf_counter() - arrived, params.lossy_acceptance)
                         first = False
                     if chunk.result is not None:
                         finish = chunk.result.finish_reason
                         if self.metrics is not None:
-                            self.metrics.finished(finish, chunk.result.stats)
+                            self.metrics.finished(finish, chunk.result.stats, params.lossy_acceptance)
                     yield chunk
         except Exception:
             finish = "error"
             raise
         finally:
             if finish in ("cancelled", "error") and self.metrics is not None:
-                self.metrics.finished(finish, None)
+                self.metrics.finished(finish, None, params.lossy_acceptance)
             self._running -= 1
             self._finished[finish] += 1
             self._slot.release()

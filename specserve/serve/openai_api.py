@@ -41,9 +41,12 @@ DONE_EVENT = "data: [DONE]\n\n"
 
 def sampling_mode(params: SamplingParams) -> str:
     """How the target's tokens were chosen: ``greedy`` (temperature 0), ``drafter_invariant`` (keyed Gumbel
-    noise, :mod:`specserve.core.invariant`) or ``rejection`` (speculative rejection sampling)."""
+    noise, :mod:`specserve.core.invariant`), ``typical`` (lossy typical acceptance, :mod:`specserve.core.typical`)
+    or ``rejection`` (speculative rejection sampling)."""
     if params.greedy:
         return "greedy"
+    if params.lossy_acceptance:
+        return "typical"
     return "drafter_invariant" if params.invariant_sampling else "rejection"
 
 
@@ -57,7 +60,7 @@ def speculation_summary(stats: RequestStats, params: SamplingParams) -> dict[str
         "tree_shapes": [[nodes, depth] for nodes, depth in stats.tree_shapes],  # per cycle; empty for chains
         "budgets": list(stats.budgets),  # the budget the policy chose per cycle (γ, or tree nodes)
         "sampling": sampling_mode(params),
-        "lossy": False,  # no lossy acceptance mode exists yet; every answer is exact
+        "lossy": params.lossy_acceptance,  # true: typical acceptance ran; the output is not the target's law
     }
 
 

@@ -7,8 +7,10 @@ one (missing prompt, ``max_tokens`` <= 0, ``temperature`` < 0, ``top_p`` outside
 OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
 drafter — the deployment's configured one, ``ngram`` or ``none``; a draft model cannot be chosen
 per request —, the draft shape — a chain, a dynamic tree within a budget, or a static topology
-(:mod:`specserve.core.tree`), bounded so that no request can ask for a giant tree — and
-drafter-invariant sampling, :mod:`specserve.core.invariant`).
+(:mod:`specserve.core.tree`), bounded so that no request can ask for a giant tree —,
+drafter-invariant sampling, :mod:`specserve.core.invariant`, and the acceptance rule: exact, or
+Medusa's *lossy* typical acceptance, :mod:`specserve.core.typical`, refused unless ``lossy`` is
+true as well).
 
 What a validated request means for the engine — sampling parameters and the generation config —
 is decided here once (:meth:`CompletionRequest.sampling` / :meth:`CompletionRequest.generation`),
@@ -25,13 +27,14 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from specserve.core.engine import MAX_GAMMA, GenerationConfig
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -188,6 +191,42 @@ class SpeculationOptions(BaseModel):
         ),
     )
 
+    acceptance: Literal["exact", "typical"] = Field(
+        "exact",
+        description=(
+            "how drafts are accepted: exact (the output is distributed as the target's) or typical (Medusa's"
+            " typical acceptance: LOSSY, the output is no longer the target's; needs lossy: true)"
+        ),
+    )
+    lossy: bool = Field(
+        False,
+        validate_default=True,  # so that typical acceptance without lossy is refused here, at speculation.lossy
+        description="allow a lossy acceptance rule (acceptance: typical); the answer then says lossy: true",
+    )
+    typical_epsilon: float = Field(
+        TYPICAL_EPSILON, gt=0.0, lt=1.0, description="typical acceptance: accept x when p(x) > min(epsilon, ...)"
+    )
+    typical_delta: float = Field(
+        TYPICAL_DELTA, gt=0.0, le=1.0, description="typical acceptance: ... min(epsilon, delta * exp(-entropy(p)))"
+    )
+
+    @field_validator("acceptance")
+    @classmethod
+    def _exact_or_invariant(cls, acceptance: str, info: ValidationInfo) -> str:
+        if acceptance == "typical" and info.data.get("drafter_invariant"):
+            raise ValueError("typical acceptance cannot be combined with drafter_invariant (which is exact)")
+        return acceptance
+
+    @field_validator("lossy")
+    @classmethod
+    def _lossy_opt_in(cls, lossy: bool, info: ValidationInfo) -> bool:
+        if info.data.get("acceptance") == "typical" and not lossy:
+            raise ValueError(
+                "typical acceptance is lossy (the output is no longer distributed as the target's);"
+                " opt in with speculation.lossy: true"
+            )
+        return lossy
+
     @field_validator("tree", mode="wrap")
     @classmethod
     def _one_tree_error(cls, tree: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -249,6 +288,10 @@ class _Request(BaseModel):
             top_k=self.top_k,
             seed=self.seed or 0,
             drafter_invariant=self.speculation.drafter_invariant,
+            acceptance=self.speculation.acceptance,
+            lossy=self.speculation.lossy,
+            typical_epsilon=self.speculation.typical_epsilon,
+            typical_delta=self.speculation.typical_delta,
         )
 
     def generation(self, default_max_tokens: int, default_gamma: int) -> GenerationConfig:

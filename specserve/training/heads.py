@@ -10,6 +10,7 @@ code (:func:`token_streams`). Does not define any head or loss.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def token_streams(
     streams = []
     for split in ("train", "heldout"):
         ids: list[int] = []
-        files = source_files(split, folder)  # type: ignore[arg-type]
+        files = source_files(split, folder)
         for start in tqdm(range(0, len(files), 256), desc=f"tokenize {split}", unit="batch", leave=False):
             for row in tokenizer([f.text for f in files[start : start + 256]])["input_ids"]:
                 ids.extend(row)
@@ -127,3 +128,34 @@ def heldout_acceptance(
         "drafted_tokens": total.drafted_tokens,
         "accepted_tokens": total.accepted_tokens,
     }
+
+
+def report_prompts(folder: str | Path | None, heldout: torch.Tensor, count: int, length: int = 200) -> list[Any]:
+    """Prompts for the held-out acceptance report: the benchmark's held-out prompts for the default corpus,
+    else ``count`` slices of ``length`` tokens of the user's held-out stream."""
+    if folder is None:
+        from specserve.benchmarks.prompts import heldout_prompts
+
+        return list(heldout_prompts(count))
+    step = max(length, heldout.numel() // max(count, 1))
+    return [heldout[i : i + length].tolist() for i in range(0, heldout.numel() - length, step)][:count]
+
+
+def write_head_card(out: str | Path, summary: dict[str, Any], title: str, body: str) -> None:
+    """``README.md`` of a trained head: what it is, its target, its recipe and its held-out acceptance."""
+    lines = [f"# {title}", "", f"Target: `{summary['target']}`", "", body.strip(), "", "## Held-out acceptance", ""]
+    lines += ["Greedy, the real speculative engine; mean accepted length = tokens committed per target pass.", ""]
+    lines += ["| | drafting | mean accepted length | acceptance by depth |", "|---|---|---|---|"]
+    for stage, reports in summary["heldout_acceptance"].items():
+        for name, report in reports.items():
+            by_depth = ", ".join("-" if a is None else f"{a:.2f}" for a in report["acceptance_by_depth"][:8])
+            lines.append(f"| {stage} | {name} | {report['mean_accepted_length']:.2f} | {by_depth} |")
+    lines += ["", "## Recipe", "", "```json", json.dumps(summary["recipe"], indent=2), "```", ""]
+    train = summary.get("train", {})
+    if train:
+        lines.append(
+            f"Trained {summary['recipe'].get('steps')} steps in {train.get('seconds', 0.0) / 60:.1f} min on this "
+            f"machine's CPU (final loss {train.get('final_loss', float('nan')):.3f}); "
+            f"{summary.get('parameters', 0):,} trainable parameters."
+        )
+    Path(out, "README.md").write_text("\n".join(lines) + "\n")

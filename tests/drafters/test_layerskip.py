@@ -1,20 +1,31 @@
 """Layer-skip self-speculation: the early-exit view shares the target's weights, computes what a shallow copy
-of the target computes, and speculative decoding with it stays exact."""
+of the target computes, and speculative decoding with it stays exact; an exit head starts as plain layer-skip,
+round-trips through its directory, refuses other targets, keeps decoding exact, and training it helps."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import REF_TOKENS, TinyPair, build_model
+from conftest import REF_TOKENS, VOCAB, TinyPair, build_model, char_tokenizer
 
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import TreeBudget, TreeSpec
-from specserve.drafters.layerskip import LayerSkipDrafter, early_exit_model
+from specserve.drafters.layerskip import (
+    ExitHead,
+    ExitHeadError,
+    ExitNorm,
+    LayerSkipDrafter,
+    early_exit_model,
+    load_exit_head,
+    save_exit_head,
+)
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
 
@@ -81,3 +92,185 @@ def test_the_registry_builds_layerskip_drafters(pair: TinyPair) -> None:
     for bad in ("layerskip:", "layerskip:two", "layerskip:-1"):
         with pytest.raises(UserError, match="layerskip:L"):
             build_drafter(bad, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trained exit head
+
+
+def random_exit_head(hidden_size: int = 32, seed: int = 7) -> ExitHead:
+    """An exit head with every weight drawn (W2 too, so it is not the identity), in float64."""
+    head = ExitHead(hidden_size, 24).double()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.copy_(0.3 * torch.randn(param.shape, generator=generator, dtype=param.dtype) + (param.dim() == 1))
+    return head
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_untrained_exit_head_is_plain_layerskip_and_leaves_the_target_alone(family: str) -> None:
+    target = deep_target(family)
+    norm = target.model.model.norm
+    state = {k: v.clone() for k, v in target.model.state_dict().items()}
+    ids = torch.tensor([5, 17, 23, 8, 30, 2, 9])
+    target_logits = target.forward(target.new_cache(), ids)
+    head = ExitHead(32, generator=torch.Generator().manual_seed(0))
+    assert not head.down.weight.any() and head.up.weight.any()
+    plain, with_head = early_exit_model(target, 2), early_exit_model(target, 2, head)
+    assert isinstance(with_head.model.model.norm, ExitNorm) and with_head.model.model.norm.norm is norm
+    want = plain.forward(plain.new_cache(), ids)
+    torch.testing.assert_close(with_head.forward(with_head.new_cache(), ids), want, rtol=0, atol=0)
+    assert head.up.weight.dtype == torch.float64  # moved to the target's dtype
+    # the target is untouched: same norm object, same modules, same weights, same logits
+    assert target.model.model.norm is norm and len(target.model.model.layers) == 4
+    assert target.model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in target.model.state_dict().items())
+    torch.testing.assert_close(target.forward(target.new_cache(), ids), target_logits, rtol=0, atol=0)
+    assert set(head.state_dict()) == {"norm.weight", "up.weight", "down.weight"}  # no target module in the head
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_view_with_a_head_computes_what_training_computes(family: str) -> None:
+    """Serving (the view's own forward) and training (the target's hidden_states[L] -> head -> norm -> LM head)
+    are the same function; a non-zero head changes the view."""
+    from specserve.training.exit_head import early_exit_logits
+
+    target = deep_target(family)
+    head = random_exit_head()
+    view = early_exit_model(target, 3, head)
+    ids = torch.tensor([[5, 17, 23, 8, 30, 2, 9]])
+    with torch.inference_mode():
+        hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states[3]
+        trained_path = early_exit_logits(target.model, head, hidden)[0]
+    got = view.forward(view.new_cache(), ids[0])
+    torch.testing.assert_close(got, trained_path, rtol=0, atol=1e-10)
+    plain = early_exit_model(target, 3)
+    assert not torch.allclose(got, plain.forward(plain.new_cache(), ids[0]))
+
+
+def test_an_exit_head_directory_round_trips(tmp_path: Path) -> None:
+    target = deep_target("llama")
+    head = random_exit_head()
+    save_exit_head(tmp_path / "head", head, target, 2)
+    assert sorted(p.name for p in (tmp_path / "head").iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["specserve_drafter"] == "exit-head" and config["layers"] == 2
+    assert (config["hidden_size"], config["intermediate_size"], config["target_num_layers"]) == (32, 24, 4)
+    assert (config["target_architecture"], config["vocab_size"]) == ("LlamaForCausalLM", VOCAB)
+    loaded, layers = load_exit_head(tmp_path / "head", target)
+    assert layers == 2 and loaded.up.weight.dtype == torch.float64
+    for name, tensor in head.state_dict().items():  # saved in float32
+        torch.testing.assert_close(loaded.state_dict()[name], tensor.float().double(), rtol=0, atol=0)
+    drafter = LayerSkipDrafter.from_directory(target, tmp_path / "head")
+    assert drafter.layers == 2 and drafter.exit_head is not None
+    want = early_exit_model(target, 2, loaded)
+    ids = torch.tensor([3, 4, 5, 6])
+    torch.testing.assert_close(
+        drafter.model.forward(drafter.model.new_cache(), ids), want.forward(want.new_cache(), ids), rtol=0, atol=0
+    )
+
+
+def test_bad_exit_head_directories_are_refused(tmp_path: Path, saved_pair_dirs: dict[str, Path]) -> None:
+    target = deep_target("llama")
+    cases = {
+        tmp_path / "missing": "does not exist",
+        saved_pair_dirs["target"]: "not an exit head directory",  # a model directory
+    }
+    (tmp_path / "empty").mkdir()
+    cases[tmp_path / "empty"] = "has no config.json"
+    broken = save_exit_head(tmp_path / "broken", random_exit_head(), target, 2)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    cases[broken] = "could not read"
+    bad_json = save_exit_head(tmp_path / "bad-json", random_exit_head(), target, 2)
+    (bad_json / "config.json").write_text("{")
+    cases[bad_json] = "not valid JSON"
+    bad_layers = save_exit_head(tmp_path / "bad-layers", random_exit_head(), target, 2)
+    config = json.loads((bad_layers / "config.json").read_text())
+    (bad_layers / "config.json").write_text(json.dumps({**config, "layers": 4}))
+    cases[bad_layers] = "must be below target_num_layers"
+    for directory, message in cases.items():
+        with pytest.raises(ExitHeadError, match=message):
+            load_exit_head(directory, target)
+    assert issubclass(ExitHeadError, UserError)
+
+
+def test_an_exit_head_for_another_target_is_refused(tmp_path: Path) -> None:
+    directory = save_exit_head(tmp_path / "head", random_exit_head(), deep_target("llama"), 2)
+    shallower = CausalLM(build_model("llama", num_layers=3, seed=3).double())
+    with pytest.raises(ExitHeadError, match=r"target_num_layers 4 \(the target has 3\)"):
+        load_exit_head(directory, shallower)
+    with pytest.raises(ExitHeadError, match=r"target_architecture LlamaForCausalLM .*train an exit head for"):
+        load_exit_head(directory, deep_target("qwen2"))
+    with pytest.raises(ExitHeadError, match=r"hidden states of size 16 .* hidden size 32"):
+        early_exit_model(deep_target("llama"), 2, ExitHead(16))
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_greedy_self_speculation_with_an_exit_head_equals_transformers(
+    pair: TinyPair, hf_greedy: HfGreedy, layers: int
+) -> None:
+    target = CausalLM(build_model(pair.family, num_layers=4, seed=5).double())
+    engine = SpeculativeEngine(target, LayerSkipDrafter(target, layers, random_exit_head(seed=layers)))
+    accepted = 0
+    for prompt in pair.prompts[:4]:
+        for config in (
+            GenerationConfig(max_new_tokens=REF_TOKENS, gamma=3),
+            GenerationConfig(max_new_tokens=REF_TOKENS, tree=TreeSpec("dynamic", budget=TreeBudget(3, 2, 5))),
+        ):
+            result = engine.generate(prompt, SamplingParams(), config)
+            assert result.output_ids == hf_greedy(target, prompt, REF_TOKENS), (layers, prompt, config)
+            accepted += result.stats.accepted_tokens
+    assert accepted > 0
+
+
+def test_the_registry_loads_an_exit_head_directory(tmp_path: Path, saved_pairs: dict[str, Path]) -> None:
+    from specserve.drafters.registry import build_drafter
+
+    target = deep_target("qwen2")
+    head = random_exit_head()
+    directory = save_exit_head(tmp_path / "head", head, target, 3)
+    drafter = build_drafter("layerskip:" + str(directory), target)
+    assert isinstance(drafter, LayerSkipDrafter) and drafter.layers == 3 and drafter.exit_head is not None
+    assert torch.equal(drafter.exit_head.down.weight, head.down.weight.float().double())
+    with pytest.raises(ExitHeadError, match="not an exit head directory"):
+        build_drafter("layerskip:" + str(saved_pairs["qwen2"] / "target"), target)
+    # a drafter process that holds only the target's description loads its own copy of the target
+    saved = CausalLM.load(saved_pairs["qwen2"] / "target", dtype="float64")
+    directory = save_exit_head(tmp_path / "saved-head", random_exit_head(), saved, 1)
+    remote = build_drafter("layerskip:" + str(directory), saved.describe(), dtype="float64")
+    assert isinstance(remote, LayerSkipDrafter) and remote.layers == 1
+    assert remote.model.model.model.layers[0] is not saved.model.model.layers[0]
+
+
+def test_training_an_exit_head_brings_the_view_closer_to_the_target(tmp_path: Path) -> None:
+    from specserve.training.exit_head import ExitHeadRecipe, exit_head_loss, new_exit_head, train_exit_head_on
+
+    target = CausalLM(build_model("llama", num_layers=4, seed=5).double(), char_tokenizer(), path="<tiny-target>")
+    generator = torch.Generator().manual_seed(0)
+    train_stream = torch.randint(3, VOCAB, (3000,), generator=generator)
+    heldout_stream = torch.randint(3, VOCAB, (600,), generator=generator)
+    prompts = [[5, 6, 7, 8, 5, 6], [40, 41, 17]]
+    recipe = ExitHeadRecipe(
+        layers=2, steps=150, batch_size=8, seq_len=32, peak_lr=1e-2, bf16_autocast=False, checkpoint_every=50,
+        report_tokens=12,
+    )  # fmt: skip
+    batch = heldout_stream[:66].reshape(2, 33)
+    loss_fn = exit_head_loss(target.model, 2)
+    untrained_loss = loss_fn(new_exit_head(target.model, recipe), batch).item()
+
+    summary = train_exit_head_on(target, tmp_path / "head", train_stream, heldout_stream, prompts, recipe)
+
+    out = tmp_path / "head"
+    for name in ("config.json", "model.safetensors", "README.md", "training_summary.json", "checkpoints"):
+        assert (out / name).exists(), name
+    assert json.loads((out / "training_summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert "Layer-skip exit head" in (out / "README.md").read_text()
+    before, after = summary["teacher_forced"]["untrained"], summary["teacher_forced"]["trained"]
+    assert after["kl_nats"] < 0.8 * before["kl_nats"]
+    assert after["greedy"] > before["greedy"]
+    trained, layers = load_exit_head(out, target)
+    assert layers == 2
+    assert loss_fn(trained, batch).item() < 0.8 * untrained_loss
+    report = summary["heldout_acceptance"]["trained"]["chain_gamma_3"]
+    assert report["prompts"] == 2 and report["mean_accepted_length"] >= 1.0

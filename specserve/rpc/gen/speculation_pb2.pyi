@@ -64,7 +64,7 @@ class DraftTree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs_dtype: _Optional[str] = ..., rules: _Optional[_Union[Rules, str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finished", "target_seconds", "allreduce_seconds")
+    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finished", "target_seconds", "allreduce_seconds", "features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class Verdict(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
@@ -83,4 +84,5 @@ class Verdict(_message.Message):
     finished: bool
     target_seconds: float
     allreduce_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ...) -> None: ...
+    features: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
