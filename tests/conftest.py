@@ -203,13 +203,14 @@ def pair(request: pytest.FixtureRequest, tiny_pairs: dict[str, TinyPair]) -> Tin
 @pytest.fixture(scope="session")
 def hf_greedy() -> Callable[[CausalLM, Sequence[int], int], list[int]]:
     """``hf_greedy(lm, prompt, max_new_tokens)``: transformers' greedy continuation, memoised per session."""
-    memo: dict[tuple[int, tuple[int, ...], int], list[int]] = {}
+    # keyed by id(model); each entry keeps its model alive so a freed model's id is never reused for another
+    memo: dict[tuple[int, tuple[int, ...], int], tuple[PreTrainedModel, list[int]]] = {}
 
     def run(lm: CausalLM, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
         key = (id(lm.model), tuple(prompt), max_new_tokens)
         if key not in memo:
-            memo[key] = hf_greedy_ids(lm.model, prompt, max_new_tokens)
-        return list(memo[key])
+            memo[key] = (lm.model, hf_greedy_ids(lm.model, prompt, max_new_tokens))
+        return list(memo[key][1])
 
     return run
 

@@ -321,6 +321,7 @@ class _EagleSession:
     x_0 .. x_n fills positions 0 .. n - 1 with real features, and the root of the tree is position n - 1 (whose
     output drafts x_{n+1}). Draft nodes sit at n + depth with their parent's output as their feature."""
 
+    @torch.inference_mode()
     def __init__(self, drafter: EagleDrafter) -> None:
         self.drafter = drafter
         self.cache = drafter._cache
@@ -328,10 +329,9 @@ class _EagleSession:
         keep = min(drafter._cached, self.committed - 1)  # feed at least the root again: its output is needed
         _crop(self.cache, keep)
         positions = range(keep, self.committed)
-        with torch.inference_mode():
-            features = torch.stack([drafter._features[p] for p in positions])[None]
-            tokens = torch.tensor([drafter.context[p + 1] for p in positions], dtype=torch.long, device=drafter._device)
-            hidden = drafter.head(features, drafter.embeddings(tokens)[None], cache=self.cache)[0]
+        features = torch.stack([drafter._features[p] for p in positions])[None]
+        tokens = torch.tensor([drafter.context[p + 1] for p in positions], dtype=torch.long, device=drafter._device)
+        hidden = drafter.head(features, drafter.embeddings(tokens)[None], cache=self.cache)[0]
         drafter._cached = self.committed
         self.root_hidden = hidden[-1]
         self.root_logits = drafter.lm_head(self.root_hidden)

@@ -38,9 +38,9 @@ from specserve.training import heads as common
 from specserve.training import loop
 
 # Sized for the default target (8 layers x 512, vocabulary 8192) on a 2-core CPU with bf16 autocast: about
-# 1.5 s a step on an idle machine, so the defaults train in about 10 minutes (the saved README.md records the real
+# 1.5 s a step on an idle machine, so the defaults train in under 10 minutes (the saved README.md records the real
 # time); float32 is several times slower there.
-DEFAULT_STEPS = 400
+DEFAULT_STEPS = 300
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEQ_LEN = 256
 DEFAULT_PEAK_LR = 1e-3
@@ -278,6 +278,7 @@ def render_card(summary: dict[str, Any]) -> str:
         for name, report in summary["acceptance"].items()
     )
     data = summary["data"]["folder"] or "the default corpus (standard library sources)"
+    first = next(iter(summary["acceptance"].values()))
     return f"""# Medusa heads for `{target["path"]}`
 
 {heads["num_heads"]} Medusa-1 heads (Cai et al. 2024) for the {target["architecture"]} target at `{target["path"]}`
@@ -311,7 +312,8 @@ Teacher-forced on held-out text, how often head k's top-1 is the target's greedy
 Head 1's top-r hit rates (stored in `config.json` as `rank_probs`, they shape dynamic trees):
 {", ".join(f"{p:.3f}" for p in after["rank_probs"])}.
 
-Greedy decoding with the real engine on held-out prompts (mean accepted length = tokens per target pass):
+Greedy decoding with the real engine on {first["prompts"]} held-out prompts, {first["max_new_tokens"]} new tokens each
+(mean accepted length = tokens per target pass):
 
 | shape | drafted | mean accepted length | cycles |
 |---|---|---|---|

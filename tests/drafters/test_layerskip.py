@@ -4,6 +4,7 @@ round-trips through its directory, refuses other targets, keeps decoding exact, 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +35,13 @@ def deep_target(family: str) -> CausalLM:
     return CausalLM(build_model(family, num_layers=4, seed=3).double())
 
 
+@functools.cache
+def greedy_target(family: str) -> CausalLM:
+    """The 4-layer target of the greedy tests, one per family, alive for the whole session: ``hf_greedy`` memoises
+    by ``id(model)``, so a target freed between tests could hand its address, and its references, to another."""
+    return CausalLM(build_model(family, num_layers=4, seed=5).double())
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_view_shares_weights_and_equals_a_shallow_copy(family: str) -> None:
     target = deep_target(family)
@@ -60,7 +68,7 @@ def test_bad_layer_counts_are_refused() -> None:
 
 @pytest.mark.parametrize("layers", [1, 3])
 def test_greedy_self_speculation_equals_transformers(pair: TinyPair, hf_greedy: HfGreedy, layers: int) -> None:
-    target = CausalLM(build_model(pair.family, num_layers=4, seed=5).double())
+    target = greedy_target(pair.family)
     engine = SpeculativeEngine(target, LayerSkipDrafter(target, layers))
     accepted = 0
     for prompt in pair.prompts[:4]:
@@ -210,7 +218,7 @@ def test_an_exit_head_for_another_target_is_refused(tmp_path: Path) -> None:
 def test_greedy_self_speculation_with_an_exit_head_equals_transformers(
     pair: TinyPair, hf_greedy: HfGreedy, layers: int
 ) -> None:
-    target = CausalLM(build_model(pair.family, num_layers=4, seed=5).double())
+    target = greedy_target(pair.family)
     engine = SpeculativeEngine(target, LayerSkipDrafter(target, layers, random_exit_head(seed=layers)))
     accepted = 0
     for prompt in pair.prompts[:4]:

@@ -1,0 +1,38 @@
+"""A trained EAGLE head per tiny target, shared by the in-process and distributed tests (trained once per session)."""
+
+from __future__ import annotations
+
+import torch
+from conftest import TinyPair
+
+from specserve.core.model import CausalLM
+from specserve.drafters.eagle import EagleConfig, EagleHead
+from specserve.training.eagle import EagleRecipe, train_head
+
+RECIPE = EagleRecipe(unroll=2, steps=400, batch_size=8, seq_len=24, peak_lr=3e-3, checkpoint_every=1000)
+
+
+def target_stream(target: CausalLM, tokens: int = 3000, seed: int = 0) -> torch.Tensor:
+    """Text the target itself writes, half sampled at T = 1 and half greedy: what a head must learn to predict."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, target.info.vocab_size, (tokens // 192, 4), generator=generator)
+    rows = []
+    with torch.inference_mode():
+        torch.manual_seed(seed)
+        for sampled in (True, False):
+            kwargs = {"do_sample": True, "top_k": 0} if sampled else {"do_sample": False}
+            rows.append(target.model.generate(ids, max_new_tokens=92, pad_token_id=0, **kwargs))
+    return torch.cat([row.reshape(-1) for row in rows])
+
+
+_HEADS: dict[str, EagleHead] = {}
+
+
+def trained_head(pair: TinyPair) -> EagleHead:
+    """One head per family, trained once per session (a few seconds)."""
+    if pair.family not in _HEADS:
+        torch.manual_seed(0)
+        head = EagleHead(EagleConfig.for_target(pair.target.model)).double()
+        train_head(head, pair.target.model, target_stream(pair.target), RECIPE, None)
+        _HEADS[pair.family] = head
+    return _HEADS[pair.family]
