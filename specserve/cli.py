@@ -129,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
     tbench.add_argument("--rounds", type=int, default=2, help="rounds over every configuration, order alternating")
     tbench.add_argument("--out", default="bench/results", help="directory for trees.json/.png/.md")
 
+    lbench = sub.add_parser("bench-drafters", help="every drafter (draft model, EAGLE, Medusa, layer-skip, n-gram, HF)")
+    lbench.add_argument("--target", default=str(defaults.DEFAULT_TARGET))
+    lbench.add_argument("--draft", default=str(defaults.DEFAULT_DRAFT), help="the small draft model directory")
+    lbench.add_argument("--eagle", default=str(defaults.MODELS_DIR / "eagle"), help="trained EAGLE head directory")
+    lbench.add_argument("--medusa", default=str(defaults.MODELS_DIR / "medusa"), help="trained Medusa heads directory")
+    lbench.add_argument("--exit-head", default=str(defaults.MODELS_DIR / "exit-head"), help="trained exit head dir")
+    lbench.add_argument("--prompts", help="JSON file with a list of prompt strings (default: held-out stdlib files)")
+    lbench.add_argument("--num-prompts", type=int, default=6)
+    lbench.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS)
+    lbench.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    lbench.add_argument("--rounds", type=int, default=2, help="rounds over every cell, order alternating")
+    lbench.add_argument("--gamma", type=int, default=4, help="γ of the chains")
+    lbench.add_argument("--out", default="bench/results", help="directory for drafters.json/.md/.png")
+    lbench.add_argument("--json", action="store_true", help="print only the JSON headline, not the table")
+
     dbench = sub.add_parser("bench-distributed", help="in-process engine vs distributed runtime (greedy)")
     dbench.add_argument("--target", default=str(defaults.DEFAULT_TARGET))
     dbench.add_argument("--draft", default=str(defaults.DEFAULT_DRAFT))
@@ -442,6 +457,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_drafters(args: argparse.Namespace) -> int:
+    from specserve.benchmarks import learned
+
+    if args.rounds < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or not 1 <= args.gamma <= 64:
+        raise UsageError("--rounds, --num-prompts and --max-new-tokens must be >= 1, --gamma in 1..64")
+    report = learned.run(
+        learned.DrafterBenchConfig(
+            target=args.target,
+            draft=args.draft,
+            eagle=args.eagle,
+            medusa=args.medusa,
+            exit_head=args.exit_head,
+            prompts_file=args.prompts,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperatures=tuple(_number_list(args.temperatures, float, "--temperatures")),
+            rounds=args.rounds,
+            gamma=args.gamma,
+            out_dir=Path(args.out),
+        )
+    )
+    if not args.json:
+        print(learned.markdown(report))
+    print(json.dumps(report["headline"]))
+    return 0
+
+
 def cmd_bench_trees(args: argparse.Namespace) -> int:
     from specserve.benchmarks import trees
 
@@ -667,6 +709,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate": cmd_generate,
         "bench": cmd_bench,
         "bench-trees": cmd_bench_trees,
+        "bench-drafters": cmd_bench_drafters,
         "bench-distributed": cmd_bench_distributed,
         "bench-serve": cmd_bench_serve,
         "experiment": cmd_experiment,

@@ -1,4 +1,4 @@
-"""Build a drafter from its name: ``none``, ``ngram``, ``layerskip:L|DIR``, ``eagle:DIR`` or a draft model directory.
+"""Build a drafter from its name: ``none``, ``ngram``, ``layerskip:L|DIR``, ``eagle:DIR``, ``medusa:DIR``, a model dir.
 
 :func:`build_drafter_set` wraps the configured drafter in a :class:`~specserve.core.draft.DrafterSet`
 whose builder is :func:`build_drafter` with the same options, so a request can also choose
@@ -14,6 +14,7 @@ from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.layerskip import LayerSkipDrafter
+from specserve.drafters.medusa import MedusaDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
@@ -21,6 +22,7 @@ from specserve.drafters.none import NoDrafter
 BUILTIN_DRAFTERS = ("none", "ngram")
 LAYERSKIP_PREFIX = "layerskip:"
 EAGLE_PREFIX = "eagle:"
+MEDUSA_PREFIX = "medusa:"
 
 
 def build_drafter(
@@ -32,9 +34,9 @@ def build_drafter(
     min_ngram: int = 1,
 ) -> Drafter:
     """``spec`` is ``"none"``, ``"ngram"``, ``"layerskip:L"`` (the target's first L layers) or ``"layerskip:DIR"``
-    (with a trained exit head), ``"eagle:DIR"`` (a trained EAGLE head), a draft model directory, or an already
-    loaded draft model. Drafters built on the target's own weights load their own copy of the target in a process
-    that holds only its description."""
+    (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads), a draft model directory, or an
+    already loaded draft model. Drafters built on the target's own weights load their own copy of the target in a
+    process that holds only its description."""
     if isinstance(spec, CausalLM):
         return DraftModelDrafter(spec, target)
     if spec.startswith(LAYERSKIP_PREFIX):
@@ -57,6 +59,11 @@ def build_drafter(
         if not directory:
             raise UserError(f"EAGLE drafting is 'eagle:DIR' with DIR a trained head directory, got {spec!r}")
         return EagleDrafter.load(directory, target, dtype=dtype, device=device)
+    if spec.startswith(MEDUSA_PREFIX):
+        directory = spec[len(MEDUSA_PREFIX) :]
+        if not directory:
+            raise UserError(f"Medusa drafting is 'medusa:DIR' with DIR a trained heads directory, got {spec!r}")
+        return MedusaDrafter.load(directory, target, dtype=dtype, device=device)
     if spec == "none":
         return NoDrafter(target.device)
     if spec == "ngram":

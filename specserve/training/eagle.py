@@ -159,7 +159,7 @@ def train_eagle(
     train_stream, heldout_stream = heads.token_streams(tokenizer, data_folder, recipe.max_tokens)
     head = EagleHead(EagleConfig.for_target(model, recipe.feature_layers))
     target = CausalLM(heads.frozen(model), tokenizer, path=str(target_dir))
-    prompts = heads.report_prompts(data_folder, heldout_stream, recipe.report_prompts)
+    prompts = heads.report_prompts(target, data_folder, heldout_stream, recipe.report_prompts, recipe.report_tokens)
     before = acceptance_report(target, head, prompts, recipe.report_tokens)
     run = train_head(head, model, train_stream, recipe, out / "checkpoints")
     after = acceptance_report(target, head, prompts, recipe.report_tokens)

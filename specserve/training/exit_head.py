@@ -241,7 +241,7 @@ def train_exit_head(
     if target.tokenizer is None:
         raise UserError(f"{target_dir} has no tokenizer; exit head training needs the target's tokenizer")
     train_stream, heldout_stream = heads.token_streams(target.tokenizer, data_folder, recipe.max_tokens)
-    prompts = heads.report_prompts(data_folder, heldout_stream, recipe.report_prompts)
+    prompts = heads.report_prompts(target, data_folder, heldout_stream, recipe.report_prompts, recipe.report_tokens)
     return train_exit_head_on(target, out_dir, train_stream, heldout_stream, prompts, recipe)
 
 

@@ -54,10 +54,8 @@ def output_head(target: PreTrainedModel) -> torch.nn.Module:
     return head
 
 
-def source_files(split: corpus.Split, folder: str | Path | None = None) -> list[corpus.SourceFile]:
-    """The default corpus's ``split``, or the text/code files of ``folder`` split the same stable way."""
-    if folder is None:
-        return corpus.load_corpus(split)
+def folder_files(folder: str | Path) -> list[corpus.SourceFile]:
+    """Every non-empty text/code file under ``folder`` (by suffix, see ``TEXT_SUFFIXES``), sorted by path."""
     root = Path(folder)
     if not root.is_dir():
         raise UserError(f"training data folder {root} does not exist or is not a directory")
@@ -65,39 +63,52 @@ def source_files(split: corpus.Split, folder: str | Path | None = None) -> list[
     for path in sorted(root.rglob("*")):
         if not path.is_file() or path.suffix not in TEXT_SUFFIXES:
             continue
-        rel = path.relative_to(root).as_posix()
-        if corpus.split_of(rel) != split:
-            continue
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         if text.strip():
-            files.append(corpus.SourceFile(rel, text))
+            files.append(corpus.SourceFile(path.relative_to(root).as_posix(), text))
     if not files:
-        raise UserError(f"no {split} text files ({', '.join(TEXT_SUFFIXES)}) found under {root}")
+        raise UserError(f"no text files ({', '.join(TEXT_SUFFIXES)}) found under {root}")
     return files
 
 
 def token_streams(
     tokenizer: Any, folder: str | Path | None = None, max_tokens: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) token streams: every file's ids followed by EOS, at most ``max_tokens`` each."""
+    """(train, held-out) token streams: every file's ids followed by EOS, at most ``max_tokens`` each.
+
+    The default corpus has its fixed split; a user's folder is split the same stable way (by a hash of
+    each file's path), and when that holds out no file, the last 5 % of the train stream is held out."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UserError("the target's tokenizer has no EOS token to separate files with")
-    streams = []
-    for split in ("train", "heldout"):
-        ids: list[int] = []
-        files = source_files(split, folder)
-        for start in tqdm(range(0, len(files), 256), desc=f"tokenize {split}", unit="batch", leave=False):
-            for row in tokenizer([f.text for f in files[start : start + 256]])["input_ids"]:
-                ids.extend(row)
-                ids.append(eos)
-            if max_tokens is not None and len(ids) >= max_tokens:
-                break
-        streams.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
-    return streams[0], streams[1]
+    if folder is None:
+        splits = {split: corpus.load_corpus(split) for split in ("train", "heldout")}
+    else:
+        files = folder_files(folder)
+        splits = {split: [f for f in files if corpus.split_of(f.relpath) == split] for split in ("train", "heldout")}
+    streams = {split: _encode(tokenizer, files, eos, split, max_tokens) for split, files in splits.items()}
+    train, heldout = streams["train"], streams["heldout"]
+    if heldout.numel() == 0 or train.numel() == 0:
+        whole = torch.cat([train, heldout])
+        cut = max(1, whole.numel() // 20)
+        train, heldout = whole[:-cut], whole[-cut:]
+    return train, heldout
+
+
+def _encode(
+    tokenizer: Any, files: list[corpus.SourceFile], eos: int, split: str, max_tokens: int | None
+) -> torch.Tensor:
+    ids: list[int] = []
+    for start in tqdm(range(0, len(files), 256), desc=f"tokenize {split}", unit="batch", leave=False):
+        for row in tokenizer([f.text for f in files[start : start + 256]])["input_ids"]:
+            ids.extend(row)
+            ids.append(eos)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens], dtype=torch.long)
 
 
 def heldout_acceptance(
@@ -130,15 +141,21 @@ def heldout_acceptance(
     }
 
 
-def report_prompts(folder: str | Path | None, heldout: torch.Tensor, count: int, length: int = 200) -> list[Any]:
-    """Prompts for the held-out acceptance report: the benchmark's held-out prompts for the default corpus,
-    else ``count`` slices of ``length`` tokens of the user's held-out stream."""
-    if folder is None:
+def report_prompts(
+    target: CausalLM, folder: str | Path | None, heldout: torch.Tensor, count: int, new_tokens: int
+) -> list[str] | list[list[int]]:
+    """Prompts for the held-out acceptance report: the benchmark's held-out prompts for the default target on
+    the default corpus; else ``count`` evenly spaced held-out openings of up to 128 tokens (fewer when the
+    target's context, less ``new_tokens``, or the held-out text is short)."""
+    from specserve.defaults import DEFAULT_TARGET
+
+    if folder is None and Path(target.info.path).resolve() == DEFAULT_TARGET.resolve():
         from specserve.benchmarks.prompts import heldout_prompts
 
-        return list(heldout_prompts(count))
-    step = max(length, heldout.numel() // max(count, 1))
-    return [heldout[i : i + length].tolist() for i in range(0, heldout.numel() - length, step)][:count]
+        return heldout_prompts(count)
+    stride = heldout.numel() // max(count, 1)
+    length = max(1, min(128, target.info.max_positions - new_tokens, stride))
+    return [heldout[i * stride : i * stride + length].tolist() for i in range(count)]
 
 
 def write_head_card(out: str | Path, summary: dict[str, Any], title: str, body: str) -> None:

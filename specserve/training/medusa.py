@@ -32,7 +32,6 @@ from transformers import PreTrainedModel
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, select_features
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
-from specserve.defaults import DEFAULT_TARGET
 from specserve.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from specserve.training import heads as common
 from specserve.training import loop
@@ -218,7 +217,7 @@ def train_medusa(
     medusa.config = replace(medusa.config, rank_probs=tuple(after["rank_probs"]))
     medusa.save(out)
 
-    prompts = _report_prompts(target, data_folder, heldout_stream, report_prompts, report_tokens)
+    prompts = common.report_prompts(target, data_folder, heldout_stream, report_prompts, report_tokens)
     summary: dict[str, Any] = {
         "kind": "medusa",
         "target": {
@@ -249,20 +248,6 @@ def train_medusa(
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "README.md").write_text(render_card(summary))
     return summary
-
-
-def _report_prompts(
-    target: CausalLM, data_folder: str | Path | None, heldout: torch.Tensor, count: int, new_tokens: int
-) -> list[str] | list[list[int]]:
-    """Benchmark prompts for the default target on the default corpus; else ``count`` evenly spaced held-out
-    openings of up to 128 tokens (fewer when the target's context or the held-out text is short)."""
-    if data_folder is None and Path(target.info.path).resolve() == DEFAULT_TARGET.resolve():
-        from specserve.benchmarks.prompts import heldout_prompts
-
-        return heldout_prompts(count)
-    stride = heldout.numel() // max(count, 1)
-    length = max(1, min(128, target.info.max_positions - new_tokens, stride))
-    return [heldout[i * stride : i * stride + length].tolist() for i in range(count)]
 
 
 def render_card(summary: dict[str, Any]) -> str:

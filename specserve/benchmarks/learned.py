@@ -1,0 +1,235 @@
+"""`specserve bench-drafters`: every kind of drafter against plain decoding, greedy and at temperature 1.
+
+One target, the same held-out prompts and ``max_new_tokens`` for every cell, in one process:
+
+* ``plain`` — no drafting, the baseline of every speedup;
+* ``draft chain`` / ``draft tree`` — the small draft model (chain γ, and a dynamic tree);
+* ``eagle chain`` / ``eagle tree`` — the trained EAGLE head (chain, and EAGLE-2 dynamic trees);
+* ``medusa tree`` — the trained Medusa heads' static tree (best-first over their calibrated ranks);
+* ``layerskip`` — the target's first L layers, plain and with the trained exit head;
+* ``ngram`` — prompt lookup;
+* ``hf assisted`` — transformers' own assisted generation with the same draft model (constant γ).
+
+Every cell of ours is exact (greedy equals plain greedy; sampled follows the target's law), so only
+speed differs. Machine speed drifts on a shared host: each cell runs once per round, rounds
+alternate the order, and the totals pool all rounds. Reported per cell: tokens/s end to end,
+speedup over plain at the same temperature, mean accepted length (tokens per target pass) and
+acceptance by depth. Cells whose drafter directory is missing are skipped with a note.
+
+Results: ``drafters.json``, ``drafters.md`` (the table for BENCHMARKS.md) and ``drafters.png`` under
+``--out``; the last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from specserve.benchmarks.prompts import heldout_prompts, load_prompts
+from specserve.benchmarks.speculative import BenchConfig, run_hf_assisted
+from specserve.benchmarks.tables import table_cell
+from specserve.core.draft import Drafter
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.model import CausalLM
+from specserve.core.sampling import SamplingParams
+from specserve.core.stats import RequestStats
+from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.drafters.registry import build_drafter
+
+TARGET_SPEEDUP = 2.0  # EAGLE's target over plain greedy decoding (issue 7)
+
+
+@dataclass(frozen=True)
+class DrafterBenchConfig:
+    target: str
+    draft: str
+    eagle: str
+    medusa: str
+    exit_head: str
+    dtype: str = "float32"
+    prompts_file: str | None = None
+    num_prompts: int = 6
+    max_new_tokens: int = 128
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    rounds: int = 2
+    gamma: int = 4
+    layerskip_layers: int = 4
+    out_dir: Path = Path("bench/results")
+    seed: int = 0
+
+
+@dataclass
+class Cell:
+    name: str
+    drafter: str  # the --draft spec ("none" for plain, "hf" for transformers' assisted generation)
+    temperature: float
+    config: GenerationConfig
+    new_tokens: int = 0
+    seconds: float = 0.0
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+def cells(cfg: DrafterBenchConfig) -> list[Cell]:
+    """Every (drafter, shape) cell at every temperature; drafters whose directory is missing are left out."""
+    n, gamma = cfg.max_new_tokens, cfg.gamma
+
+    def tree(depth: int, width: int, nodes: int, expand: int | None = None) -> GenerationConfig:
+        spec = TreeSpec("dynamic", budget=TreeBudget(depth, width, nodes, expand))
+        return GenerationConfig(max_new_tokens=n, tree=spec)
+
+    chain = GenerationConfig(max_new_tokens=n, gamma=gamma)
+    short = GenerationConfig(max_new_tokens=n, gamma=3)  # layer-skip drafts cost a good part of a target pass
+    plan: list[tuple[str, str, GenerationConfig]] = [
+        ("plain", "none", GenerationConfig(max_new_tokens=n, gamma=0)),
+        (f"draft chain {gamma}", cfg.draft, chain),
+        ("draft tree 8 (d4 w2 e1)", cfg.draft, tree(4, 2, 8, 1)),
+        (f"eagle chain {gamma}", f"eagle:{cfg.eagle}", chain),
+        ("eagle tree 8 (d5 w2 e1)", f"eagle:{cfg.eagle}", tree(5, 2, 8, 1)),
+        ("eagle tree 16 (d6 w3 e3)", f"eagle:{cfg.eagle}", tree(6, 3, 16, 3)),
+        ("medusa tree 8", f"medusa:{cfg.medusa}", tree(4, 4, 8)),
+        (f"layerskip:{cfg.layerskip_layers} chain 3", f"layerskip:{cfg.layerskip_layers}", short),
+        ("layerskip + exit head chain 3", f"layerskip:{cfg.exit_head}", short),
+        (f"ngram chain {gamma}", "ngram", chain),
+        (f"hf assisted {gamma}", "hf", chain),
+    ]
+    missing = {p for p in (cfg.draft, cfg.eagle, cfg.medusa, cfg.exit_head) if not Path(p, "config.json").is_file()}
+    kept = [(name, spec, config) for name, spec, config in plan if not any(spec.endswith(m) for m in missing)]
+    return [Cell(name, spec, t, config) for t in cfg.temperatures for name, spec, config in kept]
+
+
+def run(cfg: DrafterBenchConfig) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    target = CausalLM.load(cfg.target, dtype=cfg.dtype)
+    texts = load_prompts(cfg.prompts_file) if cfg.prompts_file else heldout_prompts(cfg.num_prompts)
+    engine = SpeculativeEngine(target, build_drafter("none", target))
+    prompt_ids = [engine.encode(p) for p in texts[: cfg.num_prompts]]
+    table = cells(cfg)
+    drafters: dict[str, Drafter] = {}
+    for cell in table:
+        if cell.drafter not in drafters and cell.drafter != "hf":
+            drafters[cell.drafter] = build_drafter(cell.drafter, target, dtype=cfg.dtype)
+    draft_model = CausalLM.load(cfg.draft, dtype=cfg.dtype)
+    engines = {spec: SpeculativeEngine(target, drafter) for spec, drafter in drafters.items()}
+    for cell in table:  # warm-up: one short request per cell
+        if cell.drafter != "hf":
+            warm = GenerationConfig(max_new_tokens=8, gamma=cell.config.gamma, tree=cell.config.tree)
+            engines[cell.drafter].generate(prompt_ids[0], SamplingParams(temperature=cell.temperature), warm)
+    hf_cfg = BenchConfig(target=cfg.target, draft=cfg.draft, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    progress = tqdm(total=cfg.rounds * len(table), desc="bench-drafters", unit="cell")
+    for round_index in range(cfg.rounds):
+        for cell in table if round_index % 2 == 0 else table[::-1]:
+            if cell.drafter == "hf":
+                result = run_hf_assisted(target, draft_model, prompt_ids, cell.temperature, hf_cfg, cfg.gamma)
+                cell.seconds += result.seconds
+                cell.new_tokens += result.new_tokens
+            else:
+                for i, ids in enumerate(prompt_ids):
+                    params = SamplingParams(temperature=cell.temperature, seed=cfg.seed + i)
+                    start = time.perf_counter()
+                    out = engines[cell.drafter].generate(ids, params, cell.config)
+                    cell.seconds += time.perf_counter() - start
+                    cell.new_tokens += len(out.output_ids)
+                    cell.stats.merge(out.stats)
+            progress.update()
+    progress.close()
+    rows = summarise(table)
+    report: dict[str, Any] = {
+        "config": {**{k: v for k, v in cfg.__dict__.items() if k != "out_dir"}, "out_dir": str(cfg.out_dir)},
+        "machine": {"torch_threads": torch.get_num_threads()},
+        "rows": rows,
+        "headline": headline(rows),
+    }
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "drafters.json").write_text(json.dumps(report, indent=2))
+    (cfg.out_dir / "drafters.md").write_text(markdown(report))
+    plot(rows, cfg.out_dir / "drafters.png")
+    return report
+
+
+def summarise(table: list[Cell]) -> list[dict[str, Any]]:
+    plain = {cell.temperature: cell.tokens_per_second for cell in table if cell.drafter == "none"}
+    rows = []
+    for cell in table:
+        has_stats = cell.stats.cycles > 0 and cell.drafter != "none"
+        rows.append(
+            {
+                "name": cell.name,
+                "drafter": cell.drafter,
+                "temperature": cell.temperature,
+                "tree": cell.config.tree.describe() if cell.config.tree is not None else None,
+                "gamma": cell.config.gamma if cell.config.tree is None else None,
+                "new_tokens": cell.new_tokens,
+                "seconds": cell.seconds,
+                "tokens_per_second": cell.tokens_per_second,
+                "speedup": cell.tokens_per_second / plain[cell.temperature] if plain.get(cell.temperature) else None,
+                "mean_accepted_length": cell.stats.mean_accepted if has_stats else None,
+                "acceptance_by_depth": cell.stats.acceptance_by_position[:8] if has_stats else None,
+            }
+        )
+    return rows
+
+
+def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """EAGLE's best greedy speedup and whether it has the highest mean accepted length (the issue's target)."""
+    greedy = [r for r in rows if r["temperature"] == 0.0 and r["mean_accepted_length"] is not None]
+    eagle = [r for r in greedy if r["drafter"].startswith("eagle:")]
+    if not eagle:
+        return {}
+    best = max(eagle, key=lambda r: r["tokens_per_second"])
+    longest = max(greedy, key=lambda r: r["mean_accepted_length"])
+    return {
+        "eagle_best_greedy": best["name"],
+        "eagle_greedy_speedup": best["speedup"],
+        "target_speedup": TARGET_SPEEDUP,
+        "speedup_met": best["speedup"] is not None and best["speedup"] >= TARGET_SPEEDUP,
+        "longest_mean_accepted_greedy": longest["name"],
+        "eagle_longest": longest["drafter"].startswith("eagle:"),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "| drafter | T | tokens/s | speedup | mean accepted length | acceptance by depth |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        depth = r["acceptance_by_depth"]
+        by_depth = ", ".join("-" if a is None else f"{a:.2f}" for a in depth) if depth else "-"
+        speedup = "–" if r["speedup"] is None else f"{r['speedup']:.2f}×"
+        lines.append(
+            f"| {r['name']} | {r['temperature']:g} | {r['tokens_per_second']:.1f} | {speedup} "
+            f"| {table_cell(r['mean_accepted_length'])} | {by_depth} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 5), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures, strict=True):
+        chosen = [r for r in rows if r["temperature"] == temperature]
+        ax.barh([r["name"] for r in chosen], [r["tokens_per_second"] for r in chosen], color="tab:blue")
+        for y, r in enumerate(chosen):
+            if r["mean_accepted_length"] is not None:
+                ax.text(r["tokens_per_second"], y, f" {r['mean_accepted_length']:.2f} tok/pass", va="center")
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens/s (bars) — mean accepted length (labels)")
+        ax.set_title(f"drafters, temperature {temperature:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

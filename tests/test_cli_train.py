@@ -1,0 +1,67 @@
+"""`specserve train eagle|medusa|exit-head`: each trains a head for a tiny saved target on a user's folder,
+writes a loadable HF-style directory with a card and a summary, resumes from its checkpoints, and the
+result drafts through `specserve generate --draft ...` without changing the output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specserve.cli import main
+
+SPECS = {"eagle": "eagle:", "medusa": "medusa:", "exit-head": "layerskip:"}
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def data_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    for i in range(12):
+        body = "".join(f"def f{j}(x):\n    return x + {j * i}\n\n" for j in range(20))
+        (root / f"module_{i}.py").write_text(body)
+    (root / "notes.bin").write_bytes(b"\x00\x01")  # not text: ignored
+    return root
+
+
+@pytest.mark.parametrize("what", ["eagle", "medusa", "exit-head"])
+def test_train_a_head_then_draft_with_it(
+    what: str, capsys: pytest.CaptureFixture[str], saved_pair_dirs: dict[str, Path], data_folder: Path, tmp_path: Path
+) -> None:
+    target, out = str(saved_pair_dirs["target"]), tmp_path / what
+    argv = ["train", what, "--target", target, "--data", str(data_folder), "--out", str(out), "--steps", "4"]
+    argv += ["--batch-size", "2", "--seq-len", "16", "--max-tokens", "3000"]
+    argv += ["--layers", "1"] if what == "exit-head" else []
+    code, _, stderr = run_cli(capsys, *argv)
+    assert code == 0, stderr
+    assert f"--draft {SPECS[what]}{out}" in stderr
+    for name in ("config.json", "model.safetensors", "README.md", "training_summary.json"):
+        assert (out / name).is_file(), name
+    assert (out / "checkpoints" / "checkpoint.pt").is_file()
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["train"]["resumed_from_step"] == 0
+
+    code, _, stderr = run_cli(capsys, *argv)  # a rerun resumes at the last step: nothing left to train
+    assert code == 0, stderr
+    assert json.loads((out / "training_summary.json").read_text())["train"]["resumed_from_step"] == 4
+
+    common = ["generate", "--target", target, "--prompt", "def f(x):", "--max-new-tokens", "12", "--json"]
+    code, drafted, stderr = run_cli(capsys, *common, "--draft", f"{SPECS[what]}{out}")
+    assert code == 0, stderr
+    code, plain, stderr = run_cli(capsys, *common, "--draft", "none")
+    assert json.loads(drafted)["output_ids"] == json.loads(plain)["output_ids"]
+
+
+def test_bad_train_arguments_get_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run_cli(capsys, "train", "eagle", "--target", str(tmp_path / "nowhere"), "--out", str(tmp_path))
+    assert code == 2 and "no config.json" in err
+    code, _, err = run_cli(capsys, "train", "medusa", "--steps", "0", "--out", str(tmp_path))
+    assert code == 2 and "--steps must be >= 1" in err
+    code, _, err = run_cli(capsys, "train", "eagle", "--feature-layers", "a,b", "--out", str(tmp_path))
+    assert code == 2 and "--feature-layers" in err
