@@ -164,9 +164,11 @@ def write_head_card(out: str | Path, summary: dict[str, Any], title: str, body: 
     lines += ["Greedy, the real speculative engine; mean accepted length = tokens committed per target pass.", ""]
     lines += ["| | drafting | mean accepted length | acceptance by depth |", "|---|---|---|---|"]
     for stage, reports in summary["heldout_acceptance"].items():
-        for name, report in reports.items():
+        for report in reports.values():
+            shape = report["tree"] or f"chain γ {report['gamma']}"
             by_depth = ", ".join("-" if a is None else f"{a:.2f}" for a in report["acceptance_by_depth"][:8])
-            lines.append(f"| {stage} | {name} | {report['mean_accepted_length']:.2f} | {by_depth} |")
+            lines.append(f"| {stage} | {shape} | {report['mean_accepted_length']:.2f} | {by_depth} |")
+    lines += ["", f"{report['prompts']} held-out prompts, {report['max_new_tokens']} new tokens each."]
     lines += ["", "## Recipe", "", "```json", json.dumps(summary["recipe"], indent=2), "```", ""]
     train = summary.get("train", {})
     if train:
@@ -175,4 +177,5 @@ def write_head_card(out: str | Path, summary: dict[str, Any], title: str, body: 
             f"machine's CPU (final loss {train.get('final_loss', float('nan')):.3f}); "
             f"{summary.get('parameters', 0):,} trainable parameters."
         )
+    lines += ["", f"Reproduce: `specserve train {summary['kind']} --target {summary['target']}` (rerun to resume)."]
     Path(out, "README.md").write_text("\n".join(lines) + "\n")

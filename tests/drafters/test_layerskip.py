@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REF_TOKENS, VOCAB, TinyPair, build_model, char_tokenizer
+from stats_helpers import chi2_pvalue
 
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling import SamplingParams, warp_probs
 from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.layerskip import (
     ExitHead,
@@ -282,3 +283,28 @@ def test_training_an_exit_head_brings_the_view_closer_to_the_target(tmp_path: Pa
     assert loss_fn(trained, batch).item() < 0.8 * untrained_loss
     report = summary["heldout_acceptance"]["trained"]["chain_gamma_3"]
     assert report["prompts"] == 2 and report["mean_accepted_length"] >= 1.0
+
+
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_sampled_self_speculation_emits_the_target_joint_law(shape: str) -> None:
+    """Two tokens at T = 1 drafted by the first layer with an exit head (sampled chains with q, sampled trees
+    without replacement): their joint law is the target's (chi-square, significance 1e-3, fixed seeds)."""
+    target = greedy_target("llama")
+    engine = SpeculativeEngine(target, LayerSkipDrafter(target, 1, random_exit_head(seed=1)))
+    prompt = [5, 17, 23, 8, 30]
+    tree = None if shape == "chain" else TreeSpec("dynamic", budget=TreeBudget(depth=3, width=3, nodes=7))
+    config = GenerationConfig(max_new_tokens=2, gamma=3, tree=tree, ignore_eos=True)
+    base = SamplingParams(temperature=1.0, top_k=24)
+    pairs = [
+        engine.generate(prompt, SamplingParams(temperature=1.0, top_k=24, seed=s), config).output_ids
+        for s in range(2500)
+    ]
+
+    def law(ids: Sequence[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return warp_probs(target.model(input_ids=torch.tensor([list(ids)])).logits[0, -1].double(), base)
+
+    first = law(prompt)
+    joint = torch.stack([first[a] * law([*prompt, a]) for a in range(first.numel())])
+    cells = torch.tensor([a * first.numel() + b for a, b in pairs])
+    assert chi2_pvalue(cells, joint) > 1e-3
