@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import scipy.stats
 import torch
 
@@ -31,3 +34,20 @@ def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     if len(obs_cells) < 2:
         return 1.0  # a point mass: the zero-probability check above is the whole test
     return float(scipy.stats.chisquare(obs_cells, exp_cells).pvalue)
+
+
+def two_token_pvalue(
+    generate: Callable[[int], list[int]], target: Any, prompt: list[int], params: Any, trials: int
+) -> float:
+    """Chi-square p-value of the first two tokens ``generate(seed)`` emits, over seeds ``0 .. trials - 1``, against
+    the target's joint law of two tokens after ``prompt`` under the warp of ``params`` (a ``SamplingParams``)."""
+    from specserve.core.sampling import warp_probs
+
+    def law(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return warp_probs(target.model(input_ids=torch.tensor([ids])).logits[0, -1].double(), params)
+
+    first = law(prompt)
+    joint = torch.stack([first[a] * law([*prompt, a]) for a in range(first.numel())])
+    pairs = [generate(seed) for seed in range(trials)]
+    return chi2_pvalue(torch.tensor([a * first.numel() + b for a, b in pairs]), joint)

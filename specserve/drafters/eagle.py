@@ -41,11 +41,11 @@ from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import ROOT, DraftTree, TreeSpec
+from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 from specserve.drafters.tree import DraftSession, TreeModelDrafter
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 KIND = "eagle"
+TRAIN_HINT = "train one with `specserve train eagle --target DIR`"
 
 
 class EagleLoadError(UserError):
@@ -164,19 +164,7 @@ class EagleHead(torch.nn.Module):
 
     @staticmethod
     def read_config(directory: str | Path) -> dict[str, Any]:
-        path = Path(directory) / CONFIG_FILE
-        if not path.is_file():
-            raise EagleLoadError(f"{directory} has no {CONFIG_FILE}: it is not an EAGLE head directory")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise EagleLoadError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict) or data.get("specserve_drafter") != KIND:
-            raise EagleLoadError(
-                f'{directory} is not an EAGLE head (its config.json lacks "specserve_drafter": "eagle"); '
-                "train one with `specserve train eagle --target DIR`"
-            )
-        return data
+        return read_head_config(directory, KIND, "an EAGLE head", EagleLoadError, TRAIN_HINT)
 
     @classmethod
     def load(cls, directory: str | Path) -> EagleHead:

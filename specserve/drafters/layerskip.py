@@ -35,11 +35,10 @@ from safetensors.torch import load_file, save_file
 
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
+from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 from specserve.drafters.model import DraftModelDrafter
 
 EXIT_HEAD_KIND = "exit-head"  # the "specserve_drafter" value in an exit head's config.json
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 CONFIG_FORMAT = 1
 
 
@@ -175,24 +174,9 @@ _INT_FIELDS = ("layers", "hidden_size", "intermediate_size", "target_num_layers"
 
 def read_exit_head_config(directory: str | Path) -> dict[str, Any]:
     """The validated ``config.json`` of an exit head directory (checked against no target yet)."""
-    path = Path(directory)
     hint = "pass a directory written by `specserve train exit-head`"
-    if not path.is_dir():
-        raise ExitHeadError(f"exit head directory {path} does not exist or is not a directory; {hint}")
-    config_path = path / CONFIG_FILE
-    if not config_path.is_file():
-        raise ExitHeadError(f"{path} has no {CONFIG_FILE}: it is not an exit head directory; {hint}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ExitHeadError(f"{config_path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict) or config.get("specserve_drafter") != EXIT_HEAD_KIND:
-        found = config.get("specserve_drafter") if isinstance(config, dict) else None
-        what = "a Hugging Face model directory?" if found is None else f"specserve_drafter is {found!r}"
-        raise ExitHeadError(
-            f"{path} is not an exit head directory ({CONFIG_FILE} has no specserve_drafter = {EXIT_HEAD_KIND!r}; "
-            f"{what}); {hint}"
-        )
+    config = read_head_config(directory, EXIT_HEAD_KIND, "an exit head", ExitHeadError, hint)
+    config_path = Path(directory) / CONFIG_FILE
     for field in _INT_FIELDS:
         value = config.get(field)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -49,10 +49,9 @@ from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 
 DRAFTER_KIND = "medusa"  # config.json's "specserve_drafter"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 TRAIN_HINT = "train heads for it with `specserve train medusa`"
 
@@ -100,13 +99,6 @@ class MedusaConfig:
     @staticmethod
     def from_json(data: Any, where: Path) -> MedusaConfig:
         """The config in ``data`` (a parsed ``config.json``); :class:`InvalidMedusaHeads` saying what is wrong."""
-        if not isinstance(data, dict) or data.get("specserve_drafter") != DRAFTER_KIND:
-            kind = data.get("model_type") if isinstance(data, dict) else None
-            hint = f" (it looks like a {kind!r} model checkpoint: pass it as a draft model)" if kind else ""
-            raise InvalidMedusaHeads(
-                f"{where} is not a Medusa heads directory: its config.json lacks "
-                f'"specserve_drafter": "{DRAFTER_KIND}"{hint}; {TRAIN_HINT}'
-            )
         known = dataclasses.fields(MedusaConfig)
         missing = [f.name for f in known if f.default is dataclasses.MISSING and f.name not in data]
         if missing:
@@ -183,15 +175,7 @@ class MedusaHeads(torch.nn.Module):
 
 
 def _read_config(where: Path) -> Any:
-    if not where.is_dir():
-        raise InvalidMedusaHeads(f"Medusa heads directory {where} does not exist; {TRAIN_HINT}")
-    path = where / CONFIG_FILE
-    if not path.is_file():
-        raise InvalidMedusaHeads(f"{where} has no {CONFIG_FILE}: it is not a Medusa heads directory; {TRAIN_HINT}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidMedusaHeads(f"{path} is not valid JSON: {exc}") from exc
+    return read_head_config(where, DRAFTER_KIND, "a Medusa heads", InvalidMedusaHeads, TRAIN_HINT)
 
 
 def lm_head_of(target: CausalLM) -> torch.nn.Module:
