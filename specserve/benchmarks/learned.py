@@ -22,9 +22,7 @@ Results: ``drafters.json``, ``drafters.md`` (the table for BENCHMARKS.md) and ``
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +32,11 @@ from tqdm import tqdm
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.speculative import BenchConfig, run_hf_assisted
 from specserve.benchmarks.tables import table_cell
+from specserve.benchmarks.tally import Tally, alternating, save_report
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
-from specserve.core.stats import RequestStats
 from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
@@ -65,18 +63,11 @@ class DrafterBenchConfig:
 
 
 @dataclass
-class Cell:
+class Cell(Tally):
     name: str
     drafter: str  # the --draft spec ("none" for plain, "hf" for transformers' assisted generation)
     temperature: float
     config: GenerationConfig
-    new_tokens: int = 0
-    seconds: float = 0.0
-    stats: RequestStats = field(default_factory=RequestStats)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
 def cells(cfg: DrafterBenchConfig) -> list[Cell]:
@@ -89,22 +80,26 @@ def cells(cfg: DrafterBenchConfig) -> list[Cell]:
 
     chain = GenerationConfig(max_new_tokens=n, gamma=gamma)
     short = GenerationConfig(max_new_tokens=n, gamma=3)  # layer-skip drafts cost a good part of a target pass
-    plan: list[tuple[str, str, GenerationConfig]] = [
-        ("plain", "none", GenerationConfig(max_new_tokens=n, gamma=0)),
-        (f"draft chain {gamma}", cfg.draft, chain),
-        ("draft tree 8 (d4 w2 e1)", cfg.draft, tree(4, 2, 8, 1)),
-        (f"eagle chain {gamma}", f"eagle:{cfg.eagle}", chain),
-        ("eagle tree 8 (d5 w2 e1)", f"eagle:{cfg.eagle}", tree(5, 2, 8, 1)),
-        ("eagle tree 16 (d6 w3 e3)", f"eagle:{cfg.eagle}", tree(6, 3, 16, 3)),
-        ("medusa tree 8", f"medusa:{cfg.medusa}", tree(4, 4, 8)),
-        (f"layerskip:{cfg.layerskip_layers} chain 3", f"layerskip:{cfg.layerskip_layers}", short),
-        ("layerskip + exit head chain 3", f"layerskip:{cfg.exit_head}", short),
-        (f"ngram chain {gamma}", "ngram", chain),
-        (f"hf assisted {gamma}", "hf", chain),
+    eagle, medusa = f"eagle:{cfg.eagle}", f"medusa:{cfg.medusa}"
+    plan: list[tuple[str, str, GenerationConfig, str | None]] = [  # name, --draft spec, config, directory it needs
+        ("plain", "none", GenerationConfig(max_new_tokens=n, gamma=0), None),
+        (f"draft chain {gamma}", cfg.draft, chain, cfg.draft),
+        ("draft tree 8 (d4 w2 e1)", cfg.draft, tree(4, 2, 8, 1), cfg.draft),
+        (f"eagle chain {gamma}", eagle, chain, cfg.eagle),
+        ("eagle tree 8 (d5 w2 e1)", eagle, tree(5, 2, 8, 1), cfg.eagle),
+        ("eagle tree 16 (d6 w3 e3)", eagle, tree(6, 3, 16, 3), cfg.eagle),
+        ("medusa tree 8", medusa, tree(4, 4, 8), cfg.medusa),
+        (f"layerskip:{cfg.layerskip_layers} chain 3", f"layerskip:{cfg.layerskip_layers}", short, None),
+        ("layerskip + exit head chain 3", f"layerskip:{cfg.exit_head}", short, cfg.exit_head),
+        (f"ngram chain {gamma}", "ngram", chain, None),
+        (f"hf assisted {gamma}", "hf", chain, cfg.draft),
     ]
-    missing = {p for p in (cfg.draft, cfg.eagle, cfg.medusa, cfg.exit_head) if not Path(p, "config.json").is_file()}
-    kept = [(name, spec, config) for name, spec, config in plan if not any(spec.endswith(m) for m in missing)]
+    kept = [(name, spec, config) for name, spec, config, needs in plan if needs is None or _exists(needs)]
     return [Cell(name, spec, t, config) for t in cfg.temperatures for name, spec, config in kept]
+
+
+def _exists(directory: str) -> bool:
+    return Path(directory, "config.json").is_file()
 
 
 def run(cfg: DrafterBenchConfig) -> dict[str, Any]:
@@ -125,23 +120,13 @@ def run(cfg: DrafterBenchConfig) -> dict[str, Any]:
             warm = GenerationConfig(max_new_tokens=8, gamma=cell.config.gamma, tree=cell.config.tree)
             engines[cell.drafter].generate(prompt_ids[0], SamplingParams(temperature=cell.temperature), warm)
     hf_cfg = BenchConfig(target=cfg.target, draft=cfg.draft, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    progress = tqdm(total=cfg.rounds * len(table), desc="bench-drafters", unit="cell")
-    for round_index in range(cfg.rounds):
-        for cell in table if round_index % 2 == 0 else table[::-1]:
-            if cell.drafter == "hf":
-                result = run_hf_assisted(target, draft_model, prompt_ids, cell.temperature, hf_cfg, cfg.gamma)
-                cell.seconds += result.seconds
-                cell.new_tokens += result.new_tokens
-            else:
-                for i, ids in enumerate(prompt_ids):
-                    params = SamplingParams(temperature=cell.temperature, seed=cfg.seed + i)
-                    start = time.perf_counter()
-                    out = engines[cell.drafter].generate(ids, params, cell.config)
-                    cell.seconds += time.perf_counter() - start
-                    cell.new_tokens += len(out.output_ids)
-                    cell.stats.merge(out.stats)
-            progress.update()
-    progress.close()
+    for cell in tqdm(list(alternating(cfg.rounds, table)), desc="bench-drafters", unit="cell"):
+        if cell.drafter == "hf":
+            result = run_hf_assisted(target, draft_model, prompt_ids, cell.temperature, hf_cfg, cfg.gamma)
+            cell.seconds += result.seconds
+            cell.new_tokens += result.new_tokens
+        else:
+            cell.run_requests(engines[cell.drafter], prompt_ids, cell.temperature, cell.config, cfg.seed)
     rows = summarise(table)
     report: dict[str, Any] = {
         "config": {**{k: v for k, v in cfg.__dict__.items() if k != "out_dir"}, "out_dir": str(cfg.out_dir)},
@@ -149,10 +134,7 @@ def run(cfg: DrafterBenchConfig) -> dict[str, Any]:
         "rows": rows,
         "headline": headline(rows),
     }
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "drafters.json").write_text(json.dumps(report, indent=2))
-    (cfg.out_dir / "drafters.md").write_text(markdown(report))
-    plot(rows, cfg.out_dir / "drafters.png")
+    save_report(cfg.out_dir, "drafters", report, markdown(report), lambda path: plot(rows, path))
     return report
 
 

@@ -26,9 +26,7 @@ against k per shape and temperature) under ``--out``; the last stdout line is a 
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +35,10 @@ from tqdm import tqdm
 
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
+from specserve.benchmarks.tally import Tally, alternating, save_report
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
-from specserve.core.stats import RequestStats
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter_set
 
@@ -77,19 +75,12 @@ class TreeBenchConfig:
 
 
 @dataclass
-class Row:
+class Row(Tally):
     name: str
     shape: str  # plain | chain | static | dynamic
     k: int  # draft nodes verified per cycle (0 for plain)
     temperature: float
     config: GenerationConfig
-    new_tokens: int = 0
-    seconds: float = 0.0
-    stats: RequestStats = field(default_factory=RequestStats)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
 def calibrate_rank_probs(
@@ -155,19 +146,8 @@ def run(cfg: TreeBenchConfig) -> dict[str, Any]:
     for row in rows:  # warm-up: one short request per configuration
         warm = GenerationConfig(max_new_tokens=8, gamma=row.config.gamma, tree=row.config.tree)
         engine.generate(prompt_ids[0], SamplingParams(temperature=row.temperature, seed=cfg.seed), warm)
-    progress = tqdm(total=cfg.rounds * len(rows) * len(prompt_ids), desc="bench-trees", unit="req")
-    for round_index in range(cfg.rounds):
-        order = rows if round_index % 2 == 0 else rows[::-1]
-        for row in order:
-            for i, ids in enumerate(prompt_ids):
-                params = SamplingParams(temperature=row.temperature, seed=cfg.seed + i)
-                start = time.perf_counter()
-                out = engine.generate(ids, params, row.config)
-                row.seconds += time.perf_counter() - start
-                row.new_tokens += len(out.output_ids)
-                row.stats.merge(out.stats)
-                progress.update()
-    progress.close()
+    for row in tqdm(list(alternating(cfg.rounds, rows)), desc="bench-trees", unit="cell"):
+        row.run_requests(engine, prompt_ids, row.temperature, row.config, cfg.seed)
     summary = summarise(rows)
     report: dict[str, Any] = {
         "config": {**{k: v for k, v in cfg.__dict__.items() if k != "out_dir"}, "out_dir": str(cfg.out_dir)},
@@ -176,10 +156,7 @@ def run(cfg: TreeBenchConfig) -> dict[str, Any]:
         "rows": summary,
         "headline": headline(summary),
     }
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "trees.json").write_text(json.dumps(report, indent=2))
-    (cfg.out_dir / "trees.md").write_text(markdown(report))
-    plot(summary, cfg.out_dir / "trees.png")
+    save_report(cfg.out_dir, "trees", report, markdown(report), lambda path: plot(summary, path))
     return report
 
 

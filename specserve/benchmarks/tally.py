@@ -1,0 +1,64 @@
+"""What the benchmark grids share: a cell's running totals over rounds, the alternating round order, saving.
+
+A benchmark cell (one configuration at one temperature) is timed over several rounds whose
+order alternates, because machine speed drifts on a shared host; :class:`Tally` pools every
+request the cell ran, and :func:`alternating` gives each round's order. Does not choose cells or
+format reports.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from specserve.core.engine import GenerationConfig, GenerationFrontend
+from specserve.core.sampling import SamplingParams
+from specserve.core.stats import RequestStats
+
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True)
+class Tally:
+    new_tokens: int = 0
+    seconds: float = 0.0  # end to end, prefill included
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def run_requests(
+        self,
+        engine: GenerationFrontend,
+        prompt_ids: Sequence[list[int]],
+        temperature: float,
+        config: GenerationConfig,
+        seed: int = 0,
+    ) -> None:
+        """Generate every prompt (prompt i with seed ``seed + i``), timing each, and pool the results."""
+        for i, ids in enumerate(prompt_ids):
+            params = SamplingParams(temperature=temperature, seed=seed + i)
+            start = time.perf_counter()
+            out = engine.generate(ids, params, config)
+            self.seconds += time.perf_counter() - start
+            self.new_tokens += len(out.output_ids)
+            self.stats.merge(out.stats)
+
+
+def alternating(rounds: int, items: Sequence[T]) -> Iterator[T]:
+    """Every item once per round, in order on even rounds and reversed on odd ones."""
+    for round_index in range(rounds):
+        yield from items if round_index % 2 == 0 else items[::-1]
+
+
+def save_report(out_dir: Path, stem: str, report: dict[str, Any], markdown: str, plot: Callable[[Path], None]) -> None:
+    """``stem.json``, ``stem.md`` and ``stem.png`` under ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (out_dir / f"{stem}.md").write_text(markdown)
+    plot(out_dir / f"{stem}.png")
