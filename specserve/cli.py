@@ -216,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--max-tokens", type=int, help="cap on the training stream's tokens")
     head.add_argument("--feature-layers", help="eagle: comma-separated target layers to fuse (default: low,mid,top)")
     head.add_argument("--unroll", type=int, help="eagle: training-time-test steps on the head's own outputs")
+    head.add_argument("--init-from", help="eagle: continue from this trained head (a fresh schedule over its weights)")
     head.add_argument("--heads", type=int, help="medusa: number of heads (tokens t+2 .. t+1+heads)")
     head.add_argument("--layers", type=int, help="exit-head: the exit layer L")
 
@@ -637,7 +638,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                     f"--feature-layers must be comma-separated integers, got {args.feature_layers!r}"
                 ) from exc
         recipe = dataclasses.replace(EagleRecipe(), **{k: v for k, v in options.items() if v is not None})
-        summary = train_eagle(args.target, out, recipe, data_folder=args.data)
+        summary = train_eagle(args.target, out, recipe, data_folder=args.data, init_from=args.init_from)
     elif args.what == "medusa":
         from specserve.training.medusa import train_medusa
 

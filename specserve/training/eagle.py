@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, load_tokenizer, select_features
 from specserve.core.tree import TreeBudget, TreeSpec
-from specserve.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from specserve.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, check_head_fits
 from specserve.training import heads, loop
 from specserve.training.loop import LossFn
 
@@ -146,8 +146,10 @@ def train_eagle(
     out_dir: str | Path,
     recipe: EagleRecipe | None = None,
     data_folder: str | Path | None = None,
+    init_from: str | Path | None = None,
 ) -> dict[str, Any]:
-    """``specserve train eagle``: train a head for the target in ``target_dir`` and save it to ``out_dir``."""
+    """``specserve train eagle``: train a head for the target in ``target_dir`` and save it to ``out_dir`` —
+    from scratch, or continuing from the trained head in ``init_from`` (a fresh schedule over its weights)."""
     recipe = recipe or EagleRecipe()
     out = Path(out_dir)
     start = time.perf_counter()
@@ -159,6 +161,15 @@ def train_eagle(
     train_stream, heldout_stream = heads.token_streams(tokenizer, data_folder, recipe.max_tokens)
     head = EagleHead(EagleConfig.for_target(model, recipe.feature_layers))
     target = CausalLM(heads.frozen(model), tokenizer, path=str(target_dir))
+    previous: dict[str, Any] | None = None
+    if init_from is not None:
+        start_head = EagleHead.load(init_from).float()
+        check_head_fits(start_head, target, int(model.config.hidden_size), int(model.config.num_hidden_layers))
+        if start_head.config != head.config:
+            raise UserError(f"{init_from} is a head of another shape ({start_head.config}); train from scratch instead")
+        head = start_head.train()
+        summary_file = Path(init_from, "training_summary.json")
+        previous = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     prompts = heads.report_prompts(target, data_folder, heldout_stream, recipe.report_prompts, recipe.report_tokens)
     before = acceptance_report(target, head, prompts, recipe.report_tokens)
     run = train_head(head, model, train_stream, recipe, out / "checkpoints")
@@ -171,9 +182,16 @@ def train_eagle(
         "parameters": sum(p.numel() for p in head.parameters()),
         "train_tokens": int(train_stream.numel()),
         "train": run,
-        "heldout_acceptance": {"untrained": before, "trained": after},
+        "heldout_acceptance": {"untrained" if init_from is None else "before": before, "trained": after},
         "total_seconds": time.perf_counter() - start,
     }
+    if previous is not None:  # a continuation: what the starting head had been through
+        summary["init_from"] = {
+            "path": str(init_from),
+            "recipe": previous.get("recipe"),
+            "train": previous.get("train"),
+            "init_from": previous.get("init_from"),
+        }
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     heads.write_head_card(out, summary, "EAGLE head", CARD_BODY)
     return summary

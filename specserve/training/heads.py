@@ -177,5 +177,13 @@ def write_head_card(out: str | Path, summary: dict[str, Any], title: str, body: 
             f"machine's CPU (final loss {train.get('final_loss', float('nan')):.3f}); "
             f"{summary.get('parameters', 0):,} trainable parameters."
         )
+    earlier = summary.get("init_from")
+    while earlier:  # a continuation: the runs the starting head came from
+        run, recipe = earlier.get("train") or {}, earlier.get("recipe") or {}
+        lines.append(
+            f"Continued from `{earlier['path']}`, itself trained {recipe.get('steps')} steps "
+            f"({run.get('seconds', 0.0) / 60:.1f} min, final loss {run.get('final_loss', float('nan')):.3f})."
+        )
+        earlier = earlier.get("init_from")
     lines += ["", f"Reproduce: `specserve train {summary['kind']} --target {summary['target']}` (rerun to resume)."]
     Path(out, "README.md").write_text("\n".join(lines) + "\n")
