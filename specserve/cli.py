@@ -653,7 +653,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         summary = train_exit_head(
             args.target, out, data_folder=args.data, **{k: v for k, v in options.items() if v is not None}
         )
-    print(json.dumps({"out": str(out), "heldout_acceptance": summary.get("heldout_acceptance")}, indent=2))
+    acceptance = summary.get("heldout_acceptance", summary.get("acceptance"))
+    print(json.dumps({"out": str(out), "heldout_acceptance": acceptance}, indent=2))
     print(
         f"trained {args.what} for {args.target}: load it with --draft {DRAFT_PREFIX[args.what]}{out}", file=sys.stderr
     )

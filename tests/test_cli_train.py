@@ -65,3 +65,21 @@ def test_bad_train_arguments_get_one_clear_line(capsys: pytest.CaptureFixture[st
     assert code == 2 and "--steps must be >= 1" in err
     code, _, err = run_cli(capsys, "train", "eagle", "--feature-layers", "a,b", "--out", str(tmp_path))
     assert code == 2 and "--feature-layers" in err
+
+
+def test_an_eagle_head_can_continue_from_a_trained_one(
+    capsys: pytest.CaptureFixture[str], saved_pair_dirs: dict[str, Path], data_folder: Path, tmp_path: Path
+) -> None:
+    target = str(saved_pair_dirs["target"])
+    common = ["--target", target, "--data", str(data_folder), "--steps", "3", "--batch-size", "2", "--seq-len", "16"]
+    code, _, stderr = run_cli(capsys, "train", "eagle", *common, "--out", str(tmp_path / "first"))
+    assert code == 0, stderr
+    code, _, stderr = run_cli(
+        capsys, "train", "eagle", *common, "--out", str(tmp_path / "next"), "--init-from", str(tmp_path / "first")
+    )
+    assert code == 0, stderr
+    summary = json.loads((tmp_path / "next" / "training_summary.json").read_text())
+    assert summary["init_from"]["path"] == str(tmp_path / "first") and summary["init_from"]["recipe"]["steps"] == 3
+    assert "Continued from" in (tmp_path / "next" / "README.md").read_text()
+    code, _, stderr = run_cli(capsys, "train", "eagle", *common, "--out", str(tmp_path / "x"), "--init-from", target)
+    assert code == 2 and "not an EAGLE head" in stderr
