@@ -44,6 +44,16 @@ speculative decoding, not for writing your code.
 
 Reproduce: `make train` (or `specserve train --out models --target-steps {tcfg["steps"]} --draft-steps {dcfg["steps"]}`).
 
+## Drafter heads trained for this target
+
+Each directory has its own card (`README.md`) and `training_summary.json`; the target stays frozen.
+
+| directory | drafter | load with | train with |
+|---|---|---|---|
+| `models/eagle` | EAGLE head: fused layer 2 / 4 / 8 features, one decoder layer, training-time test | `--draft eagle:models/eagle` | `specserve train eagle` |
+| `models/medusa` | 4 Medusa heads on the last hidden state | `--draft medusa:models/medusa` | `specserve train medusa` |
+| `models/exit-head` | layer-skip exit head after layer 4 | `--draft layerskip:models/exit-head` | `specserve train exit-head --layers 4` |
+
 ## Limitations
 
 - Greedy decoding of a model this small repeats itself (see the sample below). Repetitive text
