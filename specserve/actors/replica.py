@@ -47,6 +47,9 @@ class ReplicaConfig:
     verifier_host: str = "127.0.0.1"
     cluster: ClusterSpec = field(default_factory=ClusterSpec)  # resource names and CPUs per actor
     ready_timeout_s: float = 120.0
+    # tensor-parallel collectives fail after this long (a dead rank surfaces as an error, not a hang); an idle
+    # replica's rank 0 sends heartbeats well within it, so idleness never trips it
+    collective_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         # The cluster spec validates TP degree and placement; build one now so errors come early.
@@ -150,7 +153,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             )
         actors.extend(shards)
         host, port = ray.get(shards[0].rendezvous.remote())
-        ray.get([shard.init_tensor_parallel.remote(host, port) for shard in shards])
+        ray.get([shard.init_tensor_parallel.remote(host, port, config.collective_timeout_s) for shard in shards])
         address: str = ray.get(shards[0].start_server.remote(config.verifier_host))
         info: ModelInfo = ray.get(shards[0].describe.remote())
 

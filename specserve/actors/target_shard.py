@@ -12,8 +12,11 @@ single-process engine runs — and, before every forward or rollback, broadcasts
 that receives the commands and mirrors them on their own KV shard, so after every verdict every
 shard's cache holds exactly the committed text. Draft trees take two more commands: a tree
 forward (root, node tokens and parents: every rank builds the same tree attention mask) and the
-compaction that keeps only the accepted path's entries. Verification (and its random numbers) happens on
-rank 0 only; the other ranks never need the verdict, only the rollback command that follows it. For a
+compaction that keeps only the accepted path's entries. Verification (and its random numbers) happens
+on rank 0 only; the other ranks never need the verdict, only the rollback command that follows it.
+A follower waits for the next command inside a collective, which times out
+(``ReplicaConfig.collective_timeout_s``) so that a dead rank 0 becomes an error; an idle rank 0
+therefore sends an empty heartbeat command every sixth of that timeout. For a
 hidden-state drafter (EAGLE, Medusa) rank 0 also keeps the features of the prompt (returned by
 ``start_request``) and of each verdict's root and accepted path (sent with the verdict): after each
 row-parallel all-reduce every rank holds the full residual stream, so rank 0's are the whole features.
@@ -29,6 +32,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from datetime import timedelta
@@ -58,7 +62,9 @@ OP_FREE = 4
 OP_SHUTDOWN = 5
 OP_FORWARD_TREE = 6  # a = number of nodes; then [root, tokens..., parents...] (2a + 1 int64)
 OP_COMPACT = 7  # a = number of positions to keep; then the positions
+OP_HEARTBEAT = 8  # nothing to do: keeps an idle replica's followers inside the collectives' timeout
 HEADER_SIZE = 4
+HEARTBEAT_FRACTION = 6  # rank 0 sends a heartbeat after 1/6 of the collectives' timeout without a command
 
 
 class _Commands:
@@ -66,12 +72,14 @@ class _Commands:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
+        self.last_sent = time.monotonic()
 
     def send(self, op: int, sequence: int, a: int = 0, b: int = 0, tokens: torch.Tensor | None = None) -> None:
         if self.world_size == 1:
             return
         import torch.distributed as dist
 
+        self.last_sent = time.monotonic()
         dist.broadcast(torch.tensor([op, sequence, a, b], dtype=torch.long), src=0)
         if tokens is not None:
             dist.broadcast(tokens.to("cpu", torch.long).contiguous(), src=0)
@@ -150,6 +158,8 @@ class TargetShardActor:
         self._next_sequence = 0
         self._server: VerifierServer | None = None
         self._loop: Future[object] | None = None
+        self._stopped = threading.Event()  # set by shutdown(): rank 0's heartbeat stops
+        self._heartbeat_s = 20.0
 
     # -----------------------------------------------------------------------------------------
     # Set-up (called by the replica spawner on every rank)
@@ -170,6 +180,7 @@ class TargetShardActor:
 
         All ranks must be called together (submit every call, then wait): each blocks until all joined.
         """
+        self._heartbeat_s = timeout_s / HEARTBEAT_FRACTION
         if self.world_size > 1:
             import torch.distributed as dist
 
@@ -187,6 +198,19 @@ class TargetShardActor:
             self.compute.run(shard_model, self.target.model, self.rank, self.world_size, self.all_reduce)
         if self.rank > 0:
             self._loop = self.compute.start(self._follow)  # the compute thread follows rank 0 from now on
+        elif self.world_size > 1:
+            threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Rank 0: a follower waits for the next command inside a collective, which times out: while the replica
+        is idle, send an empty command every sixth of that timeout (on the compute thread, in order)."""
+        while not self._stopped.wait(self._heartbeat_s / 4):
+            if time.monotonic() - self._commands.last_sent >= self._heartbeat_s:
+                self.compute.run(self._send_heartbeat)
+
+    def _send_heartbeat(self) -> None:
+        if not self._stopped.is_set() and time.monotonic() - self._commands.last_sent >= self._heartbeat_s:
+            self._commands.send(OP_HEARTBEAT, 0)
 
     def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Rank 0: start the gRPC verifier; returns the address drafters dial.
@@ -310,6 +334,7 @@ class TargetShardActor:
             return self._caches[sequence_id].snapshot()
 
     def shutdown(self) -> None:
+        self._stopped.set()
         if self._server is not None:
             self._server.stop(grace=0.5)
             self._server = None
@@ -343,6 +368,8 @@ class TargetShardActor:
                 op, sequence, a, b = (int(x) for x in header.tolist())
                 if op == OP_SHUTDOWN:
                     return
+                if op == OP_HEARTBEAT:
+                    continue
                 with self._lock:
                     if op == OP_NEW:
                         self._caches[sequence] = self.target.new_cache()

@@ -121,3 +121,21 @@ def test_bad_configurations_fail_clearly(ray_cluster: Any, saved_pairs: dict[str
     while ray.available_resources().get("large") != total and time.monotonic() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("large") == total, "a failed start leaked its resources"
+
+
+def test_an_idle_tp2_replica_outlives_the_collective_timeout(
+    ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
+) -> None:
+    """Followers wait for commands inside a collective that times out; rank 0's heartbeats keep an idle replica
+    alive well past that timeout (here 6 s, idle 15 s), and it still serves exactly."""
+    pair = tiny_pairs["llama"]
+    case = Case("llama", 2, "ngram", "colocated", False)
+    coordinator = Coordinator.spawn(config_for(case, saved_pairs["llama"], collective_timeout_s=6.0))
+    try:
+        prompt = pair.prompts[0]
+        config = GenerationConfig(max_new_tokens=12, gamma=3)
+        assert coordinator.generate(prompt, SamplingParams(), config).output_ids == greedy_reference(pair, prompt, 12)
+        time.sleep(15)
+        assert coordinator.generate(prompt, SamplingParams(), config).output_ids == greedy_reference(pair, prompt, 12)
+    finally:
+        coordinator.shutdown()
