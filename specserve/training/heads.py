@@ -185,5 +185,12 @@ def write_head_card(out: str | Path, summary: dict[str, Any], title: str, body: 
             f"({run.get('seconds', 0.0) / 60:.1f} min, final loss {run.get('final_loss', float('nan')):.3f})."
         )
         earlier = earlier.get("init_from")
-    lines += ["", f"Reproduce: `specserve train {summary['kind']} --target {summary['target']}` (rerun to resume)."]
+    command = f"specserve train {summary['kind']} --target {summary['target']}"
+    if summary.get("init_from"):
+        recipe = summary["recipe"]
+        command = (
+            f"{command}` (the run it continued from), then `{command} --init-from {summary['init_from']['path']} "
+            f"--steps {recipe.get('steps')} --seed {recipe.get('seed')}"
+        )
+    lines += ["", f"Reproduce: `{command}` (rerun a run to resume it)."]
     Path(out, "README.md").write_text("\n".join(lines) + "\n")
