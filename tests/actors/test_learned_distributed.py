@@ -85,7 +85,9 @@ def running(
         dtype="float64",
         tp_degree=tp,
         drafter_placement=placement,  # type: ignore[arg-type]
-        overlap=True,  # asked for, but a hidden-state drafter waits for each verdict's features
+        # asked for, but a hidden-state drafter waits for each verdict's features (so its seeded runs match the
+        # engine's); layer-skip would draft ahead, which changes a seed's text (README: overlap mode)
+        overlap=kind != "layerskip",
     )
     coordinator = Coordinator.spawn(config)
     try:
