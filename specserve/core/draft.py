@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from specserve.core.model import KVCache
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import DraftTree, TreeSpec
@@ -93,6 +94,20 @@ class FeatureDrafter(Drafter, Protocol):
     def add_features(self, start: int, features: torch.Tensor) -> None:
         """The features ``[k, len(feature_layers) * hidden]`` of committed positions ``start .. start + k - 1``."""
         ...
+
+
+@runtime_checkable
+class SharesTargetKV(Protocol):
+    """A drafter whose model is the target's own first layers (layer-skip), which can read the target's KV.
+
+    In one process the engine hands it the request's target cache after ``start``. Before each
+    proposal that cache holds the committed text but its last token — exactly what the drafter's
+    layers would compute — so the drafter feeds only the last committed token and its drafts, into
+    the target cache's first layers, and rolls those layers back to the committed text before the
+    target verifies. A drafter in another process keeps its own cache.
+    """
+
+    def share_target_cache(self, cache: KVCache) -> None: ...
 
 
 def propose_within(drafter: Drafter, gamma: int, remaining: int, device: torch.device | str = "cpu") -> Draft:

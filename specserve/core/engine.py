@@ -39,6 +39,7 @@ from specserve.core.draft import (
     Drafter,
     DrafterSet,
     FeatureDrafter,
+    SharesTargetKV,
     TreeDrafter,
     check_drafter_name,
     propose_tree_within,
@@ -231,11 +232,14 @@ class SpeculativeEngine(GenerationFrontend):
         start = time.perf_counter()
 
         layers = drafter.feature_layers if isinstance(drafter, FeatureDrafter) else ()
+        sequence = LocalSequence(target)
         verifier = TargetVerifier(
-            LocalSequence(target), prompt_ids, params, generators.verify, config.max_new_tokens, eos, device, layers
+            sequence, prompt_ids, params, generators.verify, config.max_new_tokens, eos, device, layers
         )
         prompt_features = verifier.prefill()
         drafter.start(prompt_ids, params, generators.draft)
+        if isinstance(drafter, SharesTargetKV):  # layer-skip: its layers' KV is the target's
+            drafter.share_target_cache(sequence.cache)
         if isinstance(drafter, FeatureDrafter) and prompt_features is not None:
             drafter.add_features(0, prompt_features)
         stats.prefill_seconds = time.perf_counter() - start

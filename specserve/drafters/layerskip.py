@@ -17,8 +17,11 @@ target's norm); the target itself is never modified. An exit head is saved as a 
 head's weights only) and loaded against a target (:func:`load_exit_head`), which refuses a head
 made for another target shape. Training lives in :mod:`specserve.training.exit_head`.
 
-What it does not do (yet): share the target's KV for those layers — the view keeps a cache of its
-own, so the committed text is also run through the first L layers on the drafter's side.
+KV: in one process the drafter shares the target's cache for its layers
+(:class:`~specserve.core.draft.SharesTargetKV`): the target's first L cache layers already hold the
+committed text but its last token, exactly what the view would compute, so each proposal feeds
+only the last committed token and the drafts into them and rolls them back before the target
+verifies. A drafter in another process (the distributed drafter actor) keeps a cache of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +37,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from specserve.core.draft import Draft
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
+from specserve.core.model import CausalLM, KVCache
+from specserve.core.sampling import SamplingParams
+from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 from specserve.drafters.model import DraftModelDrafter
 
@@ -243,6 +250,39 @@ class LayerSkipDrafter(DraftModelDrafter):
         super().__init__(early_exit_model(target, layers, exit_head), target)
         self.layers = layers
         self.exit_head = exit_head
+        self._shared: KVCache | None = None  # this request's view of the target cache's first layers
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
+        super().start(prompt_ids, params, generator)
+        self._shared = None
+
+    def share_target_cache(self, cache: KVCache) -> None:
+        """Draft on the target cache's first ``layers`` layers (the same keys and values the view computes for
+        the committed text) instead of a cache of its own: see :class:`~specserve.core.draft.SharesTargetKV`."""
+        shared = self.model.new_cache()
+        shared.inner.layers = list(cache.inner.layers[: self.layers])  # the target's layer objects, not copies
+        self._shared = self._cache = shared
+        self._cached = self._context[: shared.length]
+
+    def propose(self, budget: int) -> Draft:
+        if self._shared is None:
+            return super().propose(budget)
+        self._cached = self._context[: self._shared.length]  # the target's cache: the committed text but its last
+        try:
+            return super().propose(budget)
+        finally:  # give the target back its layers holding exactly the committed text but its last token
+            self._shared.rollback(len(self._context) - 1)
+            self._cached = self._context[:-1]
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        if self._shared is not None:
+            from specserve.drafters.tree import TreeModelDrafter
+
+            if self._trees is None:
+                self._trees = TreeModelDrafter(self.model)
+                self._trees.start(self._context)
+            self._trees._cache = self._shared  # its sessions roll back to the committed text when they close
+        return super().propose_tree(spec)
 
     @classmethod
     def from_directory(cls, target: CausalLM, directory: str | Path) -> LayerSkipDrafter:

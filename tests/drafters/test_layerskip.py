@@ -299,3 +299,29 @@ def test_sampled_self_speculation_emits_the_target_joint_law(shape: str) -> None
         return engine.generate(prompt, SamplingParams(temperature=1.0, top_k=24, seed=seed), config).output_ids
 
     assert two_token_pvalue(generate, target, prompt, SamplingParams(temperature=1.0, top_k=24), 2500) > 1e-3
+
+
+@pytest.mark.parametrize("with_head", [False, True])
+def test_drafting_on_the_target_cache_proposes_the_same_and_gives_it_back_untouched(with_head: bool) -> None:
+    """In one process the drafter drafts on the target cache's first layers: the same proposals as with a cache
+    of its own, no cache layers of its own, and the target cache exactly as it was (length and every entry)."""
+    from specserve.core.target import LocalSequence
+
+    target = greedy_target("llama")
+    head = random_exit_head(seed=2) if with_head else None
+    prompt = [5, 17, 23, 8, 30, 41, 9]
+    sequence = LocalSequence(target)
+    sequence.forward(torch.tensor(prompt[:-1]), last_only=True)  # what the engine's prefill leaves
+    before = sequence.cache.snapshot()
+    shared, own = LayerSkipDrafter(target, 2, head), LayerSkipDrafter(target, 2, head)
+    for drafter in (shared, own):
+        drafter.start(prompt, SamplingParams(), torch.Generator())
+    shared.share_target_cache(sequence.cache)
+    assert all(a is b for a, b in zip(shared._cache.inner.layers, sequence.cache.inner.layers[:2], strict=False))
+    spec = TreeSpec("dynamic", budget=TreeBudget(3, 2, 5))
+    for _ in range(2):  # twice: the second proposal starts from a cache the first gave back
+        assert shared.propose(4).tokens.tolist() == own.propose(4).tokens.tolist()
+        assert shared.propose_tree(spec).tokens.tolist() == own.propose_tree(spec).tokens.tolist()
+        assert sequence.length == len(prompt) - 1
+        for (k0, v0), (k1, v1) in zip(before, sequence.cache.snapshot(), strict=True):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
