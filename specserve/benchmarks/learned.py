@@ -155,6 +155,8 @@ def summarise(table: list[Cell]) -> list[dict[str, Any]]:
                 "tokens_per_second": cell.tokens_per_second,
                 "speedup": cell.tokens_per_second / plain[cell.temperature] if plain.get(cell.temperature) else None,
                 "mean_accepted_length": cell.stats.mean_accepted if has_stats else None,
+                "draft_ms_per_cycle": 1e3 * cell.stats.draft_seconds / cell.stats.cycles if has_stats else None,
+                "verify_ms_per_cycle": 1e3 * cell.stats.verify_seconds / cell.stats.cycles if has_stats else None,
                 "acceptance_by_depth": cell.stats.acceptance_by_position[:8] if has_stats else None,
             }
         )
@@ -181,8 +183,8 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| drafter | T | tokens/s | speedup | mean accepted length | acceptance by depth |",
-        "|---|---|---|---|---|---|",
+        "| drafter | T | tokens/s | speedup | mean accepted length | acceptance by depth | draft / verify ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         depth = r["acceptance_by_depth"]
@@ -190,7 +192,8 @@ def markdown(report: dict[str, Any]) -> str:
         speedup = "–" if r["speedup"] is None else f"{r['speedup']:.2f}×"
         lines.append(
             f"| {r['name']} | {r['temperature']:g} | {r['tokens_per_second']:.1f} | {speedup} "
-            f"| {table_cell(r['mean_accepted_length'])} | {by_depth} |"
+            f"| {table_cell(r['mean_accepted_length'])} | {by_depth} "
+            f"| {table_cell(r.get('draft_ms_per_cycle'), 1)} / {table_cell(r.get('verify_ms_per_cycle'), 1)} |"
         )
     return "\n".join(lines) + "\n"
 
