@@ -273,8 +273,8 @@ and predicts the token at t + k + 1 through {heads["num_layers_per_head"]} resid
 and the target's own frozen LM head. The directory holds only the heads ({heads["parameters"]:,} parameters):
 serving uses the target's LM head. Drafts are deterministic, so decoding with them is exact at any temperature.
 
-Draft with it: `specserve generate --target {target['path']} --draft medusa:DIR`; as a library,
-`MedusaDrafter.load(DIR, target)`. Reproduce: `specserve train medusa --target {target['path']}`.
+Draft with it: `specserve generate --target {target["path"]} --draft medusa:DIR`; as a library,
+`MedusaDrafter.load(DIR, target)`. Reproduce: `specserve train medusa --target {target["path"]}`.
 
 ## Recipe
 
