@@ -113,14 +113,8 @@ def train_head(
     head: EagleHead, target: PreTrainedModel, stream: torch.Tensor, recipe: EagleRecipe, checkpoint_dir: Path | None
 ) -> dict[str, float]:
     """Train ``head`` in place on ``stream`` (the target is frozen); the loop's summary."""
-    cfg = loop.TrainConfig(
-        steps=recipe.steps,
-        batch_size=recipe.batch_size,
-        seq_len=recipe.seq_len,
-        peak_lr=recipe.peak_lr,
-        warmup_steps=min(40, max(1, recipe.steps // 10)),
-        seed=recipe.seed,
-        bf16_autocast=recipe.bf16_autocast,
+    cfg = loop.head_config(
+        recipe.steps, recipe.batch_size, recipe.seq_len, recipe.peak_lr, recipe.seed, recipe.bf16_autocast
     )
     loss_fn = eagle_loss(heads.frozen(target), head.config.feature_layers, recipe.unroll, recipe.feature_weight)
     return loop.train(

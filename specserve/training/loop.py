@@ -39,6 +39,16 @@ class TrainConfig:
     bf16_autocast: bool = True
 
 
+def head_config(
+    steps: int, batch_size: int, seq_len: int, peak_lr: float, seed: int, bf16_autocast: bool
+) -> TrainConfig:
+    """The settings of a drafter-head run (EAGLE, Medusa, exit head): warmup a tenth of the steps, at most 40."""
+    return TrainConfig(
+        steps=steps, batch_size=batch_size, seq_len=seq_len, peak_lr=peak_lr, seed=seed,
+        warmup_steps=min(40, max(1, steps // 10)), bf16_autocast=bf16_autocast,
+    )  # fmt: skip
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to ``peak_lr`` then cosine decay to ``min_lr_ratio * peak_lr``."""
     if step < cfg.warmup_steps:

@@ -206,10 +206,7 @@ def train_medusa(
     if min(train_stream.numel(), heldout_stream.numel()) <= seq_len + 1:
         raise UserError(f"too little text for windows of {seq_len} tokens; lower seq_len or give more data")
 
-    cfg = loop.TrainConfig(
-        steps=steps, batch_size=batch_size, seq_len=seq_len, peak_lr=peak_lr, seed=seed,
-        warmup_steps=min(40, max(1, steps // 10)), bf16_autocast=bf16_autocast,
-    )  # fmt: skip
+    cfg = loop.head_config(steps, batch_size, seq_len, peak_lr, seed, bf16_autocast)
     medusa = heads_for(model, heads, layers_per_head)
     before = teacher_forced(model, medusa, heldout_stream, seq_len)
     run = train_heads(model, train_stream, cfg, medusa, out / "checkpoints", checkpoint_every)
