@@ -281,7 +281,7 @@ class LayerSkipDrafter(DraftModelDrafter):
             if self._trees is None:
                 self._trees = TreeModelDrafter(self.model)
                 self._trees.start(self._context)
-            self._trees._cache = self._shared  # its sessions roll back to the committed text when they close
+            self._trees.use_cache(self._shared)
         return super().propose_tree(spec)
 
     @classmethod

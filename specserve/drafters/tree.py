@@ -76,6 +76,11 @@ class TreeModelDrafter:
         self._cache = self.model.new_cache()
         self.context = list(prompt_ids)
 
+    def use_cache(self, cache: KVCache) -> None:
+        """Draft on ``cache`` (holding the committed text but its last token) instead of a cache of its own, e.g.
+        the target's first layers for layer-skip; every proposal rolls it back to the committed text."""
+        self._cache = cache
+
     def accept(self, committed: Sequence[int]) -> None:
         self.context.extend(committed)
 
