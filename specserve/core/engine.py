@@ -48,7 +48,14 @@ from specserve.core.draft import (
 from specserve.core.model import CausalLM
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.schedule import Budget, CycleObservation, ScheduleFactory, check_policy_name, fixed_schedules
+from specserve.core.schedule import (
+    MAX_GAMMA,
+    Budget,
+    CycleObservation,
+    ScheduleFactory,
+    check_policy_name,
+    fixed_schedules,
+)
 from specserve.core.stats import RequestStats
 from specserve.core.target import CycleOutcome, FinishReason, LocalSequence, TargetVerifier
 from specserve.core.tree import TreeSpec
@@ -56,6 +63,7 @@ from specserve.core.tree_verification import TreeVerdict
 from specserve.core.verification import ChainVerdict
 
 __all__ = [
+    "MAX_GAMMA",
     "REQUEST_DRAFTERS",
     "ChunkStream",
     "FinishReason",
@@ -66,7 +74,6 @@ __all__ = [
     "SpeculativeEngine",
     "StreamChunk",
 ]
-MAX_GAMMA = 64
 
 
 @dataclass(frozen=True)

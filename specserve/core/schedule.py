@@ -20,6 +20,9 @@ from specserve.core.tree import TreeSpec
 # The policies a request may name; ``specserve.policies`` implements them (its registry checks it agrees).
 POLICY_NAMES = ("fixed", "heuristic", "adaptive")
 
+# The most draft tokens one cycle may verify in a chain: the one limit every edge (CLI, HTTP, YAML, Python) checks.
+MAX_GAMMA = 64
+
 
 @dataclass(frozen=True)
 class Budget:

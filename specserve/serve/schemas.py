@@ -33,7 +33,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from specserve.core.engine import MAX_GAMMA, GenerationConfig
+from specserve.core.engine import GenerationConfig
+from specserve.core.schedule import MAX_GAMMA
 from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 
