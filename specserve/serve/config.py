@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from specserve import defaults
 from specserve.actors.replica import ReplicaConfig
-from specserve.core.schedule import MAX_GAMMA
 from specserve.core.errors import UserError
+from specserve.core.schedule import MAX_GAMMA
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
 

@@ -34,8 +34,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from specserve.core.engine import GenerationConfig
-from specserve.core.schedule import MAX_GAMMA
 from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
+from specserve.core.schedule import MAX_GAMMA
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 
 MAX_STOP_STRINGS = 4  # as OpenAI
