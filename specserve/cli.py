@@ -570,7 +570,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from specserve.policies import experiment
+    from specserve.benchmarks import experiment
 
     workloads = None
     if args.workloads is not None:

@@ -6,9 +6,10 @@ The decision side touches no model, clock or random generator: estimators are fe
 :class:`~specserve.policies.base.PolicyState` snapshot. A policy only changes how much is proposed, never
 how proposals are verified, so the output stays exact whichever policy runs. Around it:
 :mod:`~specserve.policies.schedules` (per-request schedules for the engine and the drafter actor),
-:mod:`~specserve.policies.traces` (msgpack cycle traces), :mod:`~specserve.policies.simulator` (replays
-traces with a seeded RNG) and :mod:`~specserve.policies.experiment` (``specserve experiment``: live runs
-time real models).
+:mod:`~specserve.policies.traces` (msgpack cycle traces) and :mod:`~specserve.policies.simulator` (replays
+traces with a seeded RNG). The package knows only :mod:`specserve.core`: the experiment harness that runs
+policies against real models (``specserve experiment``) sits above it, in
+:mod:`specserve.benchmarks.experiment`.
 """
 
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from specserve.benchmarks import experiment
 from specserve.cli import main
 from specserve.core.errors import UserError
 from specserve.core.schedule import Budget, FixedSchedule
-from specserve.policies import experiment
 from specserve.policies.simulator import WorkloadModel, simulate
 from specserve.policies.traces import read_trace
 
