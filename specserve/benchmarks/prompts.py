@@ -1,4 +1,9 @@
-"""Benchmark prompts: the opening of held-out standard-library files, or the user's own JSON list."""
+"""Benchmark prompts: the opening of held-out standard-library files, or the user's own JSON list.
+
+The held-out openings come from :func:`specserve.training.corpus.heldout_prompts` (re-exported here so
+every benchmark takes its prompts from this one module); the training acceptance reports use the same
+function. This module reads prompt files and validates them; it does not tokenise.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,9 @@ import json
 from pathlib import Path
 
 from specserve.core.errors import UserError
-from specserve.training import corpus
+from specserve.training.corpus import heldout_prompts
 
-PROMPT_CHARS = 1000
-MIN_FILE_CHARS = 2000
-
-
-def heldout_prompts(count: int) -> list[str]:
-    """The first ~1000 characters (cut at a line end) of the first ``count`` large held-out files."""
-    prompts = []
-    for source in corpus.load_corpus("heldout"):
-        if len(source.text) < MIN_FILE_CHARS:
-            continue
-        head = source.text[:PROMPT_CHARS]
-        prompts.append(head[: head.rfind("\n") + 1] or head)
-        if len(prompts) == count:
-            break
-    return prompts
+__all__ = ["heldout_prompts", "load_prompts"]
 
 
 def load_prompts(path: str | Path) -> list[str]:

@@ -5,6 +5,10 @@ standard-library root, so the split is the same on every machine and every run. 
 (``test/``, ``tests/``, ``idle_test/``) and ``site-packages`` are left out: they hold large
 data literals that teach a model little about code.
 
+:func:`heldout_prompts` cuts the openings of large held-out files into the prompts that the
+acceptance reports of :mod:`specserve.training` and the benchmarks of :mod:`specserve.benchmarks`
+share (it lives here because the benchmarks may import training, never the other way round).
+
 This module only finds and reads text; tokenisation and batching live elsewhere.
 """
 
@@ -19,6 +23,8 @@ from typing import Literal
 Split = Literal["train", "heldout"]
 
 HELDOUT_PERCENT = 5
+PROMPT_CHARS = 1000
+MIN_FILE_CHARS = 2000
 _EXCLUDED_PARTS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
 
 
@@ -55,3 +61,16 @@ def load_corpus(split: Split, root: Path | None = None) -> list[SourceFile]:
     if not files:
         raise RuntimeError(f"no Python sources found under {root} for split {split!r}")
     return files
+
+
+def heldout_prompts(count: int) -> list[str]:
+    """The first ~1000 characters (cut at a line end) of the first ``count`` large held-out files."""
+    prompts = []
+    for source in load_corpus("heldout"):
+        if len(source.text) < MIN_FILE_CHARS:
+            continue
+        head = source.text[:PROMPT_CHARS]
+        prompts.append(head[: head.rfind("\n") + 1] or head)
+        if len(prompts) == count:
+            break
+    return prompts

@@ -150,9 +150,7 @@ def report_prompts(
     from specserve.defaults import DEFAULT_TARGET
 
     if folder is None and Path(target.info.path).resolve() == DEFAULT_TARGET.resolve():
-        from specserve.benchmarks.prompts import heldout_prompts
-
-        return heldout_prompts(count)
+        return corpus.heldout_prompts(count)
     stride = heldout.numel() // max(count, 1)
     length = max(1, min(128, target.info.max_positions - new_tokens, stride))
     return [heldout[i * stride : i * stride + length].tolist() for i in range(count)]

@@ -190,7 +190,7 @@ def train_medusa(
     Data: the default corpus (standard library) or the text files of ``data_folder``, at most
     ``max_tokens`` per split. Checkpoints go to ``out_dir/checkpoints`` every ``checkpoint_every``
     steps; a rerun with the same settings resumes there. The acceptance report uses
-    ``report_prompts`` benchmark prompts (:func:`~specserve.benchmarks.prompts.heldout_prompts`) for the
+    ``report_prompts`` benchmark prompts (:func:`~specserve.training.corpus.heldout_prompts`) for the
     default target on the default corpus, else the openings of held-out windows, and decodes
     ``report_tokens`` tokens each. ``bf16_autocast`` runs the training forwards (the target's too) in
     bfloat16, as the default pair was trained; measurement and serving stay in float32. Returns the
