@@ -44,6 +44,7 @@ from specserve.core.sampling import SamplingParams
 from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 from specserve.drafters.model import DraftModelDrafter
+from specserve.drafters.tree import TreeModelDrafter
 
 EXIT_HEAD_KIND = "exit-head"  # the "specserve_drafter" value in an exit head's config.json
 CONFIG_FORMAT = 1
@@ -276,8 +277,6 @@ class LayerSkipDrafter(DraftModelDrafter):
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         if self._shared is not None:
-            from specserve.drafters.tree import TreeModelDrafter
-
             if self._trees is None:
                 self._trees = TreeModelDrafter(self.model)
                 self._trees.start(self._context)

@@ -19,36 +19,16 @@ Trees (:meth:`DraftModelDrafter.propose_tree`) are drafted by a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from specserve.core.draft import Draft
-from specserve.core.errors import UserError
 from specserve.core.invariant import invariant_tokens
 from specserve.core.model import CausalLM, KVCache, TargetDescription
 from specserve.core.sampling import SamplingParams, sample, warp_probs
 from specserve.core.tree import DraftTree, TreeSpec
-
-
-class VocabularyMismatch(UserError):
-    """The draft model cannot propose tokens for this target: their vocabularies differ."""
-
-
-def check_same_vocabulary(target: CausalLM | TargetDescription, draft: CausalLM) -> None:
-    """Raise :class:`VocabularyMismatch` unless both models score the same token ids."""
-    if target.info.vocab_size != draft.info.vocab_size:
-        raise VocabularyMismatch(
-            f"draft model {draft.info.path} has a vocabulary of {draft.info.vocab_size} tokens but the target "
-            f"{target.info.path} has {target.info.vocab_size}; a draft model must share the target's tokenizer"
-        )
-    if target.tokenizer is None or draft.tokenizer is None:
-        return
-    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-        raise VocabularyMismatch(
-            f"draft model {draft.info.path} and target {target.info.path} have different tokenizers "
-            "(same size, different token ids); a draft model must share the target's tokenizer"
-        )
+from specserve.drafters.tree import TreeModelDrafter
+from specserve.drafters.vocabulary import check_same_vocabulary
 
 
 class DraftModelDrafter:
@@ -64,7 +44,7 @@ class DraftModelDrafter:
         self._context: list[int] = []  # committed tokens of the current request
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
-        self._trees: Any = None  # a TreeModelDrafter once trees are asked for: its own cache, this context
+        self._trees: TreeModelDrafter | None = None  # once trees are asked for: its own cache, this context
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         self._cache = self.model.new_cache()
@@ -79,8 +59,6 @@ class DraftModelDrafter:
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         """A draft tree after the committed text (deterministic top-k children: exact at any temperature)."""
-        from specserve.drafters.tree import TreeModelDrafter  # imports this module: resolved at call time
-
         if self._trees is None:
             self._trees = TreeModelDrafter(self.model)
             self._trees.start(self._context)

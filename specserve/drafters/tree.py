@@ -55,7 +55,7 @@ from specserve.core.invariant import invariant_tokens
 from specserve.core.model import CausalLM, KVCache, TargetDescription
 from specserve.core.sampling import SamplingParams, sample, warp_probs
 from specserve.core.tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
-from specserve.drafters.model import check_same_vocabulary
+from specserve.drafters.vocabulary import check_same_vocabulary
 
 
 class TreeModelDrafter:
