@@ -1,4 +1,4 @@
-"""Layering rules from DESIGN.md §3: the import order of the ``specserve`` package, stated as data and checked.
+"""The import order of the ``specserve`` package (docs/architecture.md#import-order), stated as data and checked.
 
 ``specserve.core`` imports neither Ray nor gRPC, nor anything above it (the first tests). Then the whole
 order (:data:`LEVELS`): every module of ``specserve/`` sits on one level and imports only from levels
@@ -130,7 +130,7 @@ LEVELS = (
     Level("core", ("specserve.core", "specserve.defaults")),
     # How much to draft, and what. Both know core only, and meet there (core.schedule's Budget, core.draft's
     # Drafter). No peers: a policy is a pure decision over estimator state and never touches a model or a
-    # drafter (DESIGN.md §3); a drafter is told its budget, never asks a policy.
+    # drafter (docs/architecture.md#import-order); a drafter is told its budget, never asks a policy.
     Level("policies and drafters", ("specserve.policies", "specserve.drafters")),
     # Distribution: the Ray actors, the gRPC wire, the cluster bootstrap. actors may import rpc (the drafter and
     # target actors serve and call the gRPC streams) and cluster (a replica places its actors with the
@@ -257,7 +257,7 @@ def test_the_order_is_well_formed() -> None:
 
 def test_every_module_has_a_level() -> None:
     unplaced = sorted(module for module in MODULES if placement(module) is None)
-    assert not unplaced, f"{unplaced} have no level: place them in LEVELS (and in DESIGN.md §3)"
+    assert not unplaced, f"{unplaced} have no level: place them in LEVELS (and in docs/architecture.md#import-order)"
 
 
 @pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -265,11 +265,12 @@ def test_imports_follow_the_order(path: Path) -> None:
     module = module_name(path)
     where = placement(module)
     if where is None:
-        pytest.fail(f"{module} has no level: place it in LEVELS (and in DESIGN.md §3)")
+        pytest.fail(f"{module} has no level: place it in LEVELS (and in docs/architecture.md#import-order)")
     bad = violations(path.read_text(), module, is_package=path.name == "__init__.py")
     assert not bad, (
         f"{path.relative_to(ROOT)} ({where[1]}, level {LEVELS[where[0]].name!r}) imports "
-        f"{[describe(name) for name in bad]}: move the code it needs down, or this code up (DESIGN.md §3)"
+        f"{[describe(name) for name in bad]}: move the code it needs down, or this code up "
+        "(docs/architecture.md#import-order)"
     )
 
 

@@ -34,7 +34,6 @@ from specserve.core.model import load_tokenizer
 from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
-from specserve.core.target import FinishReason
 
 
 class Coordinator(GenerationFrontend):
@@ -101,11 +100,7 @@ class Coordinator(GenerationFrontend):
                 batch: list[CycleReport] = ray.get(ref)
                 for report in batch:
                     stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
-                    new = report.new_tokens
-                    finish: FinishReason | None = None
-                    if report.finished:  # the target cut at EOS (the last token) or at max_new_tokens
-                        finish = "eos" if new and new[-1] in eos else "length"
-                    yield out.push(new, finish)
+                    yield out.push(report.new_tokens, report.finish)  # the target's finish reason, from the wire
                     if out.finish is not None:
                         return
         finally:

@@ -28,6 +28,7 @@ in the same order on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -40,16 +41,12 @@ from datetime import timedelta
 import torch
 
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
-from specserve.core.draft import Draft
+from specserve.core.draft import Proposal
 from specserve.core.model import CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, TargetVerifier
 from specserve.core.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
 from specserve.core.tree import DraftTree
-from specserve.core.tree_verification import TreeVerdict
-from specserve.core.verification import ChainVerdict
-from specserve.rpc.codec import encode_verdict
-from specserve.rpc.gen import speculation_pb2 as pb
 from specserve.rpc.verifier import UnknownRequest, VerifierServer
 
 logger = logging.getLogger(__name__)
@@ -278,9 +275,9 @@ class TargetShardActor:
             return features.cpu() if features is not None else None
 
     @on_compute_thread  # the gRPC server already calls it there (run_in): then it runs in place
-    def verify(self, request_id: str, cycle: int, draft: Draft | DraftTree) -> pb.Verdict:
-        """One cycle (called by the gRPC verifier): forward on every rank, verify, commit, roll back
-        (a chain) or compact to the accepted path (a tree)."""
+    def verify(self, request_id: str, cycle: int, proposal: Proposal) -> CycleOutcome:
+        """One cycle (called by the gRPC verifier, which encodes the outcome): forward on every rank, verify,
+        commit, roll back (a chain) or compact to the accepted path (a tree)."""
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
@@ -288,19 +285,8 @@ class TargetShardActor:
             if request.verifier.finish is not None:
                 raise UnknownRequest(f"request {request_id!r} already finished ({request.verifier.finish})")
             before = self._allreduce_seconds()
-            verifier = request.verifier
-            outcome: CycleOutcome[ChainVerdict] | CycleOutcome[TreeVerdict]
-            outcome = verifier.verify(draft) if isinstance(draft, Draft) else verifier.verify_tree(draft)
-            return encode_verdict(
-                request_id,
-                cycle,
-                outcome.verdict,
-                committed_length=len(request.verifier.committed),
-                finished=outcome.finish is not None,
-                target_seconds=outcome.verify_seconds,
-                allreduce_seconds=self._allreduce_seconds() - before,
-                features=outcome.features,
-            )
+            outcome = request.verifier.verify(proposal)
+            return dataclasses.replace(outcome, allreduce_seconds=self._allreduce_seconds() - before)
 
     @on_compute_thread
     def finish_request(self, request_id: str) -> None:

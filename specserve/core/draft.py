@@ -22,14 +22,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from specserve.core.model import KVCache
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams
-from specserve.core.tree import DraftTree, TreeSpec
+from specserve.core.schedule import Budget
+from specserve.core.tree import (
+    ChildSampling,
+    DraftTree,
+    InvalidTree,
+    PathVerdict,
+    TreeSpec,
+    VerifyRules,
+    committed_tokens,
+)
 
 # The drafters a request may choose: the deployment's configured one, prompt lookup, or none (plain
 # decoding). A draft model other than the configured one cannot be chosen per request.
@@ -38,8 +47,17 @@ REQUEST_DRAFTERS = ("default", "ngram", "none")
 
 @dataclass(frozen=True)
 class Draft:
+    """A draft chain, verified by the chain rules (rule A; D without q).
+
+    It offers the same proposal interface as :class:`~specserve.core.tree.DraftTree` (``size``,
+    ``depth``, ``parents``, ``node_probs``, ``rules``, ``to``, ``truncate``, ``committed_by``), so
+    callers handle a :data:`Proposal` without asking which of the two it is.
+    """
+
     tokens: torch.Tensor  # [gamma] int64, on the target's device
     draft_probs: torch.Tensor | None  # [gamma, vocab] the exact q of each token; None = point mass
+
+    rules: ClassVar[VerifyRules] = VerifyRules.CHAIN
 
     @property
     def gamma(self) -> int:
@@ -48,6 +66,64 @@ class Draft:
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:
         return Draft(torch.empty(0, dtype=torch.long, device=device), None)
+
+    # The proposal interface (shared with DraftTree) ----------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Draft nodes the target verifies."""
+        return self.gamma
+
+    @property
+    def depth(self) -> int:
+        return self.gamma
+
+    @property
+    def parents(self) -> tuple[int, ...]:
+        return tuple(range(-1, self.gamma - 1))
+
+    @property
+    def node_probs(self) -> torch.Tensor | None:
+        """[gamma, vocab]: per token, the q it was drawn from; None = deterministic."""
+        return self.draft_probs
+
+    def to(self, device: torch.device | str) -> Draft:
+        probs = self.draft_probs.to(device) if self.draft_probs is not None else None
+        return Draft(self.tokens.to(device), probs)
+
+    def truncate(self, max_depth: int) -> Draft:
+        """The first ``max_depth`` tokens (all of them when the chain is no longer)."""
+        if self.gamma <= max_depth:
+            return self
+        keep = max(max_depth, 0)
+        probs = self.draft_probs[:keep] if self.draft_probs is not None else None
+        return Draft(self.tokens[:keep], probs)
+
+    def committed_by(self, verdict: PathVerdict) -> list[int]:
+        """The tokens a verdict on this chain commits (accepted prefix + next token), checked against the chain."""
+        return committed_tokens(self.tokens, self.parents, verdict, kind="chain")
+
+
+# What a drafter sends the target each cycle. Both kinds offer one interface: size, depth, parents, node_probs,
+# rules, to(device), truncate(max_depth), committed_by(verdict). Only the verifier tells them apart (it applies
+# the chain or the tree rules), and proposal_from_nodes builds one from wire-level fields.
+Proposal = Draft | DraftTree
+
+
+def proposal_from_nodes(
+    tokens: torch.Tensor,  # [n] int64
+    parents: tuple[int, ...],  # [n]
+    node_probs: torch.Tensor | None,  # [n, vocab]: the q each node was drawn from; None = deterministic
+    rules: VerifyRules,
+) -> Proposal:
+    """The proposal with these nodes under ``rules`` (how the wire describes one); raises
+    :class:`~specserve.core.tree.InvalidTree` when the nodes do not fit the rules."""
+    if rules is VerifyRules.CHAIN:
+        if tuple(parents) != tuple(range(-1, len(parents) - 1)):
+            raise InvalidTree("a draft sent under the chain rules must be a chain (parents -1, 0, 1, ...)")
+        return Draft(tokens, node_probs)
+    sampling = ChildSampling.IID if rules is VerifyRules.TREE_IID else ChildSampling.WITHOUT_REPLACEMENT
+    return DraftTree.from_node_probs(tokens, parents, node_probs, sampling)
 
 
 @runtime_checkable
@@ -110,24 +186,31 @@ class SharesTargetKV(Protocol):
     def share_target_cache(self, cache: KVCache) -> None: ...
 
 
-def propose_within(drafter: Drafter, gamma: int, remaining: int, device: torch.device | str = "cpu") -> Draft:
-    """Ask for ``gamma`` tokens but never more than ``remaining - 1``: the verdict always adds one more.
+def propose(drafter: Drafter, budget: Budget, remaining: int, device: torch.device | str = "cpu") -> Proposal:
+    """The drafter's proposal for ``budget`` (a chain of ``budget.gamma`` tokens, or a tree of ``budget.tree``'s
+    shape), never deeper than ``remaining - 1``: the verdict always adds one more token. A drafter that overruns
+    its budget is trimmed rather than trusted."""
+    limit = remaining - 1
+    proposal: Proposal
+    if budget.tree is not None:
+        check_can_draft(drafter, budget.tree)
+        assert isinstance(drafter, TreeDrafter)
+        proposal = drafter.propose_tree(budget.tree)
+    else:
+        limit = min(budget.gamma, limit)
+        if limit <= 0:
+            return Draft.empty(device)
+        proposal = drafter.propose(limit)
+    return proposal.truncate(max(limit, 0)).to(device)
 
-    A drafter that overruns its budget is trimmed rather than trusted.
-    """
-    budget = min(gamma, remaining - 1)
-    if budget <= 0:
-        return Draft.empty(device)
-    draft = drafter.propose(budget)
-    if draft.gamma > budget:
-        probs = draft.draft_probs[:budget] if draft.draft_probs is not None else None
-        draft = Draft(draft.tokens[:budget], probs)
-    return draft
 
-
-def propose_tree_within(drafter: TreeDrafter, spec: TreeSpec, remaining: int) -> DraftTree:
-    """The drafter's tree for ``spec``, cut to depth ``remaining - 1`` (the verdict always adds one token)."""
-    return drafter.propose_tree(spec).truncate(max(remaining - 1, 0))
+def check_can_draft(drafter: Drafter, tree: TreeSpec | None, name: str | None = None) -> None:
+    """Raises :class:`InvalidRequest` when ``tree`` asks for draft trees from a drafter that drafts only chains."""
+    if tree is not None and not isinstance(drafter, TreeDrafter):
+        raise InvalidRequest(
+            f"the {name or drafter.name!r} drafter cannot draft trees; use one that can (a draft model, ngram), "
+            "or chains"
+        )
 
 
 def check_drafter_name(name: str) -> None:

@@ -2,10 +2,11 @@
 
 One cycle, in four named phases (after EAGLE/Medusa's decomposition of a speculative step):
 
-1. **draft** — the drafter proposes up to gamma tokens after the committed text;
-2. **verify** — the target scores ``[last committed token] + draft`` in one forward and the
-   exact rules of :mod:`specserve.core.verification` pick the accepted prefix and one more
-   token (recovered or bonus);
+1. **draft** — the request's :class:`~specserve.core.draft_side.DraftSide` asks its schedule for a
+   budget and its drafter for a chain or tree within it;
+2. **verify** — the :class:`~specserve.core.target.TargetVerifier` scores ``[last committed token] +
+   draft`` in one forward and the exact rules pick the accepted path and one more token
+   (recovered or bonus);
 3. **commit** — the new tokens are cut at EOS and at ``max_new_tokens``, the target's KV cache is
    rolled back to exactly the committed text, and the drafter is told what was committed;
 4. **stop checks** — EOS, length, stop strings; the text delta is streamed out.
@@ -34,33 +35,15 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import (
-    REQUEST_DRAFTERS,
-    Drafter,
-    DrafterSet,
-    FeatureDrafter,
-    SharesTargetKV,
-    TreeDrafter,
-    check_drafter_name,
-    propose_tree_within,
-    propose_within,
-)
+from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_can_draft, check_drafter_name
+from specserve.core.draft_side import DraftSide
 from specserve.core.model import CausalLM
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.schedule import (
-    MAX_GAMMA,
-    Budget,
-    CycleObservation,
-    ScheduleFactory,
-    check_policy_name,
-    fixed_schedules,
-)
+from specserve.core.schedule import MAX_GAMMA, Budget, ScheduleFactory, check_policy_name, fixed_schedules
 from specserve.core.stats import RequestStats
-from specserve.core.target import CycleOutcome, FinishReason, LocalSequence, TargetVerifier
+from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
 from specserve.core.tree import TreeSpec
-from specserve.core.tree_verification import TreeVerdict
-from specserve.core.verification import ChainVerdict
 
 __all__ = [
     "MAX_GAMMA",
@@ -221,65 +204,45 @@ class SpeculativeEngine(GenerationFrontend):
         super().validate(prompt_ids, config)
         self.drafters.check(config.drafter)
         self.schedules(config.policy, config.budget)  # raises for a policy this engine cannot run
-        if config.tree is not None and not isinstance(self.drafters.get(config.drafter), TreeDrafter):
-            raise InvalidRequest(
-                f"the {config.drafter!r} drafter cannot draft trees; use one that can (a draft model, ngram), or chains"
-            )
+        check_can_draft(self.drafters.get(config.drafter), config.tree, config.drafter)
 
     # -----------------------------------------------------------------------------------------
     # The loop
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
-        target, drafter = self.target, self.drafters.get(config.drafter)
-        device = target.device
+        target, device = self.target, self.target.device
         stats = RequestStats()
-        text = TextStream(self.decode, config.stop)
         eos = () if config.ignore_eos else target.info.eos_token_ids
         generators = make_generators(params.seed, device)
         start = time.perf_counter()
 
-        layers = drafter.feature_layers if isinstance(drafter, FeatureDrafter) else ()
+        schedule = self.schedules(config.policy, config.budget)
+        side = DraftSide(
+            self.drafters.get(config.drafter),
+            schedule,
+            config.budget,
+            len(prompt_ids),
+            config.max_new_tokens,
+            device,
+            config.drafter,
+        )
         sequence = LocalSequence(target)
         verifier = TargetVerifier(
-            sequence, prompt_ids, params, generators.verify, config.max_new_tokens, eos, device, layers
+            sequence, prompt_ids, params, generators.verify, config.max_new_tokens, eos, device, side.feature_layers
         )
         prompt_features = verifier.prefill()
-        drafter.start(prompt_ids, params, generators.draft)
-        if isinstance(drafter, SharesTargetKV):  # layer-skip: its layers' KV is the target's
-            drafter.share_target_cache(sequence.cache)
-        if isinstance(drafter, FeatureDrafter) and prompt_features is not None:
-            drafter.add_features(0, prompt_features)
+        side.start(prompt_ids, params, generators.draft, target_cache=sequence.cache)
+        side.add_prompt_features(prompt_features)
         stats.prefill_seconds = time.perf_counter() - start
 
-        out = RequestOutput(prompt_ids, text, stats, start)
-        schedule = self.schedules(config.policy, config.budget)
+        out = RequestOutput(prompt_ids, TextStream(self.decode, config.stop), stats, start)
         while out.finish is None:
-            # 0. budget, 1. draft, 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
-            budget = schedule.next_budget(verifier.remaining)
-            root = len(verifier.committed) - 1  # the position of the verify block's first token
-            t0 = time.perf_counter()
-            if budget.tree is None:
-                draft = propose_within(drafter, budget.gamma, verifier.remaining, device)
-                t1 = time.perf_counter()
-                outcome: CycleOutcome[ChainVerdict] | CycleOutcome[TreeVerdict] = verifier.verify(draft)
-                drafted = depth = draft.gamma
-            else:
-                assert isinstance(drafter, TreeDrafter)
-                tree = propose_tree_within(drafter, budget.tree, verifier.remaining)
-                t1 = time.perf_counter()
-                outcome = verifier.verify_tree(tree)
-                drafted, depth = tree.size, tree.depth
-            observation = CycleObservation(
-                budget, drafted, depth, outcome.verdict.num_accepted, t1 - t0, outcome.verify_seconds
-            )
-            schedule.observe(observation)
-            stats.record(observation)
-            # 4. stop strings, stream out
+            # 1. draft (the schedule's budget), 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
+            proposal = side.propose()
+            outcome = verifier.verify(proposal)
+            # 4. stop strings, stream out; the drafter learns what was committed unless the request ended
             chunk = out.push(outcome.new_tokens, outcome.finish)
             if out.finish == "stop":
                 verifier.stop_at(len(out.tokens))
-            elif out.finish is None:
-                drafter.accept(chunk.token_ids)
-                if outcome.features is not None and isinstance(drafter, FeatureDrafter):
-                    drafter.add_features(root, outcome.features)
+            stats.record(side.on_verdict(proposal, outcome, stopped=out.finish == "stop"))
             yield chunk

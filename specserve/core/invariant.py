@@ -1,8 +1,8 @@
 """Drafter-invariant sampling: Gumbel noise keyed by (request seed, absolute position).
 
-VERIFICATION.md, rule E (Daliri, Musco, Suresh 2024, "Coupling without communication and
-drafter-invariant speculative decoding"). With ``SamplingParams.drafter_invariant`` the token at
-absolute position t (its index in prompt + output) is
+Rule E of docs/verification.md (#rule-e-gumbel-coupling-drafter-invariant; Daliri, Musco, Suresh
+2024, "Coupling without communication and drafter-invariant speculative decoding"). With
+``SamplingParams.drafter_invariant`` the token at absolute position t (its index in prompt + output) is
 
     y_t = argmax_x  log p_t(x) + G_t(x),     G_t(x) i.i.d. standard Gumbel,
 

@@ -8,8 +8,8 @@ Randomness is always an argument: each request owns ``torch.Generator`` objects 
 :func:`make_generators`; nothing here touches the global RNG.
 
 ``SamplingParams.drafter_invariant`` selects the drafter-invariant mode of
-:mod:`specserve.core.invariant` (VERIFICATION.md, rule E): every token is argmax(log p + Gumbel
-noise keyed by (seed, position)), so the output depends on the seed and the target only, never on
+:mod:`specserve.core.invariant` (rule E of docs/verification.md): every token is
+argmax(log p + Gumbel noise keyed by (seed, position)), so the output depends on the seed and the target only, never on
 the drafter, gamma, tree or tensor-parallel layout. It has no effect at temperature 0.
 
 ``SamplingParams.acceptance = "typical"`` selects Medusa's typical acceptance
@@ -48,7 +48,7 @@ class SamplingParams:
     # by (seed, absolute position)); same seed -> same output whatever the drafter, gamma, tree or TP
     # degree. Exact, but accepts fewer drafts than rejection sampling. No effect when greedy.
     drafter_invariant: bool = False
-    # How drafts are accepted: "exact" (the rules of VERIFICATION.md) or "typical" (Medusa's typical acceptance,
+    # How drafts are accepted: "exact" (the rules of docs/verification.md) or "typical" (Medusa's typical acceptance,
     # specserve.core.typical: LOSSY, the output is no longer distributed as the target's). "typical" runs only
     # with lossy=True, the explicit opt-in; epsilon and delta are its threshold min(epsilon, delta * exp(-H(p))).
     acceptance: Acceptance = "exact"

@@ -1,13 +1,12 @@
 """The target side of one request: prefill, then verify each draft and commit what it decides.
 
-:class:`TargetVerifier` is the one implementation of "score ``[last committed] + draft`` in one
-forward, apply the exact rules of :mod:`specserve.core.verification`, cut the new tokens at EOS
-and ``max_new_tokens``, roll the KV back to the committed text" — for chains, and for draft
-trees (:meth:`TargetVerifier.verify_tree`: tree attention, the rules of
-:mod:`specserve.core.tree_verification`, then KV compaction to the accepted path; local
-sequences only so far). The single-process engine and
-the distributed target replica (rank 0 of its tensor-parallel shards) both run it, so the two
-cannot drift apart.
+:class:`TargetVerifier` is the one implementation of "score ``[last committed] + proposal`` in one
+forward, apply the exact rules, cut the new tokens at EOS and ``max_new_tokens``, roll the KV back
+to the committed text" — for chains (the rules of :mod:`specserve.core.verification`) and for
+draft trees (tree attention, the rules of :mod:`specserve.core.tree_verification`, then KV
+compaction to the accepted path), behind one :meth:`TargetVerifier.verify`. The single-process
+engine and the distributed target replica (rank 0 of its tensor-parallel shards) both run it,
+so the two cannot drift apart.
 
 Where the keys and values live is behind :class:`TargetSequence`: one process
 (:class:`LocalSequence`, a :class:`~specserve.core.model.KVCache`) or several tensor-parallel
@@ -24,11 +23,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Literal, Protocol
 
 import torch
 
-from specserve.core.draft import Draft
+from specserve.core.draft import Draft, Proposal
 from specserve.core.invariant import invariant_scores
 from specserve.core.model import CausalLM, FeatureCapture
 from specserve.core.sampling import SamplingParams, warp_probs
@@ -96,17 +95,21 @@ class LocalSequence:
         self.cache.compact(keep)
 
 
-Verdict = TypeVar("Verdict", ChainVerdict, TreeVerdict)
+Verdict = ChainVerdict | TreeVerdict  # both name the accepted path (``accepted``) and the token after it
 
 
 @dataclass(frozen=True)
-class CycleOutcome(Generic[Verdict]):
+class CycleOutcome:
+    """What one verification decided and committed: the core result the engine, the drafter and the wire share."""
+
     verdict: Verdict  # what the rules decided, before any cut
     new_tokens: list[int]  # committed this cycle: accepted drafts + next token, cut at EOS / length
     finish: FinishReason | None  # "eos" or "length" when this cycle ended the request
     verify_seconds: float  # forward + verification + rollback
-    # with feature layers: the features of the block's root and of the accepted draft tokens, in order
+    committed_length: int  # committed tokens (prompt + output) after this cycle
+    # with feature layers: [len(path) + 1, width], the features of the block's root and of the accepted path
     features: torch.Tensor | None = None
+    allreduce_seconds: float = 0.0  # of verify_seconds, tensor-parallel all-reduces (rank 0's view)
 
 
 class TargetVerifier:
@@ -163,12 +166,21 @@ class TargetVerifier:
     def _capture(self) -> FeatureCapture | None:
         return FeatureCapture(self.feature_layers) if self.feature_layers else None
 
-    def verify(self, draft: Draft) -> CycleOutcome[ChainVerdict]:
-        """One cycle over a draft chain. With ``params.drafter_invariant`` (and T > 0) the greedy rule runs on
-        log p + G from :mod:`specserve.core.invariant` (likewise in :meth:`verify_tree`): q is ignored and the
-        request's generator is not consumed, so the output does not depend on the drafter."""
+    def verify(self, proposal: Proposal) -> CycleOutcome:
+        """One cycle: score ``[last committed] + proposal`` in one forward, decide by the chain rules (a
+        :class:`~specserve.core.draft.Draft`) or the tree rules (a :class:`~specserve.core.tree.DraftTree`),
+        commit, and roll the KV back (or compact it) to the committed text.
+
+        With ``params.drafter_invariant`` (and T > 0) the greedy rule runs on log p + G from
+        :mod:`specserve.core.invariant`: q is ignored and the request's generator is not consumed, so the
+        output does not depend on the drafter."""
         if self.finish is not None:
             raise RuntimeError(f"the request already finished ({self.finish})")
+        if isinstance(proposal, Draft):  # the one place the two kinds part: which rules apply
+            return self._verify_chain(proposal)
+        return self._verify_tree(proposal)
+
+    def _verify_chain(self, draft: Draft) -> CycleOutcome:
         start = time.perf_counter()
         head = torch.tensor([self.committed[-1]], dtype=torch.long, device=self.device)
         tokens = draft.tokens.to(self.device)
@@ -193,10 +205,8 @@ class TargetVerifier:
         features = capture.take()[: verdict.num_accepted + 1] if capture is not None else None
         return self._commit(verdict, new, start, features)
 
-    def verify_tree(self, tree: DraftTree) -> CycleOutcome[TreeVerdict]:
-        """One cycle over a draft tree: tree-attention forward, exact tree rules, keep only the accepted path."""
-        if self.finish is not None:
-            raise RuntimeError(f"the request already finished ({self.finish})")
+    def _verify_tree(self, tree: DraftTree) -> CycleOutcome:
+        """Tree-attention forward, exact tree rules, keep only the accepted path."""
         sequence = self.sequence
         if not (hasattr(sequence, "forward_tree") and hasattr(sequence, "compact")):
             raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
@@ -226,7 +236,7 @@ class TargetVerifier:
 
     def _commit(
         self, verdict: Verdict, new: list[int], start: float, features: torch.Tensor | None = None
-    ) -> CycleOutcome[Verdict]:
+    ) -> CycleOutcome:
         """Cut the new tokens at ``max_new_tokens`` and EOS, commit them, roll the KV back to the committed text."""
         remaining = self.remaining
         if len(new) >= remaining:
@@ -237,7 +247,8 @@ class TargetVerifier:
                 break
         self.committed.extend(new)
         self.sequence.rollback(len(self.committed) - 1)
-        return CycleOutcome(verdict, new, self.finish, time.perf_counter() - start, features)
+        seconds = time.perf_counter() - start
+        return CycleOutcome(verdict, new, self.finish, seconds, len(self.committed), features)
 
     def stop_at(self, num_output: int) -> None:
         """End the request with only its first ``num_output`` new tokens (a stop string matched)."""

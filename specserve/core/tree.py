@@ -24,7 +24,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -38,8 +38,48 @@ class ChildSampling(enum.StrEnum):
     WITHOUT_REPLACEMENT = "without_replacement"  # distinct, one after another from q with the earlier ones removed
 
 
+class VerifyRules(enum.StrEnum):
+    """Which exact rules the target applies to a proposal (what travels on the wire as ``Rules``)."""
+
+    CHAIN = "chain"  # one sampled child per depth: rule A (a :class:`~specserve.core.draft.Draft`)
+    TREE_IID = "tree_iid"  # tree rules, children drawn i.i.d. from their parent's q: rule B (or D without q)
+    TREE_WITHOUT_REPLACEMENT = "tree_without_replacement"  # tree rules, distinct children: rule C (or D)
+
+
+_TREE_RULES = {
+    ChildSampling.IID: VerifyRules.TREE_IID,
+    ChildSampling.WITHOUT_REPLACEMENT: VerifyRules.TREE_WITHOUT_REPLACEMENT,
+}
+
+
 class InvalidTree(ValueError):
     """A tree whose structure is inconsistent; the message says which node and why."""
+
+
+class PathVerdict(Protocol):
+    """What a verdict says about a proposal: the accepted root path (node indices) and the token after it."""
+
+    @property
+    def accepted(self) -> tuple[int, ...]: ...
+
+    @property
+    def next_token(self) -> int: ...
+
+
+def committed_tokens(
+    tokens: torch.Tensor, parents: Sequence[int], verdict: PathVerdict, kind: str = "tree"
+) -> list[int]:
+    """The tokens ``verdict`` commits after a proposal of ``tokens`` / ``parents``: the accepted path's tokens and
+    the next token. Raises :class:`InvalidTree` when the path is not a root path of that proposal."""
+    path = list(verdict.accepted)
+    expected = ROOT
+    for node in path:
+        if not 0 <= node < len(parents) or parents[node] != expected:
+            raise InvalidTree(
+                f"the verdict's path {path[:8]} is not a root path of the {len(parents)}-node {kind} sent"
+            )
+        expected = node
+    return [*(int(tokens[node]) for node in path), int(verdict.next_token)]
 
 
 @dataclass(frozen=True)
@@ -79,6 +119,32 @@ class DraftTree:
     def empty(device: torch.device | str = "cpu") -> DraftTree:
         return DraftTree(torch.empty(0, dtype=torch.long, device=device), ())
 
+    @staticmethod
+    def from_node_probs(
+        tokens: torch.Tensor,
+        parents: tuple[int, ...],
+        node_probs: torch.Tensor | None,  # [n, vocab]: the q each node was drawn from; None = deterministic
+        sampling: ChildSampling = ChildSampling.IID,
+    ) -> DraftTree:
+        """The tree whose node ``i`` was drawn from ``node_probs[i]`` (the inverse of :attr:`node_probs`).
+
+        Siblings were drawn from their parent's one distribution, so their rows must be equal."""
+        tree = DraftTree(tokens, parents, sampling=sampling)
+        if node_probs is None:
+            return tree
+        if node_probs.dim() != 2 or node_probs.shape[0] != tree.size:
+            raise InvalidTree(f"node_probs must be [{tree.size}, vocab], got {tuple(node_probs.shape)}")
+        rows = node_probs.new_zeros(tree.size + 1, node_probs.shape[1])
+        for parent, children in enumerate(tree.children):
+            if children:
+                first = node_probs[children[0]]
+                if any(not torch.equal(node_probs[c], first) for c in children[1:]):
+                    raise InvalidTree(
+                        f"the children of node {parent - 1} carry different q; siblings share their parent's q"
+                    )
+                rows[parent] = first
+        return DraftTree(tokens, parents, rows, sampling)
+
     # Structure ---------------------------------------------------------------------------------
 
     @property
@@ -113,6 +179,22 @@ class DraftTree:
         for i, parent in enumerate(self.parents):
             out.append((i,) if parent == ROOT else (*out[parent], i))
         return tuple(out)
+
+    @property
+    def rules(self) -> VerifyRules:
+        """The tree rules (B, C, or D without q) for how its children were drawn, even when chain-shaped."""
+        return _TREE_RULES[self.sampling]
+
+    @property
+    def node_probs(self) -> torch.Tensor | None:
+        """[n, vocab]: per node, the q it was drawn from (its parent's children's row); None = deterministic."""
+        if self.child_probs is None:
+            return None
+        return self.child_probs[[p + 1 for p in self.parents]]
+
+    def committed_by(self, verdict: PathVerdict) -> list[int]:
+        """The tokens a verdict on this tree commits (path + next token), checked against the tree."""
+        return committed_tokens(self.tokens, self.parents, verdict)
 
     @property
     def is_chain(self) -> bool:

@@ -1,7 +1,7 @@
 """Medusa's typical acceptance — a LOSSY verification rule, NOT exact: pure functions, no model.
 
 **This rule does not keep the output distributed as the target's.** Every other rule in specserve
-does (VERIFICATION.md, rules A-E); this one is listed there under "Not exact" and runs only when
+does (docs/verification.md, rules A-E); this one is listed there under "What is not exact" and runs only when
 a request asks for it explicitly (``SamplingParams(acceptance="typical", lossy=True)``), and
 whatever it produces is labelled ``lossy``.
 

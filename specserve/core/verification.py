@@ -1,6 +1,6 @@
 """Exact verification of a draft chain: pure tensor functions, no model, no I/O.
 
-Rules (see VERIFICATION.md, rule A; Leviathan et al. 2023, Chen et al. 2023):
+Rules (see docs/verification.md#rule-a-chain-one-sampled-child-per-depth; Leviathan et al. 2023, Chen et al. 2023):
 
 * greedy — accept draft tokens while each equals the target's argmax (lowest id on ties); the
   next token is the target's argmax at the first mismatch (*recovered*) or after the last draft
@@ -39,6 +39,11 @@ class ChainVerdict:
     num_accepted: int  # leading draft tokens accepted, 0..gamma
     next_token: int  # the recovered or bonus token appended after them
     next_kind: TokenKind  # RECOVERED or BONUS
+
+    @property
+    def accepted(self) -> tuple[int, ...]:
+        """The accepted nodes of the chain, as a tree verdict names them: ``0, 1, ..., num_accepted - 1``."""
+        return tuple(range(self.num_accepted))
 
 
 # ---------------------------------------------------------------------------------------------

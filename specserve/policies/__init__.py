@@ -1,5 +1,5 @@
 """Speculation policies (how much to draft each cycle), the online estimators they read, and the per-request
-controller that ties the two together (DESIGN.md §6).
+controller that ties the two together (docs/architecture.md#performance-model; docs/policies.md).
 
 The decision side touches no model, clock or random generator: estimators are fed
 :class:`~specserve.policies.base.CycleObservation` records and policies are pure functions of a

@@ -47,9 +47,9 @@ from specserve.policies.base import Budget, CycleObservation, PolicyState
 # Constants
 
 DEFAULT_ALPHA = 0.6
-"""Prior acceptance when nothing is known: the shipped pair's measured greedy α is 0.72 (DESIGN §4) and
-weaker drafters (n-gram lookup on prose) sit far lower; 0.6 errs low, so a request starts with a moderate γ
-and the first few cycles correct it either way."""
+"""Prior acceptance when nothing is known: the shipped draft's per-position acceptance in the engine is 0.68-0.75
+greedy and 0.61-0.68 at T = 1 (models/README.md, BENCHMARKS.md §1), and weaker drafters (n-gram lookup on prose)
+sit far lower; 0.6 errs low, so a request starts with a moderate γ and the first few cycles correct it either way."""
 
 PRIOR_STRENGTH = 4.0
 """Pseudo-counts behind every depth's prior mean: a request's own evidence outweighs the prior after four

@@ -1,4 +1,4 @@
-"""The performance model of DESIGN.md §6 as pure functions: expected tokens, cycle time and tokens per second.
+"""The performance model (docs/architecture.md#performance-model) as pure functions: tokens, time, rate.
 
 Per cycle, T = T_draft(budget) + T_verify(k) (sequential) or max(T_draft, T_verify) (overlap mode), with
 k = draft nodes + 1 (the root). A chain of γ drafts with conditional acceptance α̂_1 .. α̂_γ yields

@@ -4,7 +4,7 @@ A trace is what a policy experiment keeps of a run so that other policies can be
 it later (:mod:`specserve.policies.simulator`): per cycle, which request and workload it
 belonged to, the policy and the budget it chose, the shape that was actually drafted, how much
 was accepted (and the accept flag per depth reached), and where the time went. A trace file is a
-plain concatenation of msgpack maps, one per cycle (DESIGN.md §5: msgpack frames the traces), so
+plain concatenation of msgpack maps, one per cycle (docs/policies.md#traces: msgpack frames the traces), so
 appending from another run is just writing more maps at the end:
 
     with TraceWriter("runs/traces.msgpack") as writer:

@@ -1,4 +1,6 @@
-"""The wire between drafter and target: protobuf messages (protos/specserve/v1) and their codec.
+"""The wire between drafter and target: protobuf messages (protos/specserve/v1), their codec and the gRPC service.
 
-The gRPC services around them come with the distributed runtime (issue 3).
+:mod:`specserve.rpc.codec` turns proposals and the target's cycle outcomes into messages and back,
+validating everything received; :mod:`specserve.rpc.verifier` carries them over the
+``specserve.v1.Verifier`` stream. Only this package encodes protobuf.
 """

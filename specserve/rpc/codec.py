@@ -2,15 +2,19 @@
 
 * tensors travel as dtype + shape + raw bytes (never pickled); :func:`decode_tensor` checks that
   the byte count matches the shape and dtype before viewing the buffer;
-* a :class:`~specserve.core.draft.Draft` becomes a ``DraftTree`` whose parents form a chain
-  (``rules = RULES_CHAIN``); a :class:`~specserve.core.tree.DraftTree` keeps its parents and
-  names how its children were sampled (``RULES_TREE_*``). q travels per node — the distribution that
-  node was drawn from, i.e. its parent's children's — sparsely (support + probabilities, as
-  doubles, with q's dtype named), which is exact: the support is where the drafter could have
-  sampled, and the receiver rebuilds q bit for bit in its original dtype;
-* a chain or tree verdict becomes a ``Verdict`` (the accepted path's node indices), with the
-  target's features of the root and the accepted path when the drafter reads hidden states
-  (EAGLE, Medusa): only the accepted path's features travel, never the rejected branches'.
+* a proposal (:data:`~specserve.core.draft.Proposal`: a chain or a tree, through their one
+  interface) becomes a ``DraftTree`` message: its nodes' tokens and parents, the rules that
+  verify it (``RULES_CHAIN`` for a :class:`~specserve.core.draft.Draft`, ``RULES_TREE_*`` for a
+  :class:`~specserve.core.tree.DraftTree` by how its children were sampled), and per node the q
+  it was drawn from, sparsely (support + probabilities, as doubles, with q's dtype named), which
+  is exact: the support is where the drafter could have sampled, and the receiver rebuilds q bit
+  for bit in its original dtype;
+* the target's :class:`~specserve.core.target.CycleOutcome` becomes a ``Verdict``: the accepted
+  path's node indices, the next token, the committed length, the finish reason (an enum: the
+  drafter's side never guesses it), and the target's features of the root and the accepted path
+  when the drafter reads hidden states (EAGLE, Medusa): never the rejected branches'. The
+  receiver matches it with the proposal it answers (:meth:`VerdictInfo.outcome`) to get the same
+  outcome back.
 
 Malformed input raises :class:`WireError` with a message naming the offending field; a server
 turns that into a gRPC ``INVALID_ARGUMENT`` status instead of crashing.
@@ -26,9 +30,10 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import DecodeError
 
-from specserve.core.draft import Draft
+from specserve.core.draft import Proposal, proposal_from_nodes
 from specserve.core.errors import UserError
-from specserve.core.tree import ChildSampling, DraftTree, InvalidTree
+from specserve.core.target import CycleOutcome, FinishReason, Verdict
+from specserve.core.tree import InvalidTree, VerifyRules
 from specserve.core.tree_verification import TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.rpc.gen import speculation_pb2 as pb
@@ -51,10 +56,18 @@ _DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 _KIND_TO_WIRE = {TokenKind.RECOVERED: pb.TOKEN_KIND_RECOVERED, TokenKind.BONUS: pb.TOKEN_KIND_BONUS}
 _KIND_FROM_WIRE = {v: k for k, v in _KIND_TO_WIRE.items()}
 _RULES_TO_WIRE = {
-    ChildSampling.IID: pb.RULES_TREE_IID,
-    ChildSampling.WITHOUT_REPLACEMENT: pb.RULES_TREE_WITHOUT_REPLACEMENT,
+    VerifyRules.CHAIN: pb.RULES_CHAIN,
+    VerifyRules.TREE_IID: pb.RULES_TREE_IID,
+    VerifyRules.TREE_WITHOUT_REPLACEMENT: pb.RULES_TREE_WITHOUT_REPLACEMENT,
 }
 _RULES_FROM_WIRE = {v: k for k, v in _RULES_TO_WIRE.items()}
+_FINISH_TO_WIRE: dict[FinishReason | None, pb.FinishReason] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "eos": pb.FINISH_REASON_EOS,
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+}
+_FINISH_FROM_WIRE = {v: k for k, v in _FINISH_TO_WIRE.items()}
 
 
 class WireError(UserError):
@@ -95,21 +108,21 @@ def decode_tensor(message: pb.Tensor) -> torch.Tensor:
 # Drafts
 
 
-def encode_draft(request_id: str, cycle: int, draft: Draft | DraftTree) -> pb.DraftTree:
-    """A chain draft (verified by the chain rules) or a draft tree (tree rules) as a wire message."""
-    if isinstance(draft, Draft):
-        tokens, parents, probs = draft.tokens.tolist(), list(range(-1, draft.gamma - 1)), draft.draft_probs
-        rules = pb.RULES_CHAIN
-    else:
-        tree = draft
-        tokens, parents, rules = tree.tokens.tolist(), list(tree.parents), _RULES_TO_WIRE[draft.sampling]
-        # per node: the q it was drawn from = its parent's children's distribution
-        probs = tree.child_probs[[p + 1 for p in tree.parents]] if tree.child_probs is not None else None
+def encode_draft(request_id: str, cycle: int, proposal: Proposal) -> pb.DraftTree:
+    """A proposal as a wire message: its nodes, the rules that verify it, and per node the q it was drawn from."""
+    tokens = proposal.tokens.tolist()
     if any(not 0 <= t <= INT32_MAX for t in tokens):
         raise WireError(
             f"draft token_ids must be in [0, 2**31); got {[t for t in tokens if not 0 <= t <= INT32_MAX][:5]}"
         )
-    message = pb.DraftTree(request_id=request_id, cycle=cycle, token_ids=tokens, parents=parents, rules=rules)
+    message = pb.DraftTree(
+        request_id=request_id,
+        cycle=cycle,
+        token_ids=tokens,
+        parents=list(proposal.parents),
+        rules=_RULES_TO_WIRE[proposal.rules],
+    )
+    probs = proposal.node_probs
     if probs is not None:
         probs = probs.detach().cpu()
         if probs.dtype not in _DTYPE_NAMES or not probs.dtype.is_floating_point:
@@ -123,32 +136,27 @@ def encode_draft(request_id: str, cycle: int, draft: Draft | DraftTree) -> pb.Dr
     return message
 
 
-def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | str = "cpu") -> Draft | DraftTree:
-    """Validate a received message: a chain draft with dense q rows (or none) under the chain rules, a
-    :class:`~specserve.core.tree.DraftTree` under the tree rules."""
+def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | str = "cpu") -> Proposal:
+    """Validate a received message: a chain :class:`~specserve.core.draft.Draft` under the chain rules, a
+    :class:`~specserve.core.tree.DraftTree` under the tree rules, with q rebuilt bit for bit (or none)."""
     nodes = len(message.token_ids)
     if len(message.parents) != nodes:
         raise WireError(f"draft tree has {nodes} tokens but {len(message.parents)} parents")
-    if message.rules == pb.RULES_CHAIN:
-        if list(message.parents) != list(range(-1, nodes - 1)):
-            raise WireError("a draft sent under the chain rules must be a chain (parents -1, 0, 1, ...)")
-    elif message.rules not in _RULES_FROM_WIRE:
+    if message.rules == pb.RULES_UNSPECIFIED:
+        raise WireError("draft tree names no verification rules (RULES_UNSPECIFIED); send RULES_CHAIN or a tree rule")
+    rules = _RULES_FROM_WIRE.get(message.rules)
+    if rules is None:
         raise WireError(f"draft tree names unknown verification rules {message.rules}")
     bad = [t for t in message.token_ids if not 0 <= t < vocab_size]
     if bad:
         raise WireError(f"draft token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    tokens = torch.tensor(list(message.token_ids), dtype=torch.long, device=device)
+    tokens = torch.tensor(list(message.token_ids), dtype=torch.long)
     probs = _decode_probs(message, vocab_size)
-    if message.rules == pb.RULES_CHAIN:
-        return Draft(tokens, probs.to(device) if probs is not None else None)
-    sampling = _RULES_FROM_WIRE[message.rules]
     try:
-        tree = DraftTree(tokens, tuple(int(p) for p in message.parents), sampling=sampling)
+        proposal = proposal_from_nodes(tokens, tuple(int(p) for p in message.parents), probs, rules)
     except InvalidTree as exc:
         raise WireError(f"malformed draft tree: {exc}") from exc
-    if probs is not None:
-        tree = DraftTree(tokens, tree.parents, _child_probs(tree, probs).to(device), sampling)
-    return tree
+    return proposal.to(device)
 
 
 def _decode_probs(message: pb.DraftTree, vocab_size: int) -> torch.Tensor | None:
@@ -180,20 +188,8 @@ def _decode_probs(message: pb.DraftTree, vocab_size: int) -> torch.Tensor | None
     return dense.to(dtype)
 
 
-def _child_probs(tree: DraftTree, node_probs: torch.Tensor) -> torch.Tensor:
-    """Per-node q rows -> the tree's per-parent rows (siblings must agree; childless parents get zeros)."""
-    rows = node_probs.new_zeros(tree.size + 1, node_probs.shape[1])
-    for parent, children in enumerate(tree.children):
-        if children:
-            first = node_probs[children[0]]
-            if any(not torch.equal(node_probs[c], first) for c in children[1:]):
-                raise WireError(f"the children of node {parent - 1} carry different q; siblings share their parent's q")
-            rows[parent] = first
-    return rows
-
-
-def parse_draft(data: bytes, vocab_size: int, device: torch.device | str = "cpu") -> tuple[str, int, Draft | DraftTree]:
-    """Bytes from the wire -> (request id, cycle, chain draft or tree proposal)."""
+def parse_draft(data: bytes, vocab_size: int, device: torch.device | str = "cpu") -> tuple[str, int, Proposal]:
+    """Bytes from the wire -> (request id, cycle, chain or tree proposal)."""
     message = _parse(pb.DraftTree, data)
     return message.request_id, int(message.cycle), decode_draft(message, vocab_size, device)
 
@@ -204,29 +200,47 @@ def parse_draft(data: bytes, vocab_size: int, device: torch.device | str = "cpu"
 
 @dataclass(frozen=True)
 class VerdictInfo:
-    """A decoded ``Verdict``: the rules' decision plus what the drafter needs to continue."""
+    """A decoded ``Verdict``: the rules' decision and what the target committed, before it is matched with the
+    proposal it answers (:meth:`outcome`)."""
 
     request_id: str
     cycle: int
-    verdict: ChainVerdict | TreeVerdict  # a chain verdict whenever the path is 0, 1, 2, ...
+    verdict: Verdict  # a chain verdict whenever the path is 0, 1, 2, ...
     committed_length: int
-    finished: bool
+    finish: FinishReason | None = None  # None while the request runs on
     target_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     features: torch.Tensor | None = None  # hidden-state drafters: root + accepted path, one row each
 
+    def outcome(self, sent: Proposal, committed: int) -> CycleOutcome:
+        """The target's :class:`~specserve.core.target.CycleOutcome` for ``sent``, given ``committed`` tokens before
+        it: the verdict's path is checked against the proposal, and the new tokens are cut where the target cut."""
+        try:
+            tokens = sent.committed_by(self.verdict)
+        except InvalidTree as exc:
+            raise WireError(str(exc)) from exc
+        count = self.committed_length - committed
+        if not 1 <= count <= len(tokens):
+            raise WireError(
+                f"verdict committed_length {self.committed_length} does not follow {committed} committed tokens "
+                f"and a path of {len(tokens) - 1}"
+            )
+        return CycleOutcome(
+            self.verdict,
+            tokens[:count],
+            self.finish,
+            self.target_seconds,
+            self.committed_length,
+            self.features,
+            self.allreduce_seconds,
+        )
 
-def encode_verdict(
-    request_id: str,
-    cycle: int,
-    verdict: ChainVerdict | TreeVerdict,
-    committed_length: int,
-    finished: bool,
-    target_seconds: float = 0.0,
-    allreduce_seconds: float = 0.0,
-    features: torch.Tensor | None = None,
-) -> pb.Verdict:
-    path = list(verdict.accepted) if isinstance(verdict, TreeVerdict) else list(range(verdict.num_accepted))
+
+def encode_verdict(request_id: str, cycle: int, outcome: CycleOutcome) -> pb.Verdict:
+    """The target's outcome of one cycle as a ``Verdict``: the path, the next token, what was committed and why
+    the request ended (if it did); the new tokens themselves the drafter rebuilds from the proposal it sent."""
+    verdict, features = outcome.verdict, outcome.features
+    path = list(verdict.accepted)
     if features is not None and features.shape[0] != len(path) + 1:
         raise WireError(f"a verdict's features need one row per path node plus the root, got {features.shape[0]}")
     message = pb.Verdict(
@@ -235,10 +249,10 @@ def encode_verdict(
         accepted_path=path,
         next_token=verdict.next_token,
         next_kind=_KIND_TO_WIRE[verdict.next_kind],
-        committed_length=committed_length,
-        finished=finished,
-        target_seconds=target_seconds,
-        allreduce_seconds=allreduce_seconds,
+        committed_length=outcome.committed_length,
+        finish_reason=_FINISH_TO_WIRE[outcome.finish],
+        target_seconds=outcome.verify_seconds,
+        allreduce_seconds=outcome.allreduce_seconds,
     )
     if features is not None:
         message.features.CopyFrom(encode_tensor(features))
@@ -246,9 +260,9 @@ def encode_verdict(
     return message
 
 
-def decode_verdict(message: pb.Verdict) -> ChainVerdict | TreeVerdict:
+def decode_verdict(message: pb.Verdict) -> Verdict:
     """A chain verdict when the path is 0, 1, 2, ... (how chains are answered), else a tree verdict whose
-    path the drafter checks against the tree it sent (:func:`accepted_tokens`)."""
+    path the drafter checks against the tree it sent (:meth:`VerdictInfo.outcome`)."""
     path = [int(node) for node in message.accepted_path]
     if any(node < 0 for node in path) or any(b <= a for a, b in itertools.pairwise(path)):
         raise WireError(f"verdict path {path[:8]} must hold increasing node indices >= 0")
@@ -260,22 +274,6 @@ def decode_verdict(message: pb.Verdict) -> ChainVerdict | TreeVerdict:
     if path == list(range(len(path))):
         return ChainVerdict(len(path), int(message.next_token), kind)
     return TreeVerdict(tuple(path), int(message.next_token), kind)
-
-
-def accepted_tokens(sent: Draft | DraftTree, verdict: ChainVerdict | TreeVerdict) -> list[int]:
-    """The tokens a verdict commits (accepted path + next token), checked against the draft that was sent."""
-    if isinstance(sent, Draft):
-        if isinstance(verdict, TreeVerdict) or verdict.num_accepted > sent.gamma:
-            raise WireError(f"the verdict accepts {verdict.num_accepted} tokens of a {sent.gamma}-token chain")
-        return [*sent.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-    tree = sent
-    path = list(verdict.accepted) if isinstance(verdict, TreeVerdict) else list(range(verdict.num_accepted))
-    expected = -1
-    for node in path:
-        if node >= tree.size or tree.parents[node] != expected:
-            raise WireError(f"the verdict's path {path} is not a root path of the {tree.size}-node tree sent")
-        expected = node
-    return [*(int(tree.tokens[node]) for node in path), verdict.next_token]
 
 
 def parse_verdict(data: bytes) -> VerdictInfo:
@@ -291,12 +289,14 @@ def parse_verdict(data: bytes) -> VerdictInfo:
             )
         if not features.is_floating_point():
             raise WireError(f"verdict features must be floating point, got {features.dtype}")
+    if message.finish_reason not in _FINISH_FROM_WIRE:
+        raise WireError(f"verdict has an unknown finish_reason {message.finish_reason}")
     return VerdictInfo(
         request_id=message.request_id,
         cycle=int(message.cycle),
         verdict=decode_verdict(message),
         committed_length=int(message.committed_length),
-        finished=bool(message.finished),
+        finish=_FINISH_FROM_WIRE[message.finish_reason],
         target_seconds=float(message.target_seconds),
         allreduce_seconds=float(message.allreduce_seconds),
         features=features,

@@ -8,7 +8,9 @@ received is unpickled. Message-size limits are set explicitly on both ends
 ``INVALID_ARGUMENT``, an unknown request with ``NOT_FOUND``, and the server keeps serving.
 
 The server binds to 127.0.0.1 unless told otherwise. What verification means is the backend's
-business (:class:`VerifierBackend`); this module only carries messages.
+business (:class:`VerifierBackend`, which returns the core
+:class:`~specserve.core.target.CycleOutcome`); this module only carries messages, and only
+:mod:`specserve.rpc` encodes protobuf.
 """
 
 from __future__ import annotations
@@ -22,11 +24,18 @@ from typing import Any, Protocol
 
 import grpc
 
-from specserve.core.draft import Draft
+from specserve.core.draft import Proposal
 from specserve.core.errors import UserError
-from specserve.core.tree import DraftTree
-from specserve.rpc.codec import MAX_MESSAGE_BYTES, VerdictInfo, WireError, encode_draft, parse_draft, parse_verdict
-from specserve.rpc.gen import speculation_pb2 as pb
+from specserve.core.target import CycleOutcome
+from specserve.rpc.codec import (
+    MAX_MESSAGE_BYTES,
+    VerdictInfo,
+    WireError,
+    encode_draft,
+    encode_verdict,
+    parse_draft,
+    parse_verdict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +65,9 @@ class VerifierBackend(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def verify(self, request_id: str, cycle: int, draft: Draft | DraftTree) -> pb.Verdict:
-        """Verify one chain or tree of a known request; raise :class:`UnknownRequest` for any other."""
+    def verify(self, request_id: str, cycle: int, proposal: Proposal) -> CycleOutcome:
+        """Verify one chain or tree of a known request (the core outcome; this module encodes it); raise
+        :class:`UnknownRequest` for any other."""
         ...
 
 
@@ -111,8 +121,9 @@ class VerifierServer:
             yield reply
 
     def _handle(self, data: bytes) -> bytes:
-        request_id, cycle, draft = parse_draft(data, self.backend.vocab_size)
-        return bytes(self.backend.verify(request_id, cycle, draft).SerializeToString())
+        request_id, cycle, proposal = parse_draft(data, self.backend.vocab_size)
+        outcome = self.backend.verify(request_id, cycle, proposal)
+        return bytes(encode_verdict(request_id, cycle, outcome).SerializeToString())
 
 
 _END = object()
@@ -130,8 +141,8 @@ class VerifierStream:
         call = channel.stream_stream(SPECULATE)
         self._call = call(iter(self._outbox.get, _END), timeout=timeout)
 
-    def send(self, request_id: str, cycle: int, draft: Draft | DraftTree) -> None:
-        self.send_raw(encode_draft(request_id, cycle, draft).SerializeToString())
+    def send(self, request_id: str, cycle: int, proposal: Proposal) -> None:
+        self.send_raw(encode_draft(request_id, cycle, proposal).SerializeToString())
 
     def send_raw(self, data: bytes) -> None:
         self._outbox.put(data)

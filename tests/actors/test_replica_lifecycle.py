@@ -32,11 +32,11 @@ def test_every_shard_holds_exactly_the_committed_kv(
     (chains: rolled back; trees: compacted to the accepted path on every shard)."""
     import ray
 
-    from specserve.core.draft import Draft, propose_tree_within, propose_within
+    from specserve.core.draft import propose
     from specserve.core.sampling import make_generators
+    from specserve.core.schedule import Budget
     from specserve.core.tree import DraftTree, TreeBudget, TreeSpec
     from specserve.drafters.model import DraftModelDrafter
-    from specserve.rpc.codec import accepted_tokens
     from specserve.rpc.verifier import VerifierStream, open_channel
 
     pair = tiny_pairs["llama"]
@@ -55,16 +55,14 @@ def test_every_shard_holds_exactly_the_committed_kv(
         branched = 0
         for cycle in range(40):
             remaining = 24 - (len(committed) - len(prompt))
-            draft: Draft | DraftTree
-            if shape == "chain":
-                draft = propose_within(drafter, 3, remaining)
-            else:
-                draft = propose_tree_within(drafter, spec, remaining)
+            draft = propose(drafter, Budget(3) if shape == "chain" else Budget(0, spec), remaining)
+            if shape != "chain":
+                assert isinstance(draft, DraftTree)
                 branched += int(not draft.is_chain)
             stream.send("r", cycle, draft)
             info = stream.receive()
-            new = accepted_tokens(draft, info.verdict)
-            committed.extend(new[: info.committed_length - len(committed)])
+            new = info.outcome(draft, len(committed)).new_tokens
+            committed.extend(new)
             assert ray.get(replica.rank0.committed.remote("r")) == committed
 
             ray.get(replica.rank0.start_request.remote("fresh", committed, params, 1, [EOS_ID]))
@@ -79,7 +77,7 @@ def test_every_shard_holds_exactly_the_committed_kv(
                     torch.testing.assert_close(keys, fresh_keys, rtol=0, atol=1e-10)
                     torch.testing.assert_close(values, fresh_values, rtol=0, atol=1e-10)
             ray.get(replica.rank0.finish_request.remote("fresh"))
-            if info.finished:
+            if info.finish is not None:
                 break
             drafter.accept(new)
         else:

@@ -1,4 +1,4 @@
-"""Drafter-invariant sampling (VERIFICATION.md rule E): keyed Gumbel noise, argmax(log p + G) at every position.
+"""Drafter-invariant sampling (rule E of docs/verification.md): keyed Gumbel noise, argmax(log p + G) at every position.
 
 * The noise is a function of (seed, absolute position) only: repeatable, batch- and order-free,
   bit-identical in a fresh process, standard Gumbel (a KS test), and it leaves every RNG alone.
@@ -211,9 +211,9 @@ def test_no_generator_is_consumed(pair: TinyPair) -> None:
     drafter.accept(outcome.new_tokens)
     tree = drafter.propose_tree(DYNAMIC)
     assert tree.child_probs is None
-    verifier.verify_tree(tree)
+    verifier.verify(tree)
     verifier.verify(Draft.empty())
-    verifier.verify_tree(DraftTree.empty())
+    verifier.verify(DraftTree.empty())
     assert torch.equal(verify_gen.get_state(), states[0]) and torch.equal(draft_gen.get_state(), states[1])
     assert verifier.committed[len(prompt) :] == plain_invariant_loop(pair, prompt, params, verifier.num_output)
 

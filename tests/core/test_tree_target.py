@@ -1,4 +1,4 @@
-"""TargetVerifier.verify_tree in one process: greedy tree decoding equals transformers' greedy decoding.
+"""TargetVerifier.verify on draft trees in one process: greedy tree decoding equals transformers' greedy decoding.
 
 Trees come from a simple test drafter: a static topology (index paths) filled with the draft
 model's top-ranked tokens after each node's path (a plain forward per node, no cache: slow and
@@ -73,7 +73,7 @@ def run_tree_decoding(
     )
     verifier.prefill()
     while verifier.finish is None:
-        verifier.verify_tree(make_tree(verifier.committed))
+        verifier.verify(make_tree(verifier.committed))
     return verifier
 
 
@@ -109,7 +109,7 @@ def test_greedy_trees_accept_more_than_one_token_per_cycle(pair: TinyPair) -> No
     verifier.prefill()
     accepted = []
     while verifier.finish is None:
-        outcome = verifier.verify_tree(topk_tree(pair.draft, verifier.committed, topology))
+        outcome = verifier.verify(topk_tree(pair.draft, verifier.committed, topology))
         accepted.append(outcome.verdict.num_accepted)
     assert max(accepted) >= 1  # the draft shares the target's first block: some branch is right sometimes
 

@@ -1,4 +1,4 @@
-"""Exactness of the tree verifier (rule A extended to trees: recursive rejection over a node's children).
+"""Exactness of the tree verifier (docs/verification.md, rules B-D: recursive rejection over a node's children).
 
 * Greedy: hand-built trees where the accepted path and the next token are known.
 * The fast verifier equals ``reference_verify_tree`` (plain Python floats) on identically seeded generators.

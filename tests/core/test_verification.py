@@ -1,4 +1,4 @@
-"""Exactness of the chain verifier (VERIFICATION.md, rule A).
+"""Exactness of the chain verifier (docs/verification.md#rule-a-chain-one-sampled-child-per-depth).
 
 * Greedy: hand-built tables where the number of accepted tokens and the next token are known.
 * The fast stochastic path equals ``reference_verify_chain`` bit for bit on identically seeded generators.

@@ -1,7 +1,7 @@
 """TreeModelDrafter: static and dynamic (EAGLE-2) trees from the draft model, and greedy tree decoding with them.
 
 The drafter's trees are checked against plain forwards of the draft model over each node's path
-(no cache, no tree attention), and decoding with them through ``TargetVerifier.verify_tree``
+(no cache, no tree attention), and decoding with them through ``TargetVerifier.verify``
 must equal transformers' greedy decoding token for token.
 """
 
@@ -71,7 +71,7 @@ def decode(pair: TinyPair, propose: Callable[[TreeModelDrafter], DraftTree], max
     )
     verifier.prefill()
     while verifier.finish is None:
-        outcome = verifier.verify_tree(propose(drafter))
+        outcome = verifier.verify(propose(drafter))
         drafter.accept(outcome.new_tokens)
     return verifier.committed[len(PROMPT) :]
 

@@ -9,6 +9,7 @@ import torch
 
 from specserve.core.draft import Draft
 from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.target import CycleOutcome, FinishReason
 from specserve.core.tree import ChildSampling, DraftTree
 from specserve.core.tree_verification import TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
@@ -17,6 +18,18 @@ from specserve.rpc.codec import WireError
 from specserve.rpc.gen import speculation_pb2 as pb
 
 VOCAB = 50
+
+
+def _outcome(
+    verdict: ChainVerdict | TreeVerdict,
+    committed_length: int,
+    finish: FinishReason | None = None,
+    verify_seconds: float = 0.0,
+    allreduce_seconds: float = 0.0,
+) -> CycleOutcome:
+    """A target outcome as rank 0 returns it (the new tokens do not travel: the drafter rebuilds them)."""
+    new = [*range(len(verdict.accepted)), verdict.next_token]
+    return CycleOutcome(verdict, new, finish, verify_seconds, committed_length, None, allreduce_seconds)
 
 
 def test_chain_without_q_round_trips() -> None:
@@ -55,7 +68,7 @@ def test_tensor_round_trip(dtype: torch.dtype) -> None:
 
 def test_verdict_round_trip() -> None:
     for verdict in (ChainVerdict(0, 9, TokenKind.RECOVERED), ChainVerdict(4, 2, TokenKind.BONUS)):
-        message = codec.encode_verdict("r", 3, verdict, committed_length=120, finished=False)
+        message = codec.encode_verdict("r", 3, _outcome(verdict, committed_length=120))
         back = pb.Verdict.FromString(message.SerializeToString())
         assert codec.decode_verdict(back) == verdict and back.committed_length == 120
 
@@ -89,7 +102,7 @@ def test_malformed_trees_are_rejected(mutate: object, needle: str) -> None:
     ],
 )
 def test_malformed_q_is_rejected(ids: list[int], probs: list[float], needle: str) -> None:
-    message = pb.DraftTree(request_id="r", token_ids=[1], parents=[-1])
+    message = pb.DraftTree(request_id="r", token_ids=[1], parents=[-1], rules=pb.RULES_CHAIN)
     message.draft_probs.add(token_ids=ids, probs=probs)
     with pytest.raises(WireError, match=needle):
         codec.decode_draft(message, VOCAB)
@@ -178,18 +191,26 @@ def test_empty_trees_round_trip_through_bytes() -> None:
         request_id, cycle, back = codec.parse_draft(data, VOCAB)
         assert (request_id, cycle, back.gamma) == ("empty", 3, 0)
         assert back.tokens.dtype == torch.long and back.draft_probs is None
-    assert codec.parse_draft(b"", VOCAB)[2].gamma == 0  # the empty message is an empty tree of request ""
+    with pytest.raises(WireError, match="no verification rules"):  # the empty message names no rules
+        codec.parse_draft(b"", VOCAB)
 
 
-def test_draft_features_tensor_travels_with_the_tree() -> None:
-    features = torch.randn(3, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    message = codec.encode_draft("f", 1, Draft(torch.tensor([1, 2, 3]), None))
-    message.features.CopyFrom(codec.encode_tensor(features))
-    back = pb.DraftTree.FromString(message.SerializeToString())
-    assert back.HasField("features")
-    out = codec.decode_tensor(back.features)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, features)
-    assert not codec.encode_draft("f", 1, Draft.empty()).HasField("features")
+def test_every_proposal_names_its_rules_and_unspecified_is_refused() -> None:
+    wire = {
+        pb.RULES_CHAIN: Draft(torch.tensor([1, 2, 3]), None),
+        pb.RULES_TREE_IID: DraftTree(torch.tensor([1, 2]), (-1, -1)),
+        pb.RULES_TREE_WITHOUT_REPLACEMENT: DraftTree(
+            torch.tensor([1, 2]), (-1, -1), None, ChildSampling.WITHOUT_REPLACEMENT
+        ),
+    }
+    for rules, proposal in wire.items():
+        message = codec.encode_draft("r", 1, proposal)
+        assert message.rules == rules
+        assert codec.decode_draft(message, VOCAB).rules is proposal.rules
+    message.rules = pb.RULES_UNSPECIFIED
+    with pytest.raises(WireError, match="no verification rules"):
+        codec.decode_draft(message, VOCAB)
+    assert "features" not in pb.DraftTree.DESCRIPTOR.fields_by_name  # the unused field is gone (reserved)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bfloat16, torch.float16])
@@ -208,17 +229,18 @@ def test_tensor_negative_shape_and_unknown_dtypes_are_rejected() -> None:
 
 
 def test_verdict_round_trips_through_bytes_with_timings() -> None:
-    cases = [
-        (ChainVerdict(0, 9, TokenKind.RECOVERED), 17, False, 0.0, 0.0),
-        (ChainVerdict(5, 2, TokenKind.BONUS), 2**40, True, 0.0123456789, 0.000321),
+    cases: list[tuple[ChainVerdict, int, FinishReason | None, float, float]] = [
+        (ChainVerdict(0, 9, TokenKind.RECOVERED), 17, None, 0.0, 0.0),
+        (ChainVerdict(5, 2, TokenKind.BONUS), 2**40, "eos", 0.0123456789, 0.000321),
+        (ChainVerdict(1, 4, TokenKind.RECOVERED), 30, "length", 0.5, 0.0),
+        (ChainVerdict(2, 6, TokenKind.BONUS), 31, "stop", 0.25, 0.125),
     ]
-    for verdict, committed, finished, target_seconds, allreduce_seconds in cases:
-        message = codec.encode_verdict(
-            "req-v", 2**63 + 5, verdict, committed, finished, target_seconds, allreduce_seconds
-        )
+    for verdict, committed, finish, target_seconds, allreduce_seconds in cases:
+        outcome = _outcome(verdict, committed, finish, target_seconds, allreduce_seconds)
+        message = codec.encode_verdict("req-v", 2**63 + 5, outcome)
         info = codec.parse_verdict(message.SerializeToString())
         assert info == codec.VerdictInfo(
-            "req-v", 2**63 + 5, verdict, committed, finished, target_seconds, allreduce_seconds
+            "req-v", 2**63 + 5, verdict, committed, finish, target_seconds, allreduce_seconds
         )
         assert list(message.accepted_path) == list(range(verdict.num_accepted))
 
@@ -232,6 +254,7 @@ def test_verdict_round_trips_through_bytes_with_timings() -> None:
         ({"next_kind": pb.TOKEN_KIND_UNSPECIFIED}, "next_kind"),
         ({"next_kind": 7}, "next_kind"),  # proto3 enums are open: unknown values parse
         ({"next_token": -1}, "next_token"),
+        ({"finish_reason": 9}, "finish_reason"),
     ],
 )
 def test_malformed_verdicts_are_rejected(fields: dict[str, object], needle: str) -> None:
@@ -248,15 +271,16 @@ def test_malformed_verdicts_are_rejected(fields: dict[str, object], needle: str)
 
 @pytest.mark.parametrize("token", [2**31 - 1, VOCAB, VOCAB + 1, -1, -(2**31)])
 def test_out_of_vocabulary_draft_ids_are_rejected_naming_the_field(token: int) -> None:
-    message = pb.DraftTree(request_id="r", token_ids=[1, token], parents=[-1, 0])
+    message = pb.DraftTree(request_id="r", token_ids=[1, token], parents=[-1, 0], rules=pb.RULES_CHAIN)
     with pytest.raises(WireError, match=rf"draft token ids \[{token}\] are outside the vocabulary \[0, {VOCAB}\)"):
         codec.parse_draft(message.SerializeToString(), VOCAB)
-    assert codec.parse_draft(pb.DraftTree(token_ids=[VOCAB - 1], parents=[-1]).SerializeToString(), VOCAB)[2].gamma
+    last = pb.DraftTree(token_ids=[VOCAB - 1], parents=[-1], rules=pb.RULES_CHAIN)
+    assert codec.parse_draft(last.SerializeToString(), VOCAB)[2].size == 1
 
 
 @pytest.mark.parametrize("support_id", [2**31 - 1, VOCAB, -1])
 def test_out_of_vocabulary_q_support_ids_are_rejected(support_id: int) -> None:
-    message = pb.DraftTree(request_id="r", token_ids=[1], parents=[-1])
+    message = pb.DraftTree(request_id="r", token_ids=[1], parents=[-1], rules=pb.RULES_CHAIN)
     message.draft_probs.add(token_ids=[1, support_id], probs=[0.5, 0.5])
     with pytest.raises(WireError, match="draft distribution 0 has repeated or out-of-vocabulary ids"):
         codec.parse_draft(message.SerializeToString(), VOCAB)
@@ -288,7 +312,9 @@ def test_truncated_draft_frames_give_wire_error() -> None:
 
 
 def test_truncated_verdict_frames_give_wire_error() -> None:
-    message = codec.encode_verdict("truncated", 9, ChainVerdict(3, 7, TokenKind.BONUS), 100, True, 0.25, 0.125)
+    message = codec.encode_verdict(
+        "truncated", 9, _outcome(ChainVerdict(3, 7, TokenKind.BONUS), 100, "eos", 0.25, 0.125)
+    )
     data = message.SerializeToString()
     for cut in (1, 2, 5, 6, len(data) - 1):
         with pytest.raises(WireError):
@@ -316,7 +342,7 @@ def test_oversize_verdicts_and_q_trees_are_refused(monkeypatch: pytest.MonkeyPat
     q = _sparse_q(torch.float64)
     draft = Draft(_sample_tokens(q), q)
     data = codec.encode_draft("big", 0, draft).SerializeToString()
-    verdict = codec.encode_verdict("v" * 100, 0, ChainVerdict(1, 1, TokenKind.BONUS), 5, False).SerializeToString()
+    verdict = codec.encode_verdict("v" * 100, 0, _outcome(ChainVerdict(1, 1, TokenKind.BONUS), 5)).SerializeToString()
     monkeypatch.setattr(codec, "MAX_MESSAGE_BYTES", 100)
     with pytest.raises(WireError, match="exceeds the 100-byte limit"):
         codec.encode_draft("big", 0, draft)
@@ -324,7 +350,7 @@ def test_oversize_verdicts_and_q_trees_are_refused(monkeypatch: pytest.MonkeyPat
         codec.parse_draft(data, VOCAB)
     with pytest.raises(WireError, match="exceeds"):
         codec.parse_verdict(verdict)
-    small = codec.encode_verdict("v", 0, ChainVerdict(0, 1, TokenKind.BONUS), 1, False).SerializeToString()
+    small = codec.encode_verdict("v", 0, _outcome(ChainVerdict(0, 1, TokenKind.BONUS), 1)).SerializeToString()
     assert len(small) <= 100 and codec.parse_verdict(small).request_id == "v"
 
 
@@ -381,15 +407,38 @@ def test_siblings_with_different_q_are_rejected() -> None:
 def test_tree_verdicts_round_trip_and_paths_are_checked_against_the_tree() -> None:
     tree = DraftTree(torch.tensor([5, 6, 7, 8]), (-1, -1, 1, 2))
     verdict = TreeVerdict((1, 2, 3), 11, TokenKind.BONUS)
-    info = codec.parse_verdict(codec.encode_verdict("v", 1, verdict, 10, False).SerializeToString())
+    info = codec.parse_verdict(codec.encode_verdict("v", 1, _outcome(verdict, 10)).SerializeToString())
     assert info.verdict == verdict
-    assert codec.accepted_tokens(tree, info.verdict) == [6, 7, 8, 11]
-    assert codec.accepted_tokens(tree, ChainVerdict(1, 3, TokenKind.RECOVERED)) == [5, 3]
+    assert info.outcome(tree, 6).new_tokens == [6, 7, 8, 11]
+    assert info.outcome(tree, 8).new_tokens == [6, 7]  # the target cut after two tokens (committed_length 10)
+    assert info.outcome(tree, 6).committed_length == 10 and info.outcome(tree, 6).verdict == verdict
+
+    def answer(verdict: ChainVerdict | TreeVerdict, committed_length: int = 10) -> codec.VerdictInfo:
+        return codec.VerdictInfo("v", 1, verdict, committed_length)
+
+    assert answer(ChainVerdict(1, 3, TokenKind.RECOVERED), 8).outcome(tree, 6).new_tokens == [5, 3]
     with pytest.raises(WireError, match="not a root path"):  # node 2's parent is 1, not 0
-        codec.accepted_tokens(tree, TreeVerdict((0, 2), 1, TokenKind.BONUS))
+        answer(TreeVerdict((0, 2), 1, TokenKind.BONUS)).outcome(tree, 6)
     with pytest.raises(WireError, match="not a root path"):
-        codec.accepted_tokens(tree, TreeVerdict((1, 2, 3, 4), 1, TokenKind.BONUS))
+        answer(TreeVerdict((1, 2, 3, 4), 1, TokenKind.BONUS)).outcome(tree, 6)
     with pytest.raises(WireError, match="chain"):
-        codec.accepted_tokens(Draft(torch.tensor([1, 2]), None), ChainVerdict(3, 1, TokenKind.BONUS))
+        answer(ChainVerdict(3, 1, TokenKind.BONUS)).outcome(Draft(torch.tensor([1, 2]), None), 6)
     with pytest.raises(WireError, match="chain"):
-        codec.accepted_tokens(Draft(torch.tensor([1, 2]), None), verdict)
+        answer(verdict).outcome(Draft(torch.tensor([1, 2]), None), 6)
+    with pytest.raises(WireError, match="committed_length"):  # every verdict commits at least one token
+        answer(verdict, 6).outcome(tree, 6)
+    with pytest.raises(WireError, match="committed_length"):  # and never more than its path and next token
+        answer(verdict, 11).outcome(tree, 6)
+
+
+def test_verdict_features_travel_with_the_accepted_path_only() -> None:
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), (-1, -1, 1, 2))
+    verdict = TreeVerdict((1, 2), 9, TokenKind.RECOVERED)
+    features = torch.randn(3, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)  # root + 2 nodes
+    sent = CycleOutcome(verdict, [6, 7, 9], None, 0.1, 13, features)
+    info = codec.parse_verdict(codec.encode_verdict("f", 2, sent).SerializeToString())
+    back = info.outcome(tree, 10)
+    assert back.features is not None and back.features.dtype == torch.bfloat16 and torch.equal(back.features, features)
+    assert back == CycleOutcome(verdict, [6, 7, 9], None, 0.1, 13, back.features)
+    with pytest.raises(WireError, match="one row per path node"):
+        codec.encode_verdict("f", 2, CycleOutcome(verdict, [6, 7, 9], None, 0.1, 13, features[:2]))

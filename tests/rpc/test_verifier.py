@@ -15,11 +15,12 @@ import pytest
 import torch
 from conftest import VOCAB, TinyPair, hf_greedy_ids
 
-from specserve.core.draft import Draft, propose_within
+from specserve.core.draft import Draft, Proposal, propose
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.target import LocalSequence, TargetVerifier
+from specserve.core.schedule import Budget
+from specserve.core.target import CycleOutcome, LocalSequence, TargetVerifier
 from specserve.core.verification import TokenKind
 from specserve.drafters.model import DraftModelDrafter
 from specserve.rpc import codec
@@ -59,7 +60,7 @@ class TargetBackend:
         with self._lock:
             self._requests[request_id] = verifier
 
-    def verify(self, request_id: str, cycle: int, draft: Draft) -> pb.Verdict:
+    def verify(self, request_id: str, cycle: int, draft: Proposal) -> CycleOutcome:
         with self._lock:
             verifier = self._requests.get(request_id)
         if verifier is None:
@@ -68,20 +69,13 @@ class TargetBackend:
         if outcome.finish is not None:  # a finished request is forgotten: later trees get NOT_FOUND
             with self._lock:
                 del self._requests[request_id]
-        return codec.encode_verdict(
-            request_id,
-            cycle,
-            outcome.verdict,
-            committed_length=len(verifier.committed),
-            finished=outcome.finish is not None,
-            target_seconds=outcome.verify_seconds,
-        )
+        return outcome
 
 
 class ExplodingBackend(TargetBackend):
     """A backend with a bug for one request id."""
 
-    def verify(self, request_id: str, cycle: int, draft: Draft) -> pb.Verdict:
+    def verify(self, request_id: str, cycle: int, draft: Proposal) -> CycleOutcome:
         if request_id == "boom":
             raise RuntimeError("backend bug")
         return super().verify(request_id, cycle, draft)
@@ -147,7 +141,7 @@ def generate_over_wire(
     committed = len(prompt)
     output: list[int] = []
     for cycle in range(max_new_tokens + 1):
-        draft = propose_within(drafter, gamma, max_new_tokens - len(output))
+        draft = propose(drafter, Budget(gamma), max_new_tokens - len(output))
         assert draft.gamma == 0 or (draft.draft_probs is None) == params.greedy  # q travels when sampled
         stream.send(request_id, cycle, draft)
         info = stream.receive()
@@ -156,11 +150,11 @@ def generate_over_wire(
         assert (info.request_id, info.cycle) == (request_id, cycle)
         assert info.target_seconds > 0
         assert info.verdict.num_accepted <= draft.gamma
-        new = [*draft.tokens[: info.verdict.num_accepted].tolist(), info.verdict.next_token]
-        new = new[: info.committed_length - committed]
+        new = info.outcome(draft, committed).new_tokens
+        assert new == [*draft.tokens[: info.verdict.num_accepted].tolist(), info.verdict.next_token][: len(new)]
         committed = info.committed_length
         output.extend(new)
-        if info.finished:
+        if info.finish is not None:
             return output
         drafter.accept(new)
     raise AssertionError("the verifier never finished the request")
@@ -295,7 +289,9 @@ def test_out_of_vocabulary_draft_gives_invalid_argument(served_llama: Served, ll
     assert llama.target.info.vocab_size == VOCAB
     served_llama.backend.start("oov", [5, 6, 7], SamplingParams(), 8)
     stream = served_llama.stream()
-    stream.send_raw(pb.DraftTree(request_id="oov", token_ids=[4, token], parents=[-1, 0]).SerializeToString())
+    stream.send_raw(
+        pb.DraftTree(request_id="oov", token_ids=[4, token], parents=[-1, 0], rules=pb.RULES_CHAIN).SerializeToString()
+    )
     error = receive_error(stream)
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in str(error)
     assert_serves(served_llama, "after-oov")
@@ -333,7 +329,7 @@ def test_tree_after_the_request_finished_gives_not_found(served_llama: Served) -
     stream = served_llama.stream()
     stream.send("short", 0, Draft.empty())
     info = stream.receive()
-    assert info.finished and info.committed_length == 4
+    assert info.finish == "length" and info.committed_length == 4
     stream.send("short", 1, Draft.empty())
     assert receive_error(stream).code == grpc.StatusCode.NOT_FOUND
     assert_serves(served_llama, "after-short")

@@ -9,6 +9,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 
 class Rules(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
+    RULES_UNSPECIFIED: _ClassVar[Rules]
     RULES_CHAIN: _ClassVar[Rules]
     RULES_TREE_IID: _ClassVar[Rules]
     RULES_TREE_WITHOUT_REPLACEMENT: _ClassVar[Rules]
@@ -18,12 +19,24 @@ class TokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOKEN_KIND_UNSPECIFIED: _ClassVar[TokenKind]
     TOKEN_KIND_RECOVERED: _ClassVar[TokenKind]
     TOKEN_KIND_BONUS: _ClassVar[TokenKind]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+RULES_UNSPECIFIED: Rules
 RULES_CHAIN: Rules
 RULES_TREE_IID: Rules
 RULES_TREE_WITHOUT_REPLACEMENT: Rules
 TOKEN_KIND_UNSPECIFIED: TokenKind
 TOKEN_KIND_RECOVERED: TokenKind
 TOKEN_KIND_BONUS: TokenKind
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -44,13 +57,12 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "features", "draft_probs_dtype", "rules")
+    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "draft_probs_dtype", "rules")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -58,20 +70,19 @@ class DraftTree(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
-    features: Tensor
     draft_probs_dtype: str
     rules: Rules
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., draft_probs_dtype: _Optional[str] = ..., rules: _Optional[_Union[Rules, str]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_probs_dtype: _Optional[str] = ..., rules: _Optional[_Union[Rules, str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finished", "target_seconds", "allreduce_seconds", "features")
+    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finish_reason", "target_seconds", "allreduce_seconds", "features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_KIND_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -81,8 +92,8 @@ class Verdict(_message.Message):
     next_token: int
     next_kind: TokenKind
     committed_length: int
-    finished: bool
+    finish_reason: FinishReason
     target_seconds: float
     allreduce_seconds: float
     features: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finished: _Optional[bool] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

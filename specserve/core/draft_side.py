@@ -1,0 +1,124 @@
+"""The draft half of one request's speculation cycle: one object, driven by the engine loop and the drafter actor.
+
+A :class:`DraftSide` owns what one request needs to draft: its drafter, its schedule (how much to
+draft each cycle), the hand-off of the target's features to a hidden-state drafter, and the
+cycle's observation. Its driver calls two methods per cycle:
+
+1. :meth:`DraftSide.propose` — the schedule's next budget, then the drafter's proposal (a chain or
+   a tree: a :data:`~specserve.core.draft.Proposal`) within the tokens the request may still emit;
+2. :meth:`DraftSide.on_verdict` — given the target's :class:`~specserve.core.target.CycleOutcome`
+   for that proposal: the schedule observes the cycle, and, unless the request ended, the drafter
+   is told what was committed and handed the cycle's features.
+
+The in-process engine (:mod:`specserve.core.engine`) drives it next to a
+:class:`~specserve.core.target.TargetVerifier`; the drafter actor (``specserve.actors.drafter``)
+drives it across a gRPC stream, and wraps it to draft ahead while the target verifies (overlap
+mode). Both make the same drafter calls and random draws in the same order, so a seeded request
+emits the same tokens through either. Knows nothing of the target's model, the wire or Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specserve.core.draft import Drafter, FeatureDrafter, Proposal, SharesTargetKV, check_can_draft, propose
+from specserve.core.model import KVCache
+from specserve.core.sampling import SamplingParams
+from specserve.core.schedule import Budget, CycleObservation, Schedule
+from specserve.core.target import CycleOutcome
+
+
+class DraftSide:
+    """One request's drafter, schedule and feature hand-off, advanced one cycle at a time.
+
+    ``budget`` is the request's own budget (its γ or tree); ``schedule`` decides each cycle's.
+    """
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        schedule: Schedule,
+        budget: Budget,
+        num_prompt: int,
+        max_new_tokens: int,
+        device: torch.device | str = "cpu",
+        drafter_name: str | None = None,
+    ) -> None:
+        check_can_draft(drafter, budget.tree, drafter_name)
+        self.drafter = drafter
+        self.schedule = schedule
+        self.device = torch.device(device)
+        self.committed = num_prompt  # length of the committed text (prompt + output)
+        self.remaining = max_new_tokens  # tokens the request may still emit
+        self.budget = budget  # the last proposal's budget
+        self.draft_seconds = 0.0  # time the last proposal took (drafting on the critical path)
+        self._reader = drafter if isinstance(drafter, FeatureDrafter) else None
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target features the drafter reads (EAGLE, Medusa); empty for any other drafter."""
+        return tuple(self._reader.feature_layers) if self._reader is not None else ()
+
+    @property
+    def reads_features(self) -> bool:
+        return self._reader is not None
+
+    def start(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+        target_cache: KVCache | None = None,
+    ) -> None:
+        """Reset the drafter for this request. ``target_cache``: the request's target KV in this process, which a
+        drafter made of the target's own first layers (:class:`~specserve.core.draft.SharesTargetKV`) reads."""
+        self.drafter.start(prompt_ids, params, generator)
+        if target_cache is not None and isinstance(self.drafter, SharesTargetKV):
+            self.drafter.share_target_cache(target_cache)
+
+    def add_prompt_features(self, features: torch.Tensor | None) -> None:
+        """The target's features of the prompt (all but its last token), from the prefill."""
+        if self._reader is not None and features is not None:
+            self._reader.add_features(0, features.to(self.device))
+
+    # -----------------------------------------------------------------------------------------
+    # One cycle
+
+    def propose(self) -> Proposal:
+        """The next proposal: the schedule's budget, drafted within the request's remaining tokens."""
+        self.budget = self.schedule.next_budget(self.remaining)
+        start = time.perf_counter()
+        proposal = propose(self.drafter, self.budget, self.remaining, self.device)
+        self.draft_seconds = time.perf_counter() - start
+        return proposal
+
+    def on_verdict(
+        self, proposal: Proposal, outcome: CycleOutcome, *, wire_seconds: float = 0.0, stopped: bool = False
+    ) -> CycleObservation:
+        """Record the verdict on ``proposal``; unless the request ended (``outcome.finish``, or ``stopped`` by a
+        stop string), tell the drafter what was committed and hand it the cycle's features."""
+        observation = CycleObservation(
+            self.budget,
+            proposal.size,
+            proposal.depth,
+            outcome.verdict.num_accepted,
+            draft_seconds=self.draft_seconds,
+            verify_seconds=outcome.verify_seconds,
+            wire_seconds=wire_seconds,
+        )
+        self.schedule.observe(observation)
+        root = self.committed - 1  # the position of the verified block's first token
+        self.committed += len(outcome.new_tokens)
+        self.remaining -= len(outcome.new_tokens)
+        if outcome.finish is None and not stopped:
+            self._hand_over(proposal, outcome, root)
+        return observation
+
+    def _hand_over(self, proposal: Proposal, outcome: CycleOutcome, root: int) -> None:
+        """Tell the drafter the committed tokens; a hidden-state drafter also gets the features from ``root`` on."""
+        self.drafter.accept(outcome.new_tokens)
+        if self._reader is not None and outcome.features is not None:
+            self._reader.add_features(root, outcome.features.to(self.device))
