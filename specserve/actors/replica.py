@@ -1,6 +1,7 @@
 """Spawning one target replica: its placement groups, its tensor-parallel shard actors and its drafter.
 
-The placement math is :mod:`specserve.cluster.placement` (pure); this module turns a plan into
+What a replica is — every setting — is :class:`~specserve.cluster.replica_config.ReplicaConfig`
+(re-exported here); the placement math is :mod:`specserve.cluster.placement` (pure); this module turns a plan into
 Ray objects: a ``STRICT_PACK`` group with one bundle per TP rank on the "large" resource (plus
 the drafter's bundle when co-located), or a separate group on the "cheap" resource for the
 drafter. The shard actors join one ``torch.distributed`` group — every rank's
@@ -15,61 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from specserve.actors.drafter import DrafterActor
 from specserve.actors.target_shard import TargetShardActor
-from specserve.cluster.placement import ClusterSpec, DrafterPlacement, replica_placement
+from specserve.cluster.placement import replica_placement
+from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
 from specserve.core.model import ModelInfo
 
 
 class ReplicaStartError(UserError):
     """A replica could not be placed or started; the message says what the cluster lacks."""
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    target: str  # target model directory (readable on every node that hosts a shard or a drafter)
-    draft: str = "ngram"  # "none", "ngram" or a draft model directory
-    dtype: str = "float32"
-    device: str = "cpu"
-    tp_degree: int = 1
-    drafter_placement: DrafterPlacement = "colocated"
-    overlap: bool = False
-    max_ngram: int = 3
-    min_ngram: int = 1
-    threads_per_shard: int = 1  # torch intra-op threads in each shard actor
-    threads_per_drafter: int = 1
-    # Interface rank 0's gRPC verifier binds. Loopback keeps everything on this machine; on a multi-node
-    # cluster where drafters run on other ("cheap") nodes, set the cluster-network address or "0.0.0.0".
-    verifier_host: str = "127.0.0.1"
-    cluster: ClusterSpec = field(default_factory=ClusterSpec)  # resource names and CPUs per actor
-    ready_timeout_s: float = 120.0
-    # tensor-parallel collectives fail after this long (a dead rank surfaces as an error, not a hang); an idle
-    # replica's rank 0 sends heartbeats well within it, so idleness never trips it
-    collective_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        # The cluster spec validates TP degree and placement; build one now so errors come early.
-        self.spec()
-        if self.threads_per_shard < 1 or self.threads_per_drafter < 1:
-            raise ReplicaStartError("threads_per_shard and threads_per_drafter must be >= 1")
-
-    def spec(self) -> ClusterSpec:
-        base = self.cluster
-        return ClusterSpec(
-            target_replicas=1,
-            tp_degree=self.tp_degree,
-            drafter_placement=self.drafter_placement,
-            accelerator="gpu" if self.device.startswith("cuda") else "cpu",
-            large_resource=base.large_resource,
-            cheap_resource=base.cheap_resource,
-            cpus_per_shard=base.cpus_per_shard,
-            cpus_per_drafter=base.cpus_per_drafter,
-            gpus_per_drafter=base.gpus_per_drafter,
-        )
 
 
 @dataclass
@@ -171,16 +130,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             max_concurrency=4,
             runtime_env={"env_vars": _actor_env(config.threads_per_drafter)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle),
-        ).remote(
-            config.draft,
-            config.target,
-            info,
-            dtype=config.dtype,
-            device=config.device,
-            max_ngram=config.max_ngram,
-            min_ngram=config.min_ngram,
-            num_threads=config.threads_per_drafter,
-        )
+        ).remote(config.draft, config.target, info, num_threads=config.threads_per_drafter, **config.drafter_options())
         actors.append(drafter)
         # surfaces a drafter that cannot load (bad path, vocabulary); hidden-state drafters name their features
         feature_layers = tuple(ray.get(drafter.feature_layers.remote()))

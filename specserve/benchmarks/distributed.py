@@ -132,7 +132,7 @@ def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
                 target=cfg.target,
                 draft=cfg.draft,
                 tp_degree=method.tp,
-                drafter_placement=method.placement,  # type: ignore[arg-type]
+                drafter_placement=method.placement,
                 overlap=method.overlap,
                 # With overlap the drafter computes while the target verifies: it takes one core of its own.
                 threads_per_shard=cfg.threads if method.tp == 1 and not method.overlap else 1,

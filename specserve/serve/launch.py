@@ -39,7 +39,8 @@ def serving(file: ServeFile, ray_address: str | None = None) -> Iterator[dict[st
     from specserve.cluster.connect import connect_ray
 
     config = file.config
-    with connect_ray(ray_address, tp_degree=config.tp_degree, replicas=max_model_replicas(file)) as where:
+    replicas = max_model_replicas(file)
+    with connect_ray(ray_address, tp_degree=config.tp_degree, spec=config.spec(), replicas=replicas) as where:
         serve.start(http_options={"host": file.host, "port": file.port})
         try:
             serve.run(application(config, file.deployment_options), name=file.app_name, route_prefix=file.route_prefix)

@@ -1,0 +1,239 @@
+"""The one replica configuration: every setting of a target replica, typed, bounded, documented and checked.
+
+:class:`ReplicaConfig` is the source of truth for what a replica is — its models, dtype, device,
+tensor-parallel degree, drafter placement, threads, timeouts and the resources it asks Ray for.
+The other edges derive from it instead of declaring the settings again:
+
+* Python: ``ReplicaConfig(target=..., tp_degree=2)``; a value of the wrong type or out of range
+  raises pydantic's ``ValidationError`` naming the field, and settings that disagree (n-gram
+  sizes, a TP degree that is no power of two, resource names) a
+  :class:`~specserve.core.errors.UserError` saying what to change (both are ``ValueError``);
+* the Serve config YAML: :class:`~specserve.serve.config.ServeConfig` inherits these fields, so
+  its ``args`` carry them under the same names, one to one;
+* the command line: :meth:`ReplicaConfig.add_arguments` makes one flag per field (name, type,
+  default, help, choices from the field) and :meth:`ReplicaConfig.from_args` reads them back;
+* placement: :meth:`ReplicaConfig.spec` derives the :class:`~specserve.cluster.placement.ClusterSpec`
+  from the fields the two share by name.
+
+Model paths are made absolute here, once (:func:`resolve_model_path`): a plain model directory
+and the directory in ``eagle:DIR``, ``medusa:DIR`` and ``layerskip:DIR``, when it exists where
+the configuration is read, so that a replica started on another node or in another working
+directory finds it.
+
+Does not start, place or load anything (:mod:`specserve.actors.replica` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal, Self, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from specserve import defaults
+from specserve.cluster.placement import MAX_TP, Accelerator, ClusterSpec, DrafterPlacement
+from specserve.core.errors import UserError
+
+Dtype = Literal["float32", "float64", "bfloat16", "float16"]
+_SPEC = ClusterSpec()  # the placement defaults (resource names, CPUs per actor)
+
+# Where the command line and the Serve YAML differ from Python: left out there, they mean the shipped pair.
+EDGE_DEFAULTS: dict[str, str] = {"target": str(defaults.DEFAULT_TARGET), "draft": str(defaults.DEFAULT_DRAFT)}
+
+
+class InvalidSetting(UserError):
+    """A setting has a wrong type or is out of range, or settings disagree; the message names them."""
+
+
+def resolve_model_path(spec: str) -> str:
+    """``spec`` with its directory made absolute when that directory exists here; anything else unchanged.
+
+    Handles a plain model directory and ``eagle:DIR``, ``medusa:DIR``, ``layerskip:DIR``;
+    ``ngram``, ``none`` and ``layerskip:L`` (a layer count) name no directory.
+    """
+    from specserve.drafters.registry import BUILTIN_DRAFTERS, EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
+
+    if spec in BUILTIN_DRAFTERS:
+        return spec
+    for prefix in (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX):
+        if spec.startswith(prefix):
+            directory = spec[len(prefix) :]
+            if prefix == LAYERSKIP_PREFIX and directory.isdigit():
+                return spec
+            return prefix + _absolute(directory)
+    return _absolute(spec)
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(path) if path and not os.path.isabs(path) and os.path.isdir(path) else path
+
+
+class ReplicaConfig(BaseModel):
+    """Every setting of one target replica (its tensor-parallel shards and its drafter)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Command-line flags whose names predate this class; every other field's flag is its name in kebab case.
+    FLAGS: ClassVar[dict[str, str]] = {"tp_degree": "--tp", "max_ngram": "--ngram-max", "min_ngram": "--ngram-min"}
+
+    # ---- the models
+    target: str = Field(
+        description="target model directory (a local HF checkpoint); a relative path is made absolute where the "
+        "configuration is read, and must exist on every node that hosts a shard or a drafter",
+    )
+    draft: str = Field(
+        "ngram",
+        description="who drafts: a draft model directory, 'ngram' (prompt lookup), 'layerskip:L' (the target's "
+        "first L layers) or 'layerskip:DIR' (with a trained exit head), 'eagle:DIR' or 'medusa:DIR' (trained "
+        "heads), or 'none'; directories are made absolute as the target's",
+    )
+    dtype: Dtype = Field("float32", description="weights dtype of the target and the drafter")
+    device: str = Field("cpu", description="cpu or cuda")
+    max_ngram: int = Field(3, ge=1, description="longest n-gram the ngram drafter matches")
+    min_ngram: int = Field(1, ge=1, description="shortest n-gram the ngram drafter matches (<= max_ngram)")
+
+    # ---- the distributed runtime
+    tp_degree: int = Field(
+        1, description=f"tensor-parallel degree of the target replica: shards, a power of two from 1 to {MAX_TP}"
+    )
+    drafter_placement: DrafterPlacement = Field(
+        "colocated", description="drafter in the target's placement group, or on a node with the 'cheap' resource"
+    )
+    overlap: bool = Field(False, description="draft the next tree while the target verifies")
+    threads_per_shard: int = Field(1, ge=1, description="torch threads in each target shard actor")
+    threads_per_drafter: int = Field(1, ge=1, description="torch threads in the drafter actor")
+    verifier_host: str = Field(
+        "127.0.0.1",
+        description="interface rank 0's gRPC verifier binds: loopback when drafters share the node; '0.0.0.0' "
+        "(advertised as the node's IP) when drafters run on other nodes (drafter_placement separate on a cluster)",
+    )
+    collective_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="seconds before a tensor-parallel collective fails (a dead rank becomes an error, not a hang); "
+        "an idle replica's rank 0 sends heartbeats well within it",
+    )
+    ready_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="seconds to wait for the cluster to place the replica before failing with what it lacks",
+    )
+
+    # ---- what the replica asks Ray for (the placement spec's fields, same names)
+    large_resource: str = Field(_SPEC.large_resource, description="custom resource of nodes that host target shards")
+    cheap_resource: str = Field(
+        _SPEC.cheap_resource, description="custom resource of nodes that host separate drafters"
+    )
+    cpus_per_shard: float = Field(_SPEC.cpus_per_shard, description="Ray CPUs each shard actor reserves (> 0)")
+    cpus_per_drafter: float = Field(_SPEC.cpus_per_drafter, description="Ray CPUs the drafter actor reserves (> 0)")
+    gpus_per_drafter: float = Field(
+        _SPEC.gpus_per_drafter, description="GPUs the drafter actor reserves (device cuda only; 0 = drafter on CPU)"
+    )
+
+    def __init__(self, /, **data: Any) -> None:
+        """Validate. A check of ours (the placement spec's, the n-gram sizes) raises its own :class:`UserError`;
+        a wrong type or an out-of-range field raises pydantic's ``ValidationError`` (a ``ValueError`` too)."""
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            ours = errors[0].get("ctx", {}).get("error") if len(errors) == 1 else None
+            if isinstance(ours, UserError):
+                raise ours from None
+            raise
+
+    @field_validator("target", "draft")
+    @classmethod
+    def _absolute_paths(cls, value: str) -> str:
+        return resolve_model_path(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.min_ngram > self.max_ngram:
+            raise InvalidSetting(
+                f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}"
+            )
+        self.spec()  # tp_degree a power of two, resource names, CPUs: the placement spec checks them
+        return self
+
+    def spec(self) -> ClusterSpec:
+        """The placement spec of this one replica: the fields the two share by name, the accelerator from ``device``."""
+        names = type(self).model_fields
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(ClusterSpec) if f.name in names}
+        accelerator: Accelerator = "gpu" if self.device.startswith("cuda") else "cpu"
+        return ClusterSpec(target_replicas=1, accelerator=accelerator, **shared)
+
+    def drafter_options(self) -> dict[str, Any]:
+        """What building the drafter takes besides its spec and the target, under the names
+        :func:`~specserve.drafters.registry.build_drafter` and the drafter actor use."""
+        return {"dtype": self.dtype, "device": self.device, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
+    # ---- the command line
+
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """The command-line flag of field ``name``."""
+        return cls.FLAGS.get(name, "--" + name.replace("_", "-"))
+
+    @classmethod
+    def add_arguments(cls, parser: argparse._ActionsContainer, names: Iterable[str]) -> None:
+        """One flag per named field, with the field's type, default, description and choices; a setting left
+        out means what it means in the Serve YAML (:data:`EDGE_DEFAULTS`: the shipped pair)."""
+        for name in names:
+            field = cls.model_fields[name]
+            default = EDGE_DEFAULTS.get(name, field.default)
+            options: dict[str, Any] = {"dest": name, "help": (field.description or "").replace("%", "%%")}
+            if default is PydanticUndefined:
+                options["required"] = True
+            else:
+                options["default"] = default
+            options.update(_argument_type(name, field))
+            if "action" not in options and "choices" not in options:
+                options["metavar"] = cls.flag(name).removeprefix("--").replace("-", "_").upper()
+            parser.add_argument(cls.flag(name), **options)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Self:
+        """The configuration the parsed flags describe (fields without a flag keep their defaults); a bad value
+        raises a :class:`UserError` naming its flag."""
+        try:
+            return cls(**{name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)})
+        except ValidationError as exc:
+            reasons = [f"{_where(cls, e['loc'])}: {e['msg']}, got {e['input']!r}" for e in exc.errors()]
+            raise InvalidSetting("; ".join(reasons)) from None
+
+
+# The settings an in-process run uses too (the rest only matter to a distributed replica).
+MODEL_SETTINGS = ("target", "draft", "dtype", "device", "max_ngram", "min_ngram")
+DISTRIBUTED_SETTINGS = tuple(name for name in ReplicaConfig.model_fields if name not in MODEL_SETTINGS)
+
+
+def with_edge_default(name: str) -> Any:
+    """The field ``name`` of :class:`ReplicaConfig`, defaulting to :data:`EDGE_DEFAULTS` (for the Serve config)."""
+    return Field(EDGE_DEFAULTS[name], description=ReplicaConfig.model_fields[name].description)
+
+
+def _argument_type(name: str, field: FieldInfo) -> dict[str, Any]:
+    """argparse options for a field's annotation: a bool is a switch, a Literal gives choices."""
+    annotation = field.annotation
+    if annotation is bool:
+        if field.default is not False:
+            raise TypeError(f"{name}: a command-line switch needs default False")
+        return {"action": "store_true"}
+    if get_origin(annotation) is Literal:
+        choices = get_args(annotation)
+        return {"type": type(choices[0]), "choices": list(choices)}
+    if annotation in (str, int, float):
+        return {"type": annotation}
+    raise TypeError(f"{name}: no command-line form for {annotation!r}")
+
+
+def _where(config: type[ReplicaConfig], loc: tuple[int | str, ...]) -> str:
+    """The flag of the field a validation error is about (or what it is about, when that is no field)."""
+    name = str(loc[0]) if loc else "settings"
+    return config.flag(name) if name in config.model_fields else name
