@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specserve import defaults
+from specserve import cli, defaults
 from specserve.cli import main
 
 TARGET = str(defaults.DEFAULT_TARGET)
@@ -205,3 +205,30 @@ def test_bench_rejects_bad_prompts_file(tmp_path: Path, capsys: pytest.CaptureFi
     bad.write_text('{"not": "a list"}')
     code, _, err = run_cli(capsys, "bench", "--prompts", str(bad), "--draft", "ngram")
     assert code == 2 and "JSON list" in err
+
+
+@pytest.mark.parametrize("name", sorted(cli.COMMANDS))
+def test_every_subcommand_lives_in_a_module_with_arguments_and_an_entry_point(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = cli.COMMANDS[name].load()
+    assert callable(module.add_arguments) and callable(module.run_command)
+    with pytest.raises(SystemExit) as exited:
+        main([name, "--help"])
+    assert exited.value.code == 0
+    assert f"usage: specserve {name}" in capsys.readouterr().out
+
+
+def test_an_unknown_subcommand_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["genrate", "--prompt", "x"])
+    assert exited.value.code == 2 and "invalid choice: 'genrate'" in capsys.readouterr().err
+
+
+def test_only_the_chosen_subcommand_module_is_imported() -> None:
+    """`specserve cluster ...` parses without importing torch (the benchmarks and the engine)."""
+    code = (
+        "import sys; from specserve.cli import build_parser; build_parser(['cluster']); print('torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "False"

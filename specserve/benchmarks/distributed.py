@@ -22,6 +22,7 @@ split as stacked bars) under ``--out``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -31,8 +32,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.benchmarks.arguments import add_max_new_tokens_argument, check_max_new_tokens, number_list
 from specserve.benchmarks.prompts import heldout_prompts
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.cluster.replica_config import ReplicaConfig
+from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
@@ -68,7 +71,9 @@ def methods(cfg: DistributedBenchConfig) -> list[Method]:
     return out
 
 
-def generate_all(runner: Any, prompts: list[list[int]], cfg: DistributedBenchConfig, label: str) -> dict[str, Any]:
+def generate_all(
+    runner: GenerationFrontend, prompts: list[list[int]], cfg: DistributedBenchConfig, label: str
+) -> dict[str, Any]:
     config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, gamma=cfg.gamma)
     runner.generate(prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=cfg.gamma))  # warm-up
     stats = RequestStats()
@@ -114,7 +119,7 @@ def summarise_run(method: Method, run: dict[str, Any], reference: list[list[int]
 
 
 def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
-    from specserve.actors import Coordinator, ReplicaConfig
+    from specserve.actors import Coordinator
     from specserve.cluster.connect import connect_ray
 
     torch.set_num_threads(cfg.threads)
@@ -206,3 +211,34 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# `specserve bench-distributed`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    ReplicaConfig.add_arguments(parser, ["target", "draft"])
+    parser.add_argument("--num-prompts", type=int, default=20)
+    add_max_new_tokens_argument(parser)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--tp", default="1,2", help="comma-separated TP degrees")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in process and per TP-1 shard")
+    parser.add_argument("--out", default="bench/results")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    check_max_new_tokens(args)
+    run(
+        DistributedBenchConfig(
+            target=args.target,
+            draft=args.draft,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            gamma=args.gamma,
+            tp_degrees=tuple(number_list(args.tp, int, "--tp")),
+            threads=args.threads,
+            out_dir=Path(args.out),
+        )
+    )
+    return 0

@@ -51,6 +51,7 @@ times only whole requests (the engine times the cycles).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import functools
 import importlib
@@ -69,9 +70,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from specserve.benchmarks.arguments import add_max_new_tokens_argument, add_prompt_arguments, model_and_prompt_options
 from specserve.benchmarks.tables import table_cell
+from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
-from specserve.core.schedule import Budget, FixedSchedule, Schedule, ScheduleFactory
+from specserve.core.schedule import MAX_GAMMA, Budget, FixedSchedule, Schedule, ScheduleFactory
 from specserve.policies.base import Policy
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
 from specserve.policies.estimators import Estimators, ReplicaPrior
@@ -166,8 +169,8 @@ def parse_policies(text: str) -> list[PolicySpec]:
                 gamma = int(part.removeprefix("fixed:"))
             except ValueError:
                 raise UserError(f"--policies: {part!r} needs an integer γ, e.g. fixed:4") from None
-            if not 1 <= gamma <= 64:
-                raise UserError(f"--policies: {part!r}: γ must be between 1 and 64 (plain decoding is 'none')")
+            if not 1 <= gamma <= MAX_GAMMA:
+                raise UserError(f"--policies: {part!r}: γ must be between 1 and {MAX_GAMMA} (plain decoding is 'none')")
             specs.append(PolicySpec(part, "fixed", gamma))
         elif ":" in part:
             specs.append(PolicySpec(part, "custom", custom=load_policy(part)))
@@ -252,8 +255,8 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.rounds < 1:
             raise UserError("--num-prompts, --max-new-tokens and --rounds must be >= 1")
-        if not 1 <= self.max_gamma <= 64:
-            raise UserError(f"--max-gamma must be between 1 and 64, got {self.max_gamma}")
+        if not 1 <= self.max_gamma <= MAX_GAMMA:
+            raise UserError(f"--max-gamma must be between 1 and {MAX_GAMMA}, got {self.max_gamma}")
         for name in self.workloads or ():
             if name not in WORKLOADS and not self.replay:
                 raise UserError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
@@ -720,3 +723,56 @@ def plot(report: dict[str, Any], cells: list[Cell], out_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "predicted_vs_measured.png", dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# `specserve experiment`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    ReplicaConfig.add_arguments(parser, ["target", "draft", "dtype", "device"])  # the models of live runs
+    parser.add_argument(
+        "--workloads",
+        help="comma-separated of code-t0, code-t1, code-t1.5, shuffled (default: all; replays: those in the traces)",
+    )
+    parser.add_argument(
+        "--policies",
+        help="comma-separated fixed:γ, heuristic, adaptive, none (plain decoding), module:ClassName or "
+        f"file.py:ClassName (default: {DEFAULT_POLICIES})",
+    )
+    add_prompt_arguments(parser, num_prompts=8)
+    add_max_new_tokens_argument(parser)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over every cell, order alternating")
+    parser.add_argument(
+        "--max-gamma", type=int, default=DEFAULT_MAX_GAMMA_CAP, help="the largest γ adaptive and heuristic may choose"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replay", nargs="+", metavar="TRACE", help="simulate the policies over these trace files")
+    parser.add_argument("--trace-out", metavar="FILE", help="live runs: append every cycle to this trace file")
+    parser.add_argument("--out", default="bench/results/experiment", help="directory for experiment.csv/.json/*.png")
+    parser.add_argument("--json", action="store_true", help="print only the JSON summary line, not the table")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    workloads = None
+    if args.workloads is not None:
+        workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
+        if not workloads:
+            raise UserError("--workloads needs at least one workload name")
+    report = run(
+        ExperimentConfig(
+            **model_and_prompt_options(args),
+            workloads=workloads,
+            policies=args.policies or DEFAULT_POLICIES,
+            rounds=args.rounds,
+            out_dir=Path(args.out),
+            seed=args.seed,
+            replay=tuple(args.replay or ()),
+            trace_out=args.trace_out,
+            max_gamma=args.max_gamma,
+        )
+    )
+    if not args.json:
+        print(markdown(report))
+    print(json.dumps(headline(report)))
+    return 0

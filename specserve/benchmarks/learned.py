@@ -22,6 +22,8 @@ Results: ``drafters.json``, ``drafters.md`` (the table for BENCHMARKS.md) and ``
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,14 +31,19 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve import defaults
+from specserve.benchmarks.arguments import add_max_new_tokens_argument, add_prompt_arguments, number_list
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.speculative import BenchConfig, run_hf_assisted
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, save_report
+from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
+from specserve.core.schedule import MAX_GAMMA
 from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
@@ -218,3 +225,47 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# `specserve bench-drafters`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    ReplicaConfig.add_arguments(parser, ["target"])
+    parser.add_argument("--draft", default=str(defaults.DEFAULT_DRAFT), help="the small draft model directory")
+    parser.add_argument("--eagle", default=str(defaults.MODELS_DIR / "eagle"), help="trained EAGLE head directory")
+    parser.add_argument("--medusa", default=str(defaults.MODELS_DIR / "medusa"), help="trained Medusa heads directory")
+    parser.add_argument("--exit-head", default=str(defaults.MODELS_DIR / "exit-head"), help="trained exit head dir")
+    add_prompt_arguments(parser, num_prompts=6)
+    add_max_new_tokens_argument(parser)
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over every cell, order alternating")
+    parser.add_argument("--gamma", type=int, default=4, help="γ of the chains")
+    parser.add_argument("--out", default="bench/results", help="directory for drafters.json/.md/.png")
+    parser.add_argument("--json", action="store_true", help="print only the JSON headline, not the table")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.rounds < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or not 1 <= args.gamma <= MAX_GAMMA:
+        raise UserError(f"--rounds, --num-prompts and --max-new-tokens must be >= 1, --gamma in 1..{MAX_GAMMA}")
+    report = run(
+        DrafterBenchConfig(
+            target=args.target,
+            draft=args.draft,
+            eagle=args.eagle,
+            medusa=args.medusa,
+            exit_head=args.exit_head,
+            prompts_file=args.prompts,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperatures=tuple(number_list(args.temperatures, float, "--temperatures")),
+            rounds=args.rounds,
+            gamma=args.gamma,
+            out_dir=Path(args.out),
+        )
+    )
+    if not args.json:
+        print(markdown(report))
+    print(json.dumps(report["headline"]))
+    return 0

@@ -23,6 +23,7 @@ assert anything: BENCHMARKS.md records what it measured.
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -37,6 +38,10 @@ import requests
 from tqdm import tqdm
 
 from specserve import defaults
+from specserve.benchmarks.arguments import number_list
+from specserve.cluster.replica_config import ReplicaConfig
+from specserve.core.errors import UserError
+from specserve.core.schedule import MAX_GAMMA
 
 DEFAULT_MODES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("off", {"enabled": False}),
@@ -345,3 +350,55 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# `specserve bench-serve`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    ReplicaConfig.add_arguments(parser, ["target", "draft"])
+    parser.add_argument("--gamma", type=int, default=defaults.DEFAULT_GAMMA, help="γ of the draft-model mode")
+    parser.add_argument("--ngram-gamma", type=int, default=8, help="γ of the n-gram mode (0 = no n-gram mode)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per level, mode order reversed every other")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
+    parser.add_argument("--requests", default="4,8,16", help="requests per round and mode, one per concurrency level")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per level; no request starts after")
+    parser.add_argument("--port", type=int, default=8123, help="HTTP port on 127.0.0.1")
+    parser.add_argument("--out", default="bench/results")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    concurrency = number_list(args.concurrency, int, "--concurrency")
+    counts = number_list(args.requests, int, "--requests")
+    if not concurrency or any(c < 1 for c in concurrency) or len(counts) != len(concurrency):
+        raise UserError("--concurrency needs positive integers and --requests one count per concurrency level")
+    if any(n < 1 for n in counts) or args.max_tokens < 1 or args.time_limit <= 0 or args.rounds < 1:
+        raise UserError("--requests, --max-tokens, --rounds and --time-limit must be positive")
+    if not 1 <= args.gamma <= MAX_GAMMA or not 0 <= args.ngram_gamma <= MAX_GAMMA:
+        raise UserError(f"--gamma must be between 1 and {MAX_GAMMA} and --ngram-gamma between 0 and {MAX_GAMMA}")
+    modes: list[tuple[str, dict[str, Any]]] = [
+        ("off", {"enabled": False}),
+        (f"draft model γ{args.gamma}", {"drafter": "default", "gamma": args.gamma}),
+    ]
+    if args.ngram_gamma:
+        modes.append((f"n-gram γ{args.ngram_gamma}", {"drafter": "ngram", "gamma": args.ngram_gamma}))
+    report = run(
+        LoadConfig(
+            target=args.target,
+            draft=args.draft,
+            modes=tuple(modes),
+            rounds=args.rounds,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            concurrency=tuple(concurrency),
+            requests_per_level=tuple(counts),
+            level_time_limit_s=args.time_limit,
+            port=args.port,
+            out_dir=Path(args.out),
+        )
+    )
+    print(markdown(report))
+    return 0

@@ -31,6 +31,7 @@ one JSON summary.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections import Counter
@@ -43,13 +44,21 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.benchmarks.arguments import (
+    add_model_and_prompt_arguments,
+    check_max_new_tokens,
+    model_and_prompt_options,
+    number_list,
+)
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
+from specserve.core.schedule import MAX_GAMMA
 from specserve.core.stats import RequestStats
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 
@@ -439,3 +448,37 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# `specserve bench`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_and_prompt_arguments(parser, num_prompts=20)
+    parser.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="comma-separated gammas for the draft model")
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    parser.add_argument("--out", default="bench/results", help="directory for speculative.json/.png/.md")
+    parser.add_argument("--quick", action="store_true", help="fewer configurations (for smoke tests)")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    check_max_new_tokens(args)
+    gammas = number_list(args.gammas, int, "--gammas")
+    temperatures = number_list(args.temperatures, float, "--temperatures")
+    if not gammas or any(not 1 <= g <= MAX_GAMMA for g in gammas):
+        raise UserError(f"--gammas must be between 1 and {MAX_GAMMA}, got {args.gammas}")
+    results = run(
+        BenchConfig(
+            **model_and_prompt_options(args),
+            gammas=tuple(gammas),
+            temperatures=tuple(temperatures),
+            out_dir=Path(args.out),
+            quick=args.quick,
+            max_ngram=args.max_ngram,
+            min_ngram=args.min_ngram,
+        )
+    )
+    if args.json:
+        print(json.dumps(results))
+    return 0

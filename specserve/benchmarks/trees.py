@@ -26,6 +26,8 @@ against k per shape and temperature) under ``--out``; the last stdout line is a 
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,20 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from specserve.benchmarks.arguments import (
+    add_model_and_prompt_arguments,
+    check_max_new_tokens,
+    model_and_prompt_options,
+    number_list,
+)
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, save_report
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
+from specserve.core.schedule import MAX_GAMMA
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter_set
 
@@ -254,3 +264,35 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# `specserve bench-trees`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_and_prompt_arguments(parser, num_prompts=8)
+    parser.add_argument("--ks", default="4,8,16,32", help="comma-separated draft nodes verified per cycle")
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over every configuration, order alternating")
+    parser.add_argument("--out", default="bench/results", help="directory for trees.json/.png/.md")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    check_max_new_tokens(args)
+    ks = number_list(args.ks, int, "--ks")
+    if not ks or any(not 1 <= k <= MAX_GAMMA for k in ks):  # a chain of k nodes is gamma k
+        raise UserError(f"--ks must be between 1 and {MAX_GAMMA}, got {args.ks}")
+    if args.rounds < 1 or args.num_prompts < 1:
+        raise UserError("--rounds and --num-prompts must be >= 1")
+    report = run(
+        TreeBenchConfig(
+            **model_and_prompt_options(args),
+            ks=tuple(ks),
+            temperatures=tuple(number_list(args.temperatures, float, "--temperatures")),
+            rounds=args.rounds,
+            out_dir=Path(args.out),
+        )
+    )
+    print(json.dumps(report["headline"]) if args.json else markdown(report))
+    return 0

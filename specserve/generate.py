@@ -1,0 +1,240 @@
+"""``specserve generate``: one prompt through the in-process engine or a distributed replica, printed.
+
+The flags are the replica's settings (made from the fields of
+:class:`~specserve.cluster.replica_config.ReplicaConfig`), the request's sampling and generation
+options, and the draft-tree shape. Without ``--distributed`` the target and the drafter run in this
+process (:class:`~specserve.core.engine.SpeculativeEngine`); with it, a replica of Ray actors does
+(:class:`~specserve.actors.coordinator.Coordinator`, imported only then). Both are a
+:class:`~specserve.core.engine.GenerationFrontend` and print the same way: streamed text with a
+summary line on stderr, or one JSON object.
+
+This module sits at the command line's layer, since it imports the engine and the actors alike;
+:mod:`specserve.cli` registers it. It does not serve HTTP (``specserve serve``) or benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specserve import defaults
+from specserve.cluster.replica_config import DISTRIBUTED_SETTINGS, MODEL_SETTINGS, ReplicaConfig
+from specserve.core.engine import GenerationConfig, GenerationFrontend, SpeculativeEngine
+from specserve.core.errors import UserError
+from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
+from specserve.core.schedule import MAX_GAMMA, POLICY_NAMES
+from specserve.core.tree import InvalidTree, TreeBudget, TreeSpec, TreeTopology
+
+if TYPE_CHECKING:
+    from specserve.actors.coordinator import Coordinator
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    ReplicaConfig.add_arguments(parser, MODEL_SETTINGS)
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", help="file whose whole content is the prompt")
+    parser.add_argument(
+        "--gamma", type=int, default=defaults.DEFAULT_GAMMA, help=f"draft tokens per cycle (1..{MAX_GAMMA})"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=list(POLICY_NAMES),
+        default="fixed",
+        help="how much to draft each cycle: --gamma (or --tree) every cycle, transformers' +2/-1 schedule "
+        "from --gamma, or the γ that maximises predicted tokens/s from online estimates (0 = plain decoding)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--drafter-invariant",
+        action="store_true",
+        help="tokens = argmax(log p + Gumbel noise keyed by (seed, position)): the same output for a seed whatever "
+        "the drafter, gamma or tree (exact, fewer drafts accepted); no effect at temperature 0",
+    )
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    lossy = parser.add_argument_group(
+        "lossy acceptance (NOT exact: the output is no longer distributed as the target's)"
+    )
+    lossy.add_argument(
+        "--typical-acceptance",
+        action="store_true",
+        help="Medusa's typical acceptance: accept a draft token x when p(x) > min(epsilon, delta * exp(-H(p))); "
+        "needs --lossy; the output then says lossy true",
+    )
+    lossy.add_argument(
+        "--typical-epsilon", type=float, default=TYPICAL_EPSILON, help="typical acceptance: epsilon, in (0, 1)"
+    )
+    lossy.add_argument(
+        "--typical-delta", type=float, default=TYPICAL_DELTA, help="typical acceptance: delta, in (0, 1]"
+    )
+    lossy.add_argument("--lossy", action="store_true", help="allow a lossy acceptance rule (--typical-acceptance)")
+    trees = parser.add_argument_group("draft trees (exact at any temperature; in process or --distributed)")
+    trees.add_argument("--tree", choices=["chain", "static", "dynamic"], default="chain", help="draft shape")
+    trees.add_argument("--tree-depth", type=int, default=4, help="dynamic: levels below the root")
+    trees.add_argument("--tree-width", type=int, default=2, help="dynamic: children per expanded node")
+    trees.add_argument("--tree-nodes", type=int, default=8, help="dynamic: nodes verified per cycle")
+    trees.add_argument(
+        "--tree-expand",
+        type=int,
+        help="dynamic: nodes expanded per level (default: --tree-width; 1 = cheapest drafting)",
+    )
+    trees.add_argument(
+        "--tree-topology", help="static: JSON file with a list of index paths, e.g. [[0], [1], [0, 0]] (Medusa form)"
+    )
+    dist = parser.add_argument_group("distributed (Ray actors, gRPC draft streams, tensor-parallel target)")
+    dist.add_argument("--distributed", action="store_true", help="run through a target replica and drafter actor")
+    ReplicaConfig.add_arguments(dist, DISTRIBUTED_SETTINGS)
+    dist.add_argument(
+        "--ray-address",
+        help="Ray cluster to join (default: the `specserve cluster up` cluster if running, else a private local one)",
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 1 <= args.gamma <= MAX_GAMMA:
+        raise UserError(f"--gamma must be between 1 and {MAX_GAMMA}, got {args.gamma}")
+    if not args.distributed and (args.tp_degree != 1 or args.overlap or args.drafter_placement != "colocated"):
+        raise UserError("--tp, --drafter-placement and --overlap need --distributed")
+    params = sampling_params(args)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        gamma=args.gamma,
+        stop=tuple(args.stop),
+        tree=tree_spec(args),
+        policy=args.policy,
+    )
+    prompt = read_prompt(args)
+    if not prompt:
+        raise UserError("the prompt is empty; pass some text with --prompt or --prompt-file")
+    replica = ReplicaConfig.from_args(args)
+    if args.distributed:
+        with distributed_runner(replica, args.ray_address) as coordinator:
+            return print_generation(coordinator, prompt, params, config, args.json)
+    return print_generation(build_engine(replica), prompt, params, config, args.json)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as :class:`SamplingParams` (which checks their ranges)."""
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        drafter_invariant=args.drafter_invariant,
+        acceptance="typical" if args.typical_acceptance else "exact",
+        lossy=args.lossy,
+        typical_epsilon=args.typical_epsilon,
+        typical_delta=args.typical_delta,
+    )
+
+
+def tree_spec(args: argparse.Namespace) -> TreeSpec | None:
+    """The draft shape the tree flags ask for; ``None`` for a chain."""
+    if args.tree == "chain":
+        if args.tree_topology:
+            raise UserError("--tree-topology needs --tree static")
+        return None
+    try:
+        if args.tree == "dynamic":
+            budget = TreeBudget(args.tree_depth, args.tree_width, args.tree_nodes, args.tree_expand)
+            return TreeSpec("dynamic", budget=budget)
+        if not args.tree_topology:
+            raise UserError("--tree static needs --tree-topology FILE (a JSON list of index paths)")
+        path = Path(args.tree_topology)
+        try:
+            paths = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"cannot read the tree topology {path}: {exc}") from exc
+        if not isinstance(paths, list) or not all(isinstance(p, list) for p in paths):
+            raise UserError(f"{path} must hold a JSON list of index paths, e.g. [[0], [1], [0, 0]]")
+        return TreeSpec("static", topology=TreeTopology.from_lists(paths))
+    except (InvalidTree, ValueError, TypeError) as exc:  # a malformed topology or budget
+        raise UserError(f"bad tree options: {exc}") from exc
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return str(args.prompt)
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise UserError(f"prompt file {path} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"prompt file {path} is not UTF-8 text: {exc}") from exc
+
+
+def build_engine(config: ReplicaConfig) -> SpeculativeEngine:
+    """The target and the drafter of ``config`` in this process, with every γ policy available."""
+    from specserve.core.model import CausalLM
+    from specserve.drafters import build_drafter
+    from specserve.policies.schedules import schedules
+
+    target = CausalLM.load(config.target, dtype=config.dtype, device=config.device)
+    drafter = build_drafter(config.draft, target, **config.drafter_options())
+    return SpeculativeEngine(target, drafter, schedules=schedules())
+
+
+@contextlib.contextmanager
+def distributed_runner(config: ReplicaConfig, ray_address: str | None) -> Iterator[Coordinator]:
+    """A replica of ``config`` on Ray (joined as :func:`~specserve.cluster.connect.connect_ray` says), shut down
+    on exit."""
+    from specserve.actors.coordinator import Coordinator
+    from specserve.cluster.connect import connect_ray
+
+    if not Path(config.target).is_dir():
+        raise UserError(f"model directory {config.target} does not exist")
+    with connect_ray(ray_address, tp_degree=config.tp_degree, spec=config.spec()):
+        coordinator = Coordinator.spawn(config)
+        try:
+            yield coordinator
+        finally:
+            coordinator.shutdown()
+
+
+def print_generation(
+    runner: GenerationFrontend, prompt: str, params: SamplingParams, config: GenerationConfig, as_json: bool
+) -> int:
+    """Print one generation: one JSON object, or the text as it streams and a summary line on stderr."""
+    from specserve.serve.openai_api import sampling_mode
+
+    if as_json:
+        result = runner.generate(prompt, params, config)
+        print(
+            json.dumps(
+                {
+                    "prompt_ids": result.prompt_ids,
+                    "output_ids": result.output_ids,
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                    "sampling": sampling_mode(params),
+                    "lossy": params.lossy_acceptance,  # true: a lossy acceptance rule ran (not the target's law)
+                    "stats": result.stats.to_dict(),
+                }
+            )
+        )
+        return 0
+    for chunk in runner.stream(prompt, params, config):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        if chunk.result is not None:
+            s = chunk.result.stats
+            print(
+                f"\n[{s.new_tokens} tokens, {s.cycles} cycles, mean accepted {s.mean_accepted:.2f}, "
+                f"{s.tokens_per_second:.1f} tok/s, finish={chunk.result.finish_reason}, "
+                f"lossy={'true' if params.lossy_acceptance else 'false'}]",
+                file=sys.stderr,
+            )
+    return 0
