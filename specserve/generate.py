@@ -208,8 +208,6 @@ def print_generation(
     runner: GenerationFrontend, prompt: str, params: SamplingParams, config: GenerationConfig, as_json: bool
 ) -> int:
     """Print one generation: one JSON object, or the text as it streams and a summary line on stderr."""
-    from specserve.serve.openai_api import sampling_mode
-
     if as_json:
         result = runner.generate(prompt, params, config)
         print(
@@ -219,7 +217,7 @@ def print_generation(
                     "output_ids": result.output_ids,
                     "text": result.text,
                     "finish_reason": result.finish_reason,
-                    "sampling": sampling_mode(params),
+                    "sampling": params.mode,
                     "lossy": params.lossy_acceptance,  # true: a lossy acceptance rule ran (not the target's law)
                     "stats": result.stats.to_dict(),
                 }

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from collections.abc import Iterable
 from typing import Any, ClassVar, Literal, Self, get_args, get_origin
 
@@ -51,26 +50,13 @@ class InvalidSetting(UserError):
 
 
 def resolve_model_path(spec: str) -> str:
-    """``spec`` with its directory made absolute when that directory exists here; anything else unchanged.
+    """``spec`` (a target directory or any drafter spec) with the directory it names made absolute when that
+    directory exists here; anything else unchanged. The drafter registry knows which specs name a directory
+    (:func:`specserve.drafters.registry.absolute_spec`), imported here only when a config is validated so that
+    parsing flags loads no torch."""
+    from specserve.drafters.registry import absolute_spec
 
-    Handles a plain model directory and ``eagle:DIR``, ``medusa:DIR``, ``layerskip:DIR``;
-    ``ngram``, ``none`` and ``layerskip:L`` (a layer count) name no directory.
-    """
-    from specserve.drafters.registry import BUILTIN_DRAFTERS, EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
-
-    if spec in BUILTIN_DRAFTERS:
-        return spec
-    for prefix in (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX):
-        if spec.startswith(prefix):
-            directory = spec[len(prefix) :]
-            if prefix == LAYERSKIP_PREFIX and directory.isdigit():
-                return spec
-            return prefix + _absolute(directory)
-    return _absolute(spec)
-
-
-def _absolute(path: str) -> str:
-    return os.path.abspath(path) if path and not os.path.isabs(path) and os.path.isdir(path) else path
+    return absolute_spec(spec)
 
 
 class ReplicaConfig(BaseModel):

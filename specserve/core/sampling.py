@@ -102,6 +102,17 @@ class SamplingParams:
         """A lossy acceptance rule runs (typical): every output made with these parameters must say ``lossy``."""
         return self.acceptance != "exact"
 
+    @property
+    def mode(self) -> str:
+        """How the target's tokens are chosen, as outputs report it: ``greedy`` (temperature 0),
+        ``drafter_invariant`` (keyed Gumbel noise, :mod:`specserve.core.invariant`), ``typical`` (lossy typical
+        acceptance, :mod:`specserve.core.typical`) or ``rejection`` (speculative rejection sampling)."""
+        if self.greedy:
+            return "greedy"
+        if self.lossy_acceptance:
+            return "typical"
+        return "drafter_invariant" if self.invariant_sampling else "rejection"
+
 
 @dataclass
 class RequestGenerators:

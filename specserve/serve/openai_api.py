@@ -39,17 +39,6 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-def sampling_mode(params: SamplingParams) -> str:
-    """How the target's tokens were chosen: ``greedy`` (temperature 0), ``drafter_invariant`` (keyed Gumbel
-    noise, :mod:`specserve.core.invariant`), ``typical`` (lossy typical acceptance, :mod:`specserve.core.typical`)
-    or ``rejection`` (speculative rejection sampling)."""
-    if params.greedy:
-        return "greedy"
-    if params.lossy_acceptance:
-        return "typical"
-    return "drafter_invariant" if params.invariant_sampling else "rejection"
-
-
 def speculation_summary(stats: RequestStats, params: SamplingParams) -> dict[str, Any]:
     return {
         "cycles": stats.cycles,
@@ -59,7 +48,7 @@ def speculation_summary(stats: RequestStats, params: SamplingParams) -> dict[str
         "acceptance_by_position": stats.acceptance_by_position,
         "tree_shapes": [[nodes, depth] for nodes, depth in stats.tree_shapes],  # per cycle; empty for chains
         "budgets": list(stats.budgets),  # the budget the policy chose per cycle (γ, or tree nodes)
-        "sampling": sampling_mode(params),
+        "sampling": params.mode,
         "lossy": params.lossy_acceptance,  # true: typical acceptance ran; the output is not the target's law
     }
 
