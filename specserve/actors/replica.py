@@ -130,7 +130,13 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             max_concurrency=4,
             runtime_env={"env_vars": _actor_env(config.threads_per_drafter)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle),
-        ).remote(config.draft, config.target, info, num_threads=config.threads_per_drafter, **config.drafter_options())
+        ).remote(
+            config.draft,
+            config.target,
+            info,
+            num_threads=config.threads_per_drafter,
+            **{**config.drafter_options(), "device": config.drafter_actor_device},
+        )
         actors.append(drafter)
         # surfaces a drafter that cannot load (bad path, vocabulary); hidden-state drafters name their features
         feature_layers = tuple(ray.get(drafter.feature_layers.remote()))

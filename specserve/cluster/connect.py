@@ -9,6 +9,7 @@ statistics and binds to loopback when started here.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 
@@ -38,7 +39,8 @@ def connect_ray(
         where = f"Ray cluster at {address}"
     else:
         ray.init(
-            num_cpus=max(4, replicas * (tp_degree + 1) + 2),  # logical CPUs: every actor asks for one
+            # logical CPUs: what the replicas' actors reserve, and room for the caller's
+            num_cpus=max(4, math.ceil(replicas * (tp_degree * spec.cpus_per_shard + spec.cpus_per_drafter)) + 2),
             resources={spec.large_resource: float(tp_degree * replicas), spec.cheap_resource: float(replicas)},
             include_dashboard=False,
             _node_ip_address="127.0.0.1",

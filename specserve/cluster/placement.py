@@ -47,7 +47,7 @@ class ClusterSpec:
     cheap_resource: str = "cheap"  # custom resource on nodes that host separate drafters
     cpus_per_shard: float = 1.0
     cpus_per_drafter: float = 1.0
-    gpus_per_drafter: float = 0.0  # only with accelerator="gpu"; 0 = drafter on CPU
+    gpus_per_drafter: float = 0.0  # only with accelerator="gpu"; 0 = the drafter actor reserves none (runs on CPU)
 
     def __post_init__(self) -> None:
         if self.target_replicas < 1:

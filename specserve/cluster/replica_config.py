@@ -90,7 +90,9 @@ class ReplicaConfig(BaseModel):
     drafter_placement: DrafterPlacement = Field(
         "colocated", description="drafter in the target's placement group, or on a node with the 'cheap' resource"
     )
-    overlap: bool = Field(False, description="draft the next tree while the target verifies")
+    overlap: bool = Field(
+        False, description="draft the next chain while the target verifies (trees are drafted after each verdict)"
+    )
     threads_per_shard: int = Field(1, ge=1, description="torch threads in each target shard actor")
     threads_per_drafter: int = Field(1, ge=1, description="torch threads in the drafter actor")
     verifier_host: str = Field(
@@ -118,7 +120,9 @@ class ReplicaConfig(BaseModel):
     cpus_per_shard: float = Field(_SPEC.cpus_per_shard, description="Ray CPUs each shard actor reserves (> 0)")
     cpus_per_drafter: float = Field(_SPEC.cpus_per_drafter, description="Ray CPUs the drafter actor reserves (> 0)")
     gpus_per_drafter: float = Field(
-        _SPEC.gpus_per_drafter, description="GPUs the drafter actor reserves (device cuda only; 0 = drafter on CPU)"
+        _SPEC.gpus_per_drafter,
+        description="GPUs the drafter actor reserves (device cuda only; a fraction shares one); 0 = the drafter actor "
+        "runs on the CPU",
     )
 
     def __init__(self, /, **data: Any) -> None:
@@ -158,6 +162,12 @@ class ReplicaConfig(BaseModel):
         """What building the drafter takes besides its spec and the target, under the names
         :func:`~specserve.drafters.registry.build_drafter` and the drafter actor use."""
         return {"dtype": self.dtype, "device": self.device, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
+    @property
+    def drafter_actor_device(self) -> str:
+        """Where a distributed replica's drafter actor computes: the replica's device when it reserves GPUs
+        (``gpus_per_drafter > 0``); otherwise the CPU, since Ray shows an actor without GPUs none."""
+        return self.device if self.gpus_per_drafter > 0 else "cpu"
 
     # ---- the command line
 

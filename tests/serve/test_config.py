@@ -258,3 +258,11 @@ def test_gamma_limits_in_help_and_errors_follow_max_gamma(capsys: pytest.Capture
     assert f"(1..{MAX_GAMMA})" in " ".join(help_text.split())
     assert cli.main(["generate", "--prompt", "x", "--gamma", str(MAX_GAMMA + 1)]) == 2
     assert f"--gamma must be between 1 and {MAX_GAMMA}" in capsys.readouterr().err
+
+
+def test_a_drafter_actor_without_gpus_drafts_on_the_cpu() -> None:
+    """Ray shows GPUs only to an actor that reserves them: a cuda replica's drafter runs on cuda only with GPUs."""
+    assert ReplicaConfig(target="t", device="cuda").drafter_actor_device == "cpu"
+    assert ReplicaConfig(target="t", device="cuda", gpus_per_drafter=0.25).drafter_actor_device == "cuda"
+    assert ReplicaConfig(target="t").drafter_actor_device == "cpu"
+    assert ReplicaConfig(target="t", device="cuda").drafter_options()["device"] == "cuda"  # in process: the device
