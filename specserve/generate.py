@@ -127,16 +127,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags as :class:`SamplingParams` (which checks their ranges)."""
+    named = ("temperature", "top_k", "top_p", "seed", "drafter_invariant", "lossy", "typical_epsilon", "typical_delta")
     return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        drafter_invariant=args.drafter_invariant,
-        acceptance="typical" if args.typical_acceptance else "exact",
-        lossy=args.lossy,
-        typical_epsilon=args.typical_epsilon,
-        typical_delta=args.typical_delta,
+        acceptance="typical" if args.typical_acceptance else "exact", **{name: getattr(args, name) for name in named}
     )
 
 

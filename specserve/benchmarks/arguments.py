@@ -48,6 +48,11 @@ def add_model_and_prompt_arguments(parser: argparse.ArgumentParser, num_prompts:
     add_prompt_arguments(parser, num_prompts)
 
 
+def options(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The flags ``names`` (as their ``dest``), keyed by name: for config fields named like their flags."""
+    return {name: getattr(args, name) for name in names}
+
+
 def model_and_prompt_options(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields of an in-process benchmark that come straight from the same flags: the models, the
     prompts and the length (``--target --draft --dtype --device --prompts --num-prompts --max-new-tokens``)."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specserve.benchmarks.arguments import add_max_new_tokens_argument, check_max_new_tokens, number_list
+from specserve.benchmarks.arguments import add_max_new_tokens_argument, check_max_new_tokens, number_list, options
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, SpeculativeEngine
@@ -231,13 +231,8 @@ def run_command(args: argparse.Namespace) -> int:
     check_max_new_tokens(args)
     run(
         DistributedBenchConfig(
-            target=args.target,
-            draft=args.draft,
-            num_prompts=args.num_prompts,
-            max_new_tokens=args.max_new_tokens,
-            gamma=args.gamma,
+            **options(args, "target", "draft", "num_prompts", "max_new_tokens", "gamma", "threads"),
             tp_degrees=tuple(number_list(args.tp, int, "--tp")),
-            threads=args.threads,
             out_dir=Path(args.out),
         )
     )

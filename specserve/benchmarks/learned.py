@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from specserve import defaults
-from specserve.benchmarks.arguments import add_max_new_tokens_argument, add_prompt_arguments, number_list
+from specserve.benchmarks.arguments import add_max_new_tokens_argument, add_prompt_arguments, number_list, options
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.speculative import BenchConfig, run_hf_assisted
 from specserve.benchmarks.tables import table_cell
@@ -251,17 +251,10 @@ def run_command(args: argparse.Namespace) -> int:
         raise UserError(f"--rounds, --num-prompts and --max-new-tokens must be >= 1, --gamma in 1..{MAX_GAMMA}")
     report = run(
         DrafterBenchConfig(
-            target=args.target,
-            draft=args.draft,
-            eagle=args.eagle,
-            medusa=args.medusa,
-            exit_head=args.exit_head,
+            **options(args, "target", "draft", "eagle", "medusa", "exit_head", "num_prompts", "max_new_tokens"),
+            **options(args, "rounds", "gamma"),
             prompts_file=args.prompts,
-            num_prompts=args.num_prompts,
-            max_new_tokens=args.max_new_tokens,
             temperatures=tuple(number_list(args.temperatures, float, "--temperatures")),
-            rounds=args.rounds,
-            gamma=args.gamma,
             out_dir=Path(args.out),
         )
     )
