@@ -40,7 +40,7 @@ tokens over total seconds across workloads — reported, never asserted), four P
 (``throughput.png``, ``gamma_over_time.png``, ``alpha_by_depth.png``,
 ``predicted_vs_measured.png``); a table on stdout and, last, one JSON summary line.
 
-The predicted speedup of a cell applies the performance model (DESIGN.md §6) to the workload's
+The predicted speedup of a cell applies the performance model (docs/architecture.md#performance-model) to the workload's
 final estimates — α per depth and the cost curves over every cycle of the workload, as
 :class:`~specserve.policies.simulator.WorkloadModel` builds them — at the γ the policy chose in
 each of its cycles: Σ E[tokens | γ] / Σ (T_draft(γ) + T_verify(γ + 1)), over 1 / T_verify(1).
