@@ -29,6 +29,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from specserve.core.errors import UserError
+from specserve.core.kv_pool import KVPool
 from specserve.core.tree import DraftTree
 
 DTYPES: dict[str, torch.dtype] = {
@@ -262,6 +263,69 @@ class CausalLM:
         ids = tree.tokens[start:].to(self.device, torch.long)[None]
         kwargs = {self._cache_kwarg: cache.inner, "attention_mask": mask, "position_ids": positions}
         return self.model(input_ids=ids, use_cache=True, **kwargs).logits[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, pool: KVPool, blocks: Sequence[BatchBlock]) -> list[torch.Tensor]:
+        """Append every block to its own slot of ``pool`` in one forward; per block, its ``[k, vocab]`` logits.
+
+        Each row sees its own cached prefix and its own block (causally, or by the block's tree ancestry),
+        never another row's: block b's logits equal :meth:`forward` (a chain) or :meth:`forward_tree` (a tree)
+        on that sequence alone. The pool's slots then hold the whole blocks; the caller rolls back or compacts.
+        """
+        if not blocks:
+            raise ValueError("a batched forward needs at least one block")
+        sizes = [block.size for block in blocks]
+        view = pool.view([block.slot for block in blocks], sizes)
+        rows, width, low = len(blocks), max(sizes), torch.finfo(self.dtype).min
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        mask = torch.full((rows, 1, width, view.width), low, dtype=self.dtype)
+        for row, (block, prefix) in enumerate(zip(blocks, view.lengths, strict=True)):
+            k = block.size
+            ids[row, :k] = block.tokens.to("cpu", torch.long)
+            positions[row, :k] = prefix + torch.tensor(block.offsets)
+            positions[row, k:] = prefix
+            mask[row, 0, :k, :prefix] = 0  # its own cached prefix
+            mask[row, 0, :k, prefix : prefix + k].masked_fill_(block.attends(), 0)
+            mask[row, 0, k:, prefix] = 0  # padding queries see one real key (their outputs are dropped)
+        kwargs = {
+            self._cache_kwarg: view,
+            "attention_mask": mask.to(self.device),
+            "position_ids": positions.to(self.device),
+        }
+        logits = self.model(input_ids=ids.to(self.device), use_cache=True, **kwargs).logits
+        return [logits[row, :k] for row, k in enumerate(sizes)]
+
+
+@dataclass(frozen=True)
+class BatchBlock:
+    """One sequence's block in :meth:`CausalLM.forward_batch`: its pool slot, its tokens and how they attend."""
+
+    slot: int
+    tokens: torch.Tensor  # [k] int64
+    ancestry: torch.Tensor | None = None  # [k, k] bool, row i may see column j; None = causal (a chain or a prefill)
+    offsets: tuple[int, ...] = ()  # [k] position of token i after the slot's prefix; () = 0 .. k - 1
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def chain(slot: int, tokens: torch.Tensor) -> BatchBlock:
+        """``tokens`` appended causally (a verify chain headed by the last committed token, or a prefill chunk)."""
+        return BatchBlock(slot, tokens, None, tuple(range(int(tokens.shape[0]))))
+
+    @staticmethod
+    def tree(slot: int, root: int, tree: DraftTree) -> BatchBlock:
+        """``[root] + tree nodes`` with tree attention, as :meth:`CausalLM.forward_tree` lays them out."""
+        tokens = torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens.to("cpu", torch.long)])
+        return BatchBlock(slot, tokens, tree.ancestry(), (0, *(1 + depth for depth in tree.depths)))
+
+    def attends(self) -> torch.Tensor:
+        """[k, k] bool: which of the block's tokens each of them sees."""
+        if self.ancestry is not None:
+            return self.ancestry
+        return torch.ones(self.size, self.size, dtype=torch.bool).tril()
 
 
 @dataclass(frozen=True)
