@@ -96,10 +96,17 @@ class DraftSide:
         return proposal
 
     def on_verdict(
-        self, proposal: Proposal, outcome: CycleOutcome, *, wire_seconds: float = 0.0, stopped: bool = False
+        self,
+        proposal: Proposal,
+        outcome: CycleOutcome,
+        *,
+        wire_seconds: float = 0.0,
+        stopped: bool = False,
+        batch_size: int = 1,
     ) -> CycleObservation:
-        """Record the verdict on ``proposal``; unless the request ended (``outcome.finish``, or ``stopped`` by a
-        stop string), tell the drafter what was committed and hand it the cycle's features."""
+        """Record the verdict on ``proposal`` (verified among ``batch_size`` requests); unless the request ended
+        (``outcome.finish``, or ``stopped`` by a stop string), tell the drafter what was committed and hand it the
+        cycle's features."""
         observation = CycleObservation(
             self.budget,
             proposal.size,
@@ -108,6 +115,7 @@ class DraftSide:
             draft_seconds=self.draft_seconds,
             verify_seconds=outcome.verify_seconds,
             wire_seconds=wire_seconds,
+            batch_size=batch_size,
         )
         self.schedule.observe(observation)
         root = self.committed - 1  # the position of the verified block's first token

@@ -12,9 +12,10 @@ Layout: per model layer, keys and values are ``[num_slots, kv_heads, slot_capaci
 head_dim]``. A request owns one slot for its lifetime; its positions are columns ``0 ..
 length - 1`` of its row, so rolling back is forgetting a length and compacting to a tree's
 accepted path moves a few columns within the row — per request, never touching another's.
-The ``scratch`` columns past the capacity take the keys of a batch's padding queries, which no
-real query ever sees. The pool is sized by configuration (slots × tokens per slot); a request
-whose prompt and output cannot fit a slot is refused when it asks for one, never truncated.
+The ``scratch`` columns past the capacity take the keys of a batch's padding queries (a row's
+block shorter than the longest), which no real query ever sees. The pool is sized by
+configuration (slots × tokens per slot); a request whose prompt and output cannot fit a slot is
+refused when it asks for one, never truncated.
 
 The forward itself is :meth:`specserve.core.model.CausalLM.forward_batch`, which hands the model a
 per-step :class:`PoolView` (a transformers ``Cache`` over the step's slots). This module knows
@@ -136,8 +137,11 @@ class KVPool:
             raise ValueError(
                 f"a batch needs distinct slots and blocks of >= 1 token, got {list(slots)}, {list(blocks)}"
             )
-        if max(blocks) > self.scratch:
-            raise ValueError(f"a block of {max(blocks)} tokens exceeds the pool's {self.scratch} scratch columns")
+        if max(blocks) - min(blocks) > self.scratch:
+            raise ValueError(
+                f"blocks of {min(blocks)} to {max(blocks)} tokens need more padding than the pool's {self.scratch} "
+                "scratch columns"
+            )
         for slot, length, k in zip(slots, lengths, blocks, strict=True):
             if length + k > self.slot_capacity:
                 raise PoolFull(f"slot {slot} would hold {length + k} positions, more than its {self.slot_capacity}")
@@ -202,7 +206,7 @@ class PoolView(Cache):
         columns = torch.empty(len(slots), self.block_width, dtype=torch.long)
         for b, (length, k) in enumerate(zip(lengths, blocks, strict=True)):
             columns[b, :k] = torch.arange(length, length + k)
-            columns[b, k:] = torch.arange(pool.slot_capacity + k, pool.slot_capacity + self.block_width)
+            columns[b, k:] = torch.arange(pool.slot_capacity, pool.slot_capacity + self.block_width - k)
         self.write_index = (torch.tensor(slots, device=device)[:, None], columns.to(device))
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         self._rows = None if contiguous else torch.tensor(slots, device=device)

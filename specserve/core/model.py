@@ -318,8 +318,22 @@ class BatchBlock:
     @staticmethod
     def tree(slot: int, root: int, tree: DraftTree) -> BatchBlock:
         """``[root] + tree nodes`` with tree attention, as :meth:`CausalLM.forward_tree` lays them out."""
-        tokens = torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens.to("cpu", torch.long)])
-        return BatchBlock(slot, tokens, tree.ancestry(), (0, *(1 + depth for depth in tree.depths)))
+        return BatchBlock.after(slot, root, tree.tokens, tree.parents)
+
+    @staticmethod
+    def after(slot: int, root: int, tokens: torch.Tensor, parents: Sequence[int]) -> BatchBlock:
+        """``[root] + nodes`` where node i has parent ``parents[i]`` (-1 = the root): each node sees the root, its
+        ancestors and itself, at position ``1 + depth`` after the root. A chain (parents -1, 0, 1, ...) is causal."""
+        size = len(parents)
+        sees = torch.zeros(size + 1, size + 1, dtype=torch.bool)
+        sees[:, 0] = True
+        depths: list[int] = []
+        for node, parent in enumerate(parents):
+            sees[node + 1] |= sees[parent + 1]
+            sees[node + 1, node + 1] = True
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        ids = torch.cat([torch.tensor([root], dtype=torch.long), tokens.to("cpu", torch.long)])
+        return BatchBlock(slot, ids, sees, (0, *(1 + depth for depth in depths)))
 
     def attends(self) -> torch.Tensor:
         """[k, k] bool: which of the block's tokens each of them sees."""

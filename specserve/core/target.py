@@ -29,7 +29,8 @@ import torch
 
 from specserve.core.draft import Draft, Proposal
 from specserve.core.invariant import invariant_scores
-from specserve.core.model import CausalLM, FeatureCapture
+from specserve.core.kv_pool import KVPool
+from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.sampling import SamplingParams, warp_probs
 from specserve.core.tree import DraftTree
 from specserve.core.tree_verification import TreeVerdict, verify_tree, verify_tree_greedy
@@ -93,6 +94,41 @@ class LocalSequence:
 
     def compact(self, keep: Sequence[int]) -> None:
         self.cache.compact(keep)
+
+
+class PooledSequence:
+    """A sequence whose KV lives in one slot of a :class:`~specserve.core.kv_pool.KVPool` (batched serving).
+
+    Its own forwards (a prefill, or a cycle verified alone) are one-row batched forwards; a batched step
+    scores its block together with the other slots' (:meth:`TargetVerifier.block`)."""
+
+    def __init__(self, target: CausalLM, pool: KVPool, slot: int) -> None:
+        self.target = target
+        self.pool = pool
+        self.slot = slot
+
+    @property
+    def length(self) -> int:
+        return self.pool.length(self.slot)
+
+    def forward(
+        self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
+    ) -> torch.Tensor:
+        if capture is not None:
+            raise NotImplementedError("a pooled sequence does not capture features yet")
+        logits = self.target.forward_batch(self.pool, [BatchBlock.chain(self.slot, input_ids)])[0]
+        return logits[-1:] if last_only else logits
+
+    def rollback(self, length: int) -> None:
+        self.pool.rollback(self.slot, length)
+
+    def forward_tree(self, root: int, tree: DraftTree, capture: FeatureCapture | None = None) -> torch.Tensor:
+        if capture is not None:
+            raise NotImplementedError("a pooled sequence does not capture features yet")
+        return self.target.forward_batch(self.pool, [BatchBlock.tree(self.slot, root, tree)])[0]
+
+    def compact(self, keep: Sequence[int]) -> None:
+        self.pool.compact(self.slot, keep)
 
 
 Verdict = ChainVerdict | TreeVerdict  # both name the accepted path (``accepted``) and the token after it
@@ -167,25 +203,60 @@ class TargetVerifier:
         return FeatureCapture(self.feature_layers) if self.feature_layers else None
 
     def verify(self, proposal: Proposal) -> CycleOutcome:
-        """One cycle: score ``[last committed] + proposal`` in one forward, decide by the chain rules (a
+        r"""One cycle: score ``[last committed] + proposal`` in one forward, decide by the chain rules (a
         :class:`~specserve.core.draft.Draft`) or the tree rules (a :class:`~specserve.core.tree.DraftTree`),
         commit, and roll the KV back (or compact it) to the committed text.
 
         With ``params.drafter_invariant`` (and T > 0) the greedy rule runs on log p + G from
         :mod:`specserve.core.invariant`: q is ignored and the request's generator is not consumed, so the
-        output does not depend on the drafter."""
+        output does not depend on the drafter.
+
+        A batched step splits this in two: the batch scores every request's :meth:`block` in one forward,
+        then each request's verifier :meth:`decide`\ s on its own rows."""
+        self._check_running()
+        start = time.perf_counter()
+        capture = self._capture()
+        root = self.committed[-1]
+        if isinstance(proposal, Draft):  # a chain needs no tree mask
+            head = torch.tensor([root], dtype=torch.long, device=self.device)
+            block = torch.cat([head, proposal.tokens.to(self.device)])
+            target_logits = self.sequence.forward(block, capture=capture)  # [gamma + 1, vocab]
+        else:
+            sequence = self.sequence
+            if not (hasattr(sequence, "forward_tree") and hasattr(sequence, "compact")):
+                raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
+            target_logits = sequence.forward_tree(root, proposal, capture=capture)  # [n + 1, vocab]
+        return self.decide(proposal, target_logits, start, capture.take() if capture is not None else None)
+
+    def block(self, proposal: Proposal, slot: int) -> BatchBlock:
+        """This cycle's verify block ``[last committed] + proposal`` as one row of a batched forward
+        (:meth:`~specserve.core.model.CausalLM.forward_batch`) whose slot holds this request's KV."""
+        self._check_running()
+        return BatchBlock.after(slot, self.committed[-1], proposal.tokens, proposal.parents)
+
+    def decide(
+        self,
+        proposal: Proposal,
+        target_logits: torch.Tensor,  # [size + 1, vocab]: row 0 after the root, row i + 1 after node i
+        start: float | None = None,
+        features: torch.Tensor | None = None,  # [size + 1, width] the block's features (feature layers only)
+    ) -> CycleOutcome:
+        """Apply the exact rules to the cycle's logits, commit, and roll back or compact the KV, which holds the
+        whole block (``start``: when the cycle's verification began, for its timing)."""
+        self._check_running()
+        start = time.perf_counter() if start is None else start
+        if isinstance(proposal, Draft):  # which rules apply: the chain's or the tree's
+            return self._decide_chain(proposal, target_logits, start, features)
+        return self._decide_tree(proposal, target_logits, start, features)
+
+    def _check_running(self) -> None:
         if self.finish is not None:
             raise RuntimeError(f"the request already finished ({self.finish})")
-        if isinstance(proposal, Draft):  # the one place the two kinds part: which rules apply
-            return self._verify_chain(proposal)
-        return self._verify_tree(proposal)
 
-    def _verify_chain(self, draft: Draft) -> CycleOutcome:
-        start = time.perf_counter()
-        head = torch.tensor([self.committed[-1]], dtype=torch.long, device=self.device)
+    def _decide_chain(
+        self, draft: Draft, target_logits: torch.Tensor, start: float, features: torch.Tensor | None
+    ) -> CycleOutcome:
         tokens = draft.tokens.to(self.device)
-        capture = self._capture()
-        target_logits = self.sequence.forward(torch.cat([head, tokens]), capture=capture)  # [gamma + 1, vocab]
         if self.params.lossy_acceptance:
             # LOSSY, opted into (specserve.core.typical): Medusa's typical acceptance; q unused; greedy at T = 0.
             generator = None if self.params.greedy else self.generator
@@ -202,18 +273,13 @@ class TargetVerifier:
             verdict = verify_chain(target_logits, target_probs, tokens, draft_probs, self.generator)
 
         new = [*tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-        features = capture.take()[: verdict.num_accepted + 1] if capture is not None else None
+        features = features[: verdict.num_accepted + 1] if features is not None else None
         return self._commit(verdict, new, start, features)
 
-    def _verify_tree(self, tree: DraftTree) -> CycleOutcome:
-        """Tree-attention forward, exact tree rules, keep only the accepted path."""
-        sequence = self.sequence
-        if not (hasattr(sequence, "forward_tree") and hasattr(sequence, "compact")):
-            raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
-        start = time.perf_counter()
-        cached = sequence.length  # == len(committed) - 1: the root (last committed token) goes first
-        capture = self._capture()
-        target_logits = sequence.forward_tree(self.committed[-1], tree, capture=capture)  # [n + 1, vocab]
+    def _decide_tree(
+        self, tree: DraftTree, target_logits: torch.Tensor, start: float, features: torch.Tensor | None
+    ) -> CycleOutcome:
+        """Exact tree rules, then keep only the accepted path in the KV."""
         if self.params.lossy_acceptance:  # LOSSY, opted into: Medusa's typical acceptance (specserve.core.typical)
             generator = None if self.params.greedy else self.generator
             eps, delta = self.params.typical_epsilon, self.params.typical_delta
@@ -227,11 +293,14 @@ class TargetVerifier:
             verdict = verify_tree_greedy(invariant_scores(target_logits, self.params, positions), tree)
         else:
             verdict = verify_tree(warp_probs(target_logits, self.params), tree, self.generator)
+        sequence = self.sequence
+        if not hasattr(sequence, "compact"):
+            raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
+        cached = len(self.committed) - 1  # the KV before the block: the root (last committed token) went first
         sequence.compact([*range(cached + 1), *(cached + 1 + node for node in verdict.accepted)])
         path = [int(tree.tokens[node]) for node in verdict.accepted]
-        features = None
-        if capture is not None:  # rows: the root, then node i at 1 + i
-            features = capture.take()[[0, *(1 + node for node in verdict.accepted)]]
+        if features is not None:  # rows: the root, then node i at 1 + i
+            features = features[[0, *(1 + node for node in verdict.accepted)]]
         return self._commit(verdict, [*path, verdict.next_token], start, features)
 
     def _commit(

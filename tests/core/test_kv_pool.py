@@ -88,7 +88,7 @@ def test_each_row_of_a_batch_equals_its_sequence_alone(pair: TinyPair, consecuti
 def test_greedy_requests_joining_and_leaving_equal_transformers(pair: TinyPair) -> None:
     """Plain greedy decoding, one token per request per step, requests joining at different steps."""
     target = pair.target
-    pool = KVPool(target.model, num_slots=3, slot_capacity=96, scratch=64)
+    pool = KVPool(target.model, num_slots=3, slot_capacity=96, scratch=32)
     prompts = [list(p) for p in (pair.prompts[0], pair.prompts[1], pair.eos_prompts[0], pair.prompts[2])]
     budgets = [12, 5, 9, 7]
     joins = [0, 0, 2, 4]  # step at which each request joins; the fourth waits for a free slot
@@ -129,8 +129,10 @@ def test_slots_are_accounted_and_what_cannot_fit_is_refused(pair: TinyPair) -> N
     assert (first, second) == (0, 1) and pool.free_slots == 0
     with pytest.raises(PoolFull, match="all 2 KV slots are in use"):
         pool.allocate(1)
-    with pytest.raises(ValueError, match="scratch"):
-        target.forward_batch(pool, [BatchBlock.chain(first, random_tokens(5, 0))])
+    with pytest.raises(ValueError, match="scratch"):  # padding one block of 1 to another of 6
+        target.forward_batch(
+            pool, [BatchBlock.chain(first, random_tokens(6, 0)), BatchBlock.chain(second, random_tokens(1, 0))]
+        )
     with pytest.raises(ValueError, match="distinct slots"):
         target.forward_batch(pool, [BatchBlock.chain(first, random_tokens(1, 0))] * 2)
     for seed in (0, 1):

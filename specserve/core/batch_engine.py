@@ -1,0 +1,214 @@
+"""Continuous batching in one process: many requests, one target forward per step.
+
+:class:`BatchedEngine` holds a :class:`~specserve.core.kv_pool.KVPool` and the running requests.
+Requests join and leave between steps. One :meth:`BatchedEngine.step`:
+
+1. **admit** — waiting requests take free KV slots, first come first served, and are prefilled;
+   a request whose prompt and output can never fit a slot is refused when submitted;
+2. **draft** — every running request's :class:`~specserve.core.draft_side.DraftSide` proposes
+   within its own budget (chain, tree or nothing), with the request's own drafter;
+3. **verify** — the target scores every request's block in **one** forward
+   (:meth:`~specserve.core.model.CausalLM.forward_batch`); each request's
+   :class:`~specserve.core.target.TargetVerifier` decides on its own rows by the same exact rules
+   as the single-request engine, with the request's own generators, and rolls back or compacts
+   its own slot;
+4. **stop checks** — EOS, length, stop strings; finished requests free their slots.
+
+Per request, the drafter, schedule and generators see exactly the calls the single-request
+:class:`~specserve.core.engine.SpeculativeEngine` makes, in the same order, so a request's tokens
+do not depend on who shares its batch. Each request gets its own drafter instance from
+``new_drafter(name)`` (a draft model's weights are shared; its cache is the request's).
+
+Not yet here (issue 15 continues): prefill chunked under a per-step token budget (a newcomer's
+prompt is one forward of its own), draft models drafting for all requests in one forward,
+goodput-aware budgets, and drafters that read the target's hidden states or share its KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from specserve.core.detokenize import TextStream
+from specserve.core.draft import Drafter, FeatureDrafter, SharesTargetKV, check_can_draft
+from specserve.core.draft_side import DraftSide
+from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
+from specserve.core.kv_pool import KVPool
+from specserve.core.model import CausalLM
+from specserve.core.prompts import InvalidRequest, PromptCodec
+from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.schedule import ScheduleFactory, fixed_schedules
+from specserve.core.stats import RequestStats
+from specserve.core.target import PooledSequence, TargetVerifier
+
+
+@dataclass
+class _Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    config: GenerationConfig
+    drafter: Drafter
+    submitted: float
+    slot: int = -1
+    verifier: TargetVerifier | None = None
+    side: DraftSide | None = None
+    out: RequestOutput | None = None
+
+
+class BatchedEngine(GenerationFrontend):
+    """Serves many requests at once on a target model in this process, one batched target forward per step.
+
+    ``new_drafter(name)`` builds a drafter for one request (``name`` is the request's
+    :attr:`~specserve.core.engine.GenerationConfig.drafter`: ``default``, ``ngram`` or ``none``).
+    ``num_slots`` requests run at once, each within ``slot_capacity`` tokens of prompt and output
+    (default: the target's context length); the rest wait.
+    """
+
+    def __init__(
+        self,
+        target: CausalLM,
+        new_drafter: Callable[[str], Drafter],
+        schedules: ScheduleFactory = fixed_schedules,
+        num_slots: int = 16,
+        slot_capacity: int | None = None,
+    ) -> None:
+        self.target = target
+        self.new_drafter = new_drafter
+        self.schedules = schedules
+        self.prompts = PromptCodec(target.info, target.tokenizer)
+        capacity = slot_capacity or target.info.max_positions
+        self.pool = KVPool(target.model, num_slots, capacity, scratch=capacity)
+        self._ids = itertools.count()
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}
+
+    # -----------------------------------------------------------------------------------------
+    # Requests
+
+    def submit(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, config: GenerationConfig | None = None
+    ) -> int:
+        """Queue a request; returns its id. Raises :class:`InvalidRequest` for one that can never run here."""
+        params, config = params or SamplingParams(), config or GenerationConfig()
+        prompt_ids = self.encode(prompt)
+        self.validate(prompt_ids, config)
+        tokens = len(prompt_ids) + config.max_new_tokens
+        if tokens > self.pool.slot_capacity:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed the "
+                f"{self.pool.slot_capacity} tokens a request may hold here; shorten one of them"
+            )
+        drafter = self.new_drafter(config.drafter)
+        if isinstance(drafter, FeatureDrafter | SharesTargetKV):
+            raise InvalidRequest(
+                f"the {drafter.name!r} drafter does not run in a batch yet; use a draft model or ngram"
+            )
+        check_can_draft(drafter, config.tree, config.drafter)
+        self.schedules(config.policy, config.budget)  # raises for a policy this engine cannot run
+        request = _Request(next(self._ids), prompt_ids, params, config, drafter, time.perf_counter())
+        self._waiting.append(request)
+        return request.request_id
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a waiting or running request (its slot is freed at once); unknown ids are ignored."""
+        self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
+        request = self._running.pop(request_id, None)
+        if request is not None:
+            self.pool.free(request.slot)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # -----------------------------------------------------------------------------------------
+    # One step
+
+    def step(self) -> list[tuple[int, StreamChunk]]:
+        """Admit, draft, verify every running request in one forward, commit; each request's new chunk."""
+        self._admit()
+        running = list(self._running.values())
+        if not running:
+            return []
+        proposals = []
+        for request in running:
+            assert request.side is not None
+            proposals.append(request.side.propose())
+        start = time.perf_counter()
+        blocks = []
+        for request, proposal in zip(running, proposals, strict=True):
+            assert request.verifier is not None
+            blocks.append(request.verifier.block(proposal, request.slot))
+        logits = self.target.forward_batch(self.pool, blocks)
+        chunks = []
+        for request, proposal, rows in zip(running, proposals, logits, strict=True):
+            verifier, side, out = request.verifier, request.side, request.out
+            assert verifier is not None and side is not None and out is not None
+            outcome = verifier.decide(proposal, rows, start)
+            chunk = out.push(outcome.new_tokens, outcome.finish)
+            if out.finish == "stop":
+                verifier.stop_at(len(out.tokens))
+            stopped = out.finish == "stop"
+            out.stats.record(side.on_verdict(proposal, outcome, stopped=stopped, batch_size=len(running)))
+            chunks.append((request.request_id, chunk))
+            if out.finish is not None:
+                self.cancel(request.request_id)
+        return chunks
+
+    def _admit(self) -> None:
+        while self._waiting and self.pool.free_slots:
+            request = self._waiting.popleft()
+            self._start(request)
+
+    def _start(self, request: _Request) -> None:
+        """Prefill a newcomer in its slot and start its draft side, as the single-request engine does."""
+        params, config = request.params, request.config
+        device = self.target.device
+        request.slot = self.pool.allocate(len(request.prompt_ids) + config.max_new_tokens)
+        stats = RequestStats()
+        start = time.perf_counter()
+        eos = () if config.ignore_eos else self.target.info.eos_token_ids
+        generators = make_generators(params.seed, device)
+        schedule = self.schedules(config.policy, config.budget)
+        side = DraftSide(
+            request.drafter,
+            schedule,
+            config.budget,
+            len(request.prompt_ids),
+            config.max_new_tokens,
+            device,
+            config.drafter,
+        )
+        sequence = PooledSequence(self.target, self.pool, request.slot)
+        verifier = TargetVerifier(
+            sequence, request.prompt_ids, params, generators.verify, config.max_new_tokens, eos, device
+        )
+        verifier.prefill()
+        side.start(request.prompt_ids, params, generators.draft)
+        stats.prefill_seconds = time.perf_counter() - start
+        request.verifier, request.side = verifier, side
+        request.out = RequestOutput(request.prompt_ids, TextStream(self.decode, config.stop), stats, request.submitted)
+        self._running[request.request_id] = request
+
+    # -----------------------------------------------------------------------------------------
+    # One request's stream (GenerationFrontend): steps the whole batch until this request ends
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
+        request_id = self.submit(prompt_ids, params, config)
+        done = False
+        try:
+            while not done:
+                for rid, chunk in self.step():
+                    if rid == request_id:
+                        done = chunk.result is not None
+                        yield chunk
+        finally:
+            if not done:
+                self.cancel(request_id)

@@ -1,0 +1,124 @@
+"""Batch invariance of the batched engine: each request's tokens equal the same request run alone.
+
+A mix of requests — draft model, n-gram and no drafter; chains and dynamic trees; greedy, seeded
+sampling (T = 1, top-k) and drafter-invariant sampling; different prompts and lengths; some ending
+at EOS, one at a stop string; some joining steps later or waiting for a free slot — runs through
+:class:`~specserve.core.batch_engine.BatchedEngine`. Every request's output (tokens, finish reason)
+equals :class:`~specserve.core.engine.SpeculativeEngine` on that request alone, and greedy ones
+equal transformers' ``generate``; float64, both tiny architectures. The pool is empty afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from conftest import EOS_ID, TinyPair, hf_greedy_ids
+
+from specserve.core.batch_engine import BatchedEngine
+from specserve.core.draft import Drafter
+from specserve.core.engine import GenerationConfig, GenerationResult, InvalidRequest, SpeculativeEngine
+from specserve.core.sampling import SamplingParams
+from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.drafters.layerskip import LayerSkipDrafter
+from specserve.drafters.model import DraftModelDrafter
+from specserve.drafters.ngram import NgramDrafter
+from specserve.drafters.none import NoDrafter
+
+DYNAMIC = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))
+
+
+def drafter_factory(pair: TinyPair) -> Callable[[str], Drafter]:
+    def build(name: str) -> Drafter:
+        if name == "ngram":
+            return NgramDrafter(max_ngram=3, min_ngram=1)
+        if name == "none":
+            return NoDrafter()
+        return DraftModelDrafter(pair.draft, pair.target)
+
+    return build
+
+
+def alone(pair: TinyPair, prompt: list[int], params: SamplingParams, config: GenerationConfig) -> GenerationResult:
+    engine = SpeculativeEngine(pair.target, drafter_factory(pair)(config.drafter))
+    return engine.generate(prompt, params, GenerationConfig(**{**config.__dict__, "drafter": "default"}))
+
+
+def mixed_requests(pair: TinyPair) -> list[tuple[list[int], SamplingParams, GenerationConfig]]:
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    top_k = SamplingParams(temperature=0.8, top_k=12, seed=9)
+    invariant = SamplingParams(temperature=1.0, seed=2, drafter_invariant=True)
+    # a stop string the greedy continuation of some prompt reaches a few tokens in (before any EOS)
+    stop_prompt, stop = next(
+        (list(prompt), pair.target.tokenizer.decode(ids[2:4]))
+        for prompt in (*pair.prompts, *pair.length_prompts)
+        if len(ids := hf_greedy_ids(pair.target.model, prompt, 6)) == 6 and EOS_ID not in ids
+    )
+    return [
+        (list(pair.prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=14, gamma=3)),
+        (list(pair.eos_prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=20, gamma=2, drafter="ngram")),
+        (list(pair.prompts[1]), sampled, GenerationConfig(max_new_tokens=12, gamma=4)),
+        (list(pair.prompts[2]), SamplingParams(), GenerationConfig(max_new_tokens=10, tree=DYNAMIC)),
+        (list(pair.prompts[4]), top_k, GenerationConfig(max_new_tokens=9, tree=DYNAMIC)),
+        (list(pair.length_prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=8, drafter="none")),
+        (stop_prompt, SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=2, stop=(stop,))),
+        (list(pair.eos_prompts[1]), invariant, GenerationConfig(max_new_tokens=11, gamma=3)),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair) -> None:
+    requests = mixed_requests(pair)
+    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=5, slot_capacity=96)
+    joins = [0, 0, 0, 1, 1, 3, 3, 6]  # step at which each request is submitted; some wait for a slot
+    ids: dict[int, int] = {}
+    results: dict[int, GenerationResult] = {}
+    batch_sizes = set()
+    step = 0
+    while len(results) < len(requests):
+        for index, join in enumerate(joins):
+            if join == step:
+                prompt, params, config = requests[index]
+                ids[engine.submit(prompt, params, config)] = index
+        for request_id, chunk in engine.step():
+            if chunk.result is not None:
+                results[ids[request_id]] = chunk.result
+        batch_sizes.add(engine.num_running)
+        step += 1
+        assert step < 200, "the batch never finished"
+    assert max(batch_sizes) == 5  # the batch filled the pool; later requests waited for slots
+    finishes = set()
+    for index, (prompt, params, config) in enumerate(requests):
+        got, want = results[index], alone(pair, prompt, params, config)
+        assert got.output_ids == want.output_ids, f"request {index}"
+        assert got.finish_reason == want.finish_reason and got.text == want.text
+        assert got.stats.cycles == want.stats.cycles and got.stats.accepted_tokens == want.stats.accepted_tokens
+        finishes.add(got.finish_reason)
+        if params.greedy and got.finish_reason != "stop":
+            assert got.output_ids == hf_greedy_ids(pair.target.model, prompt, config.max_new_tokens)
+    assert finishes == {"eos", "length", "stop"}  # not vacuous: every way of ending happened inside the batch
+    assert engine.pool.free_slots == 5 and not engine.has_work
+
+
+def test_one_request_streams_through_the_batch_and_cancellation_frees_its_slot(pair: TinyPair) -> None:
+    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=2, slot_capacity=96)
+    prompt, params, config = mixed_requests(pair)[0]
+    assert engine.generate(prompt, params, config).output_ids == alone(pair, prompt, params, config).output_ids
+    stream = engine.stream(prompt, params, config)
+    next(stream)
+    assert engine.num_running == 1 and engine.pool.free_slots == 1
+    stream.close()  # the caller went away: the request leaves the batch and frees its slot
+    assert engine.num_running == 0 and engine.pool.free_slots == 2
+    waiting = engine.submit(prompt, params, config)
+    engine.cancel(waiting)
+    assert not engine.has_work
+
+
+def test_requests_that_cannot_run_in_a_batch_are_refused(pair: TinyPair) -> None:
+    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=2, slot_capacity=32)
+    with pytest.raises(InvalidRequest, match="exceed the 32 tokens a request may hold here"):
+        engine.submit(list(pair.prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=40))
+    skip = BatchedEngine(pair.target, lambda name: LayerSkipDrafter(pair.target, 1), num_slots=1)
+    with pytest.raises(InvalidRequest, match="does not run in a batch yet"):
+        skip.submit(list(pair.prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=4))
+    assert not engine.has_work
