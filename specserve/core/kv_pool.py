@@ -5,8 +5,8 @@ of slot s has ``length(s)`` cached positions and a block of k_s tokens (a chain,
 prefill chunk); the forward runs a padded ``[B, k_max]`` batch whose additive 4-D mask lets each
 row see only its own prefix and the causal (or tree-ancestry) part of its own block. Padded rows
 were measured against one flat block-diagonal sequence on this CPU (``bench/batch_layout.py``,
-BENCHMARKS.md): padded rows cost less whenever blocks are of similar size, since attention then
-spans one request's context instead of all of them.
+BENCHMARKS.md §8): at 16 requests padded rows cost 1.7-2.1x less, since each query attends over
+its own request's context instead of all of them; flat won only for a few very unequal blocks.
 
 Layout: per model layer, keys and values are ``[num_slots, kv_heads, slot_capacity + scratch,
 head_dim]``. A request owns one slot for its lifetime; its positions are columns ``0 ..
