@@ -3,8 +3,10 @@
 :class:`BatchedEngine` holds a :class:`~specserve.core.kv_pool.KVPool` and the running requests.
 Requests join and leave between steps. One :meth:`BatchedEngine.step`:
 
-1. **admit** — waiting requests take free KV slots, first come first served, and are prefilled;
-   a request whose prompt and output can never fit a slot is refused when submitted;
+1. **admit and prefill** — waiting requests take free KV slots, first come first served; their
+   prompts are prefilled in chunks, at most ``prefill_tokens`` tokens per step over all newcomers,
+   in a forward of their own, so a long prompt never stalls the others' decoding for more than
+   one chunk; a request whose prompt and output can never fit a slot is refused when submitted;
 2. **draft** — every running request's :class:`~specserve.core.draft_side.DraftSide` proposes
    within its own budget (chain, tree or nothing), with the request's own drafter;
 3. **verify** — the target scores every request's block in **one** forward
@@ -19,8 +21,7 @@ Per request, the drafter, schedule and generators see exactly the calls the sing
 do not depend on who shares its batch. Each request gets its own drafter instance from
 ``new_drafter(name)`` (a draft model's weights are shared; its cache is the request's).
 
-Not yet here (issue 15 continues): prefill chunked under a per-step token budget (a newcomer's
-prompt is one forward of its own), draft models drafting for all requests in one forward,
+Not yet here (issue 15 continues): draft models drafting for all requests in one forward,
 goodput-aware budgets, and drafters that read the target's hidden states or share its KV.
 """
 
@@ -65,7 +66,8 @@ class BatchedEngine(GenerationFrontend):
     ``new_drafter(name)`` builds a drafter for one request (``name`` is the request's
     :attr:`~specserve.core.engine.GenerationConfig.drafter`: ``default``, ``ngram`` or ``none``).
     ``num_slots`` requests run at once, each within ``slot_capacity`` tokens of prompt and output
-    (default: the target's context length); the rest wait.
+    (default: the target's context length); the rest wait. Newcomers' prompts are prefilled at most
+    ``prefill_tokens`` tokens per step.
     """
 
     def __init__(
@@ -75,7 +77,11 @@ class BatchedEngine(GenerationFrontend):
         schedules: ScheduleFactory = fixed_schedules,
         num_slots: int = 16,
         slot_capacity: int | None = None,
+        prefill_tokens: int = 256,
     ) -> None:
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens
         self.target = target
         self.new_drafter = new_drafter
         self.schedules = schedules
@@ -132,9 +138,11 @@ class BatchedEngine(GenerationFrontend):
     # One step
 
     def step(self) -> list[tuple[int, StreamChunk]]:
-        """Admit, draft, verify every running request in one forward, commit; each request's new chunk."""
+        """Admit and prefill (a chunk), then draft, verify every prefilled request in one forward, commit; each
+        request's new chunk."""
         self._admit()
-        running = list(self._running.values())
+        self._prefill()
+        running = [r for r in self._running.values() if r.verifier is not None and not r.verifier.unprefilled]
         if not running:
             return []
         proposals = []
@@ -167,13 +175,33 @@ class BatchedEngine(GenerationFrontend):
             request = self._waiting.popleft()
             self._start(request)
 
+    def _prefill(self) -> None:
+        """One forward over the next prompt chunks of the requests still prefilling, oldest first, within
+        ``prefill_tokens`` tokens."""
+        budget, blocks, filling = self.prefill_tokens, [], []
+        for request in self._running.values():
+            verifier = request.verifier
+            assert verifier is not None
+            if verifier.unprefilled and budget:
+                blocks.append(verifier.prefill_block(request.slot, budget))
+                budget -= blocks[-1].size
+                filling.append(request)
+        if not blocks:
+            return
+        self.target.forward_batch(self.pool, blocks)
+        now = time.perf_counter()
+        for request in filling:
+            assert request.verifier is not None and request.out is not None
+            if not request.verifier.unprefilled:
+                request.out.stats.prefill_seconds = now - request.submitted
+
     def _start(self, request: _Request) -> None:
-        """Prefill a newcomer in its slot and start its draft side, as the single-request engine does."""
+        """Give a newcomer its slot, verifier and draft side, as the single-request engine does; its prompt is
+        prefilled in chunks by the steps that follow (:meth:`_prefill`)."""
         params, config = request.params, request.config
         device = self.target.device
         request.slot = self.pool.allocate(len(request.prompt_ids) + config.max_new_tokens)
         stats = RequestStats()
-        start = time.perf_counter()
         eos = () if config.ignore_eos else self.target.info.eos_token_ids
         generators = make_generators(params.seed, device)
         schedule = self.schedules(config.policy, config.budget)
@@ -190,9 +218,7 @@ class BatchedEngine(GenerationFrontend):
         verifier = TargetVerifier(
             sequence, request.prompt_ids, params, generators.verify, config.max_new_tokens, eos, device
         )
-        verifier.prefill()
         side.start(request.prompt_ids, params, generators.draft)
-        stats.prefill_seconds = time.perf_counter() - start
         request.verifier, request.side = verifier, side
         request.out = RequestOutput(request.prompt_ids, TextStream(self.decode, config.stop), stats, request.submitted)
         self._running[request.request_id] = request

@@ -199,6 +199,21 @@ class TargetVerifier:
             capture.value = torch.empty(0, 0)
         return capture.take() if capture is not None else None
 
+    @property
+    def unprefilled(self) -> int:
+        """Prompt tokens (all but the last) not yet cached: a chunked prefill feeds them over several steps."""
+        return max(len(self.committed) - 1 - self.sequence.length, 0)
+
+    def prefill_block(self, slot: int, budget: int) -> BatchBlock:
+        """The next (at most ``budget``) uncached prompt tokens as one row of a batched forward whose slot holds
+        this request's KV: a chunk of a prefill spread over several steps (no features: not for hidden-state
+        drafters)."""
+        cached = self.sequence.length
+        end = min(cached + budget, len(self.committed) - 1)
+        if end <= cached:
+            raise ValueError(f"nothing to prefill within a budget of {budget} (cached {cached} of the prompt)")
+        return BatchBlock.chain(slot, torch.tensor(self.committed[cached:end], dtype=torch.long))
+
     def _capture(self) -> FeatureCapture | None:
         return FeatureCapture(self.feature_layers) if self.feature_layers else None
 

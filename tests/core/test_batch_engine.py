@@ -2,7 +2,8 @@
 
 A mix of requests — draft model, n-gram and no drafter; chains and dynamic trees; greedy, seeded
 sampling (T = 1, top-k) and drafter-invariant sampling; different prompts and lengths; some ending
-at EOS, one at a stop string; some joining steps later or waiting for a free slot — runs through
+at EOS, one at a stop string; some joining steps later or waiting for a free slot; prompts prefilled
+in chunks over several steps — runs through
 :class:`~specserve.core.batch_engine.BatchedEngine`. Every request's output (tokens, finish reason)
 equals :class:`~specserve.core.engine.SpeculativeEngine` on that request alone, and greedy ones
 equal transformers' ``generate``; float64, both tiny architectures. The pool is empty afterwards.
@@ -69,7 +70,8 @@ def mixed_requests(pair: TinyPair) -> list[tuple[list[int], SamplingParams, Gene
 @pytest.mark.timeout(300)
 def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair) -> None:
     requests = mixed_requests(pair)
-    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=5, slot_capacity=96)
+    # prompts are prefilled in chunks of at most 5 tokens per step, over all newcomers
+    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=5, slot_capacity=96, prefill_tokens=5)
     joins = [0, 0, 0, 1, 1, 3, 3, 6]  # step at which each request is submitted; some wait for a slot
     ids: dict[int, int] = {}
     results: dict[int, GenerationResult] = {}
@@ -122,3 +124,28 @@ def test_requests_that_cannot_run_in_a_batch_are_refused(pair: TinyPair) -> None
     with pytest.raises(InvalidRequest, match="does not run in a batch yet"):
         skip.submit(list(pair.prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=4))
     assert not engine.has_work
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding(pair: TinyPair) -> None:
+    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=2, slot_capacity=96, prefill_tokens=4)
+    short, params, config = mixed_requests(pair)[0]
+    first = engine.submit(short, params, config)
+    while not engine.step():  # the short prompt's chunks, then its first cycle
+        pass
+    long_prompt = [int(t) for t in (list(pair.prompts[1]) * 6)[:30]]
+    long_config = GenerationConfig(max_new_tokens=6, gamma=2)
+    second = engine.submit(long_prompt, SamplingParams(), long_config)
+    steps_while_prefilling = 0
+    results = {}
+    while engine.has_work:
+        chunks = dict(engine.step())
+        if second not in chunks and second not in results:
+            steps_while_prefilling += 1
+            assert first in chunks or first in results, "the running request stalled during the long prefill"
+        for request_id, chunk in chunks.items():
+            if chunk.result is not None:
+                results[request_id] = chunk.result
+    assert steps_while_prefilling >= 29 // 4 - 1  # 29 prompt tokens to cache, 4 per step
+    assert results[second].output_ids == alone(pair, long_prompt, SamplingParams(), long_config).output_ids
+    assert results[first].output_ids == alone(pair, short, params, config).output_ids
+    assert results[second].stats.prefill_seconds > 0
