@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--requests", default="1,4,16")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompt-chars", type=int, default=600, help="characters of each held-out prompt kept")
+    parser.add_argument("--prefill-tokens", type=int, default=256, help="the batched engine's prefill budget per step")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = CausalLM.load(defaults.DEFAULT_TARGET)
@@ -51,7 +52,13 @@ def main() -> None:
                 SpeculativeEngine(target, new_drafter()).generate(p, SamplingParams(), config) for p in prompts[:count]
             ]
             alone_seconds = time.perf_counter() - start
-            engine = BatchedEngine(target, lambda name, make=new_drafter: make(), num_slots=count, slot_capacity=512)
+            engine = BatchedEngine(
+                target,
+                lambda name, make=new_drafter: make(),
+                num_slots=count,
+                slot_capacity=512,
+                prefill_tokens=args.prefill_tokens,
+            )
             start = time.perf_counter()
             ids = [engine.submit(p, SamplingParams(), config) for p in prompts[:count]]
             results = {}
@@ -72,7 +79,8 @@ def main() -> None:
                     "outputs_equal": same,
                 }
             )
-    print(f"| requests | mode | one at a time tok/s | batched tok/s | × | outputs equal |  ({args.threads} thread(s))")
+    print(f"| requests | mode | one at a time tok/s | batched tok/s | × | outputs equal |  ({args.threads} thread(s), "
+          f"prefill {args.prefill_tokens} tokens/step)")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['requests']} | {r['mode']} | {r['one_at_a_time_tok_s']} | {r['batched_tok_s']} | "
