@@ -41,7 +41,7 @@ from specserve.core.kv_pool import KVPool
 from specserve.core.model import CausalLM
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.schedule import ScheduleFactory, fixed_schedules
+from specserve.core.schedule import MAX_GAMMA, ScheduleFactory, fixed_schedules
 from specserve.core.stats import RequestStats
 from specserve.core.target import PooledSequence, TargetVerifier
 
@@ -87,7 +87,10 @@ class BatchedEngine(GenerationFrontend):
         self.schedules = schedules
         self.prompts = PromptCodec(target.info, target.tokenizer)
         capacity = slot_capacity or target.info.max_positions
-        self.pool = KVPool(target.model, num_slots, capacity, scratch=capacity)
+        # Padding columns a step may need: up to a prefill chunk or the longest chain's verify block (trees are
+        # checked against it when submitted).
+        scratch = min(capacity, max(prefill_tokens, MAX_GAMMA + 1))
+        self.pool = KVPool(target.model, num_slots, capacity, scratch=scratch)
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}
@@ -114,6 +117,11 @@ class BatchedEngine(GenerationFrontend):
                 f"the {drafter.name!r} drafter does not run in a batch yet; use a draft model or ngram"
             )
         check_can_draft(drafter, config.tree, config.drafter)
+        if config.budget.nodes + 1 > self.pool.scratch:
+            raise InvalidRequest(
+                f"a draft budget of {config.budget.nodes} nodes is more than a batch step pads "
+                f"({self.pool.scratch - 1}); draft fewer nodes"
+            )
         self.schedules(config.policy, config.budget)  # raises for a policy this engine cannot run
         request = _Request(next(self._ids), prompt_ids, params, config, drafter, time.perf_counter())
         self._waiting.append(request)

@@ -120,6 +120,10 @@ def test_requests_that_cannot_run_in_a_batch_are_refused(pair: TinyPair) -> None
     engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=2, slot_capacity=32)
     with pytest.raises(InvalidRequest, match="exceed the 32 tokens a request may hold here"):
         engine.submit(list(pair.prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=40))
+    big = GenerationConfig(max_new_tokens=4, tree=TreeSpec("dynamic", budget=TreeBudget(depth=8, width=4, nodes=32)))
+    with pytest.raises(InvalidRequest, match="a draft budget of 32 nodes is more than a batch step pads"):
+        engine.submit(list(pair.prompts[0]), SamplingParams(), big)  # this pool pads 31 columns: its 32 tokens
+    assert engine.pool.scratch == 32
     skip = BatchedEngine(pair.target, lambda name: LayerSkipDrafter(pair.target, 1), num_slots=1)
     with pytest.raises(InvalidRequest, match="does not run in a batch yet"):
         skip.submit(list(pair.prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=4))
