@@ -9,8 +9,11 @@ engine and the distributed target replica (rank 0 of its tensor-parallel shards)
 so the two cannot drift apart.
 
 Where the keys and values live is behind :class:`TargetSequence`: one process
-(:class:`LocalSequence`, a :class:`~specserve.core.model.KVCache`) or several tensor-parallel
-shards that mirror every forward and rollback (``specserve.actors``). Stop strings are not
+(:class:`LocalSequence`, a :class:`~specserve.core.model.KVCache`), one slot of a batched
+engine's KV pool (:class:`PooledSequence`), or several tensor-parallel shards that mirror every
+forward and rollback (``specserve.actors``). A batched step splits :meth:`TargetVerifier.verify`
+in two: every request's :meth:`~TargetVerifier.block` goes into one forward, then each request's
+verifier decides on its own rows (:meth:`~TargetVerifier.decide`). Stop strings are not
 handled here: they need detokenisation and end the request, so the caller cuts for them.
 
 For hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.FeatureDrafter`) the verifier
@@ -227,7 +230,7 @@ class TargetVerifier:
         output does not depend on the drafter.
 
         A batched step splits this in two: the batch scores every request's :meth:`block` in one forward,
-        then each request's verifier :meth:`decide`\ s on its own rows."""
+        then each request's verifier decides on its own rows (:meth:`decide`)."""
         self._check_running()
         start = time.perf_counter()
         capture = self._capture()
