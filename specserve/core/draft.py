@@ -186,6 +186,31 @@ class SharesTargetKV(Protocol):
     def share_target_cache(self, cache: KVCache) -> None: ...
 
 
+@runtime_checkable
+class ChainBatcher(Protocol):
+    """Drafts chains for several requests at once, in shared forwards (a draft model over one KV pool)."""
+
+    def propose_chains(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[Draft]:
+        """What ``[d.propose(b) for d, b in zip(drafters, budgets)]`` returns — the same tokens, the same q, the
+        same draws from each request's own generator, in that order — in fewer forwards. Every drafter given
+        is a :class:`BatchedDrafter` whose ``batcher`` is this one; a budget may be 0 (an empty draft)."""
+        ...
+
+
+@runtime_checkable
+class BatchedDrafter(Drafter, Protocol):
+    """A request's drafter whose chains can be drafted together with other requests' (see :class:`ChainBatcher`).
+
+    The batched engine groups the running requests' drafters by ``batcher`` and asks each group for its chains
+    in one call; alone, ``propose`` still works. ``release`` gives back what the request held (a slot of the
+    batcher's KV pool) when the request ends or is cancelled; ``start`` takes it again.
+    """
+
+    batcher: ChainBatcher
+
+    def release(self) -> None: ...
+
+
 def propose(drafter: Drafter, budget: Budget, remaining: int, device: torch.device | str = "cpu") -> Proposal:
     """The drafter's proposal for ``budget`` (a chain of ``budget.gamma`` tokens, or a tree of ``budget.tree``'s
     shape), never deeper than ``remaining - 1``: the verdict always adds one more token. A drafter that overruns

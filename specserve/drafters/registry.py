@@ -8,9 +8,10 @@ whose builder is :func:`build_drafter` with the same options, so a request can a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from specserve.core.draft import Drafter, DrafterSet
+from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_drafter_name
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.drafters.eagle import EagleDrafter
@@ -110,3 +111,32 @@ def build_drafter_set(
 
     configured = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
     return DrafterSet(configured, build)
+
+
+def request_drafters(
+    spec: str | CausalLM,
+    target: CausalLM | TargetDescription,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+) -> Callable[[str], Drafter]:
+    """For the batched engine: ``new_drafter(name)`` gives each request a drafter of its own (``name`` one of
+    :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
+    requests' drafters (each keeps its own cache); ``ngram`` and ``none`` are cheap to build per request.
+    Drafters that read the target's features or KV (EAGLE, Medusa, layer-skip) are built per request too;
+    the engine says whether it can run them."""
+    configured: CausalLM | str = spec
+    if (
+        isinstance(spec, str)
+        and spec not in BUILTIN_DRAFTERS
+        and not spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX))
+    ):
+        configured = CausalLM.load(Path(spec), dtype=dtype, device=device)  # a draft model directory: load it once
+
+    def new_drafter(name: str) -> Drafter:
+        check_drafter_name(name)
+        chosen = configured if name == REQUEST_DRAFTERS[0] else name
+        return build_drafter(chosen, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
+
+    return new_drafter
