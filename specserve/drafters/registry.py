@@ -14,6 +14,7 @@ from pathlib import Path
 from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_drafter_name
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
+from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.layerskip import LayerSkipDrafter
 from specserve.drafters.medusa import MedusaDrafter
@@ -120,12 +121,23 @@ def request_drafters(
     device: str = "cpu",
     max_ngram: int = 3,
     min_ngram: int = 1,
+    *,
+    num_slots: int | None = None,
+    slot_capacity: int | None = None,
 ) -> Callable[[str], Drafter]:
     """For the batched engine: ``new_drafter(name)`` gives each request a drafter of its own (``name`` one of
     :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
     requests' drafters (each keeps its own cache); ``ngram`` and ``none`` are cheap to build per request.
     Drafters that read the target's features or KV (EAGLE, Medusa, layer-skip) are built per request too;
-    the engine says whether it can run them."""
+    the engine says whether it can run them.
+
+    With ``num_slots`` (and ``slot_capacity``, by default the target's ``max_positions``) a configured draft
+    model drafts for all requests in shared forwards: ``default`` drafters are
+    :class:`~specserve.drafters.batched_model.PooledDraftModelDrafter` of one
+    :class:`~specserve.drafters.batched_model.BatchedDraftModel` whose KV pool has that many slots of that many
+    positions (a drafter holds a slot from ``start`` to ``release``). Other drafters are unaffected."""
+    if slot_capacity is not None and num_slots is None:
+        raise ValueError("slot_capacity sizes the draft model's KV pool; give num_slots with it")
     configured: CausalLM | str = spec
     if (
         isinstance(spec, str)
@@ -133,9 +145,15 @@ def request_drafters(
         and not spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX))
     ):
         configured = CausalLM.load(Path(spec), dtype=dtype, device=device)  # a draft model directory: load it once
+    batcher = None
+    if num_slots is not None and isinstance(configured, CausalLM):
+        capacity = target.info.max_positions if slot_capacity is None else slot_capacity
+        batcher = BatchedDraftModel(configured, target, num_slots, capacity)
 
     def new_drafter(name: str) -> Drafter:
         check_drafter_name(name)
+        if name == REQUEST_DRAFTERS[0] and batcher is not None:
+            return batcher.new_drafter()
         chosen = configured if name == REQUEST_DRAFTERS[0] else name
         return build_drafter(chosen, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
 

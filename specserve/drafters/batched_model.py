@@ -1,0 +1,251 @@
+"""Draft-model chains for many requests at once: one KV pool, one draft forward per drafted position.
+
+:class:`BatchedDraftModel` is a :class:`~specserve.core.draft.ChainBatcher` over one draft model. Each
+request's drafter (:class:`PooledDraftModelDrafter`, from :meth:`BatchedDraftModel.new_drafter`) keeps its
+KV in one slot of the batcher's :class:`~specserve.core.kv_pool.KVPool`, taken by ``start`` and given back by
+``release``. :meth:`BatchedDraftModel.propose_chains` drafts every request's chain together: each row first
+catches up (its slot rolled back to the longest prefix shared with its committed text, the rest fed as one
+ragged block), then grows by one token per forward while its budget lasts, all rows in the same
+:meth:`~specserve.core.model.CausalLM.forward_batch` calls. So 16 requests drafting γ tokens cost about γ
+forwards of 16 rows instead of 16 × γ forwards of one row.
+
+Per request the result is :class:`~specserve.drafters.model.DraftModelDrafter`'s, call for call: the same
+catch-up, the same token choice (greedy argmax; the keyed-noise token in drafter-invariant mode; otherwise a
+draw from the warped q with the request's own generator, q sent with the draft), the same ``max_positions``
+cut, and rejected drafts never leak into later proposals. A row's logits differ from a one-row forward's only
+by rounding. Random draws are made row by row in the order given, one generator per request; when sampled
+requests share a generator their chains are drafted one request after another, so that generator still sees
+the draws it would see alone.
+
+Catch-up blocks are fed at most ``catch_up_tokens`` per row and forward (the first catch-up after ``start``
+is the whole prompt): a long block goes in chunks over several forwards, beside the other rows' drafting.
+So a forward's blocks differ by less than ``catch_up_tokens`` tokens, which is the pool's scratch (padding)
+width. ``forward_batch`` returns logits for every fed token, so a chunk costs the draft's head on each of
+its tokens, where the one-row drafter asks for the last token's only.
+
+Does not draft trees in batches: :meth:`PooledDraftModelDrafter.propose_tree` drafts alone, with a
+:class:`~specserve.drafters.tree.TreeModelDrafter` and a cache of its own, as the one-row drafter does. Does
+not verify, schedule, or decide which requests draft together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.core.draft import ChainBatcher, Draft, Drafter
+from specserve.core.invariant import invariant_tokens
+from specserve.core.kv_pool import KVPool, PoolFull
+from specserve.core.model import BatchBlock, CausalLM, TargetDescription
+from specserve.core.sampling import SamplingParams, sample, warp_probs
+from specserve.core.tree import DraftTree, TreeSpec
+from specserve.drafters.tree import TreeModelDrafter
+from specserve.drafters.vocabulary import check_same_vocabulary
+
+DEFAULT_CATCH_UP_TOKENS = 128  # tokens per row and forward while catching up; also the pool's scratch columns
+
+
+class BatchedDraftModel:
+    """Drafts chains for many requests' :class:`PooledDraftModelDrafter` in shared forwards of one draft model.
+
+    ``num_slots`` requests may hold a slot at once, each of up to ``slot_capacity`` positions. A proposal of
+    ``b`` tokens after ``n`` committed ones needs ``n + b - 1`` positions; a request whose chains are cut to the
+    tokens it may still emit minus one (as :func:`specserve.core.draft.propose` cuts them) stays within its
+    prompt + ``max_new_tokens``. Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        draft: CausalLM,
+        target: CausalLM | TargetDescription | None,
+        num_slots: int,
+        slot_capacity: int,
+        catch_up_tokens: int = DEFAULT_CATCH_UP_TOKENS,
+    ) -> None:
+        if target is not None:
+            check_same_vocabulary(target, draft)
+        if catch_up_tokens < 1:
+            raise ValueError(f"catch_up_tokens must be >= 1, got {catch_up_tokens}")
+        self.model = draft
+        self.output_device = target.device if target is not None else draft.device
+        self.catch_up_tokens = min(catch_up_tokens, slot_capacity)  # no block is longer than a slot
+        self.pool = KVPool(draft.model, num_slots, slot_capacity, scratch=self.catch_up_tokens)
+
+    def new_drafter(self) -> PooledDraftModelDrafter:
+        """A drafter for one request (it takes a slot on ``start``; ``release`` gives the slot back)."""
+        return PooledDraftModelDrafter(self)
+
+    def propose_chains(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[Draft]:
+        """Per drafter, what its ``propose(budget)`` alone returns (tokens, q, generator draws), in shared forwards."""
+        rows = self._check(drafters, budgets)
+        sampled = [row.drafter.generator for row in rows if row.sampled]
+        if len({id(generator) for generator in sampled}) < len(sampled):
+            for row in rows:  # shared generators: draft request by request, so each sees its draws in order
+                self._draft([row])
+        else:
+            self._draft(rows)
+        return [row.finish(self.output_device) for row in rows]
+
+    def _check(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[_Row]:
+        """The rows that draft (budget cut to the draft's positions), refusing bad input before any forward."""
+        if len(drafters) != len(budgets):
+            raise ValueError(f"{len(drafters)} drafters but {len(budgets)} budgets")
+        if len({id(drafter) for drafter in drafters}) < len(drafters):
+            raise ValueError("a drafter appears more than once in one call")
+        rows = []
+        for drafter, budget in zip(drafters, budgets, strict=True):
+            if not isinstance(drafter, PooledDraftModelDrafter) or drafter.batcher is not self:
+                raise ValueError(f"{drafter!r} is not a drafter of this batcher (use its new_drafter())")
+            slot = drafter.slot
+            if slot is None:
+                raise RuntimeError("start() must be called before proposing (or again after release())")
+            context = len(drafter.context)
+            budget = min(budget, self.model.info.max_positions - context)
+            if budget > 0 and context + budget - 1 > self.pool.slot_capacity:
+                raise PoolFull(
+                    f"{budget} draft tokens after {context} committed ones need {context + budget - 1} positions, "
+                    f"more than a draft KV slot's {self.pool.slot_capacity}; draft fewer tokens or configure longer "
+                    "slots"
+                )
+            rows.append(_Row(drafter, slot, max(budget, 0)))
+        return rows
+
+    def _draft(self, rows: Sequence[_Row]) -> None:
+        """Catch every row up and draft its budget: one forward per round over the rows with tokens to feed."""
+        active = [row for row in rows if row.budget > 0]
+        for row in active:
+            row.pending = self._catch_up(row)
+        while active:
+            chunks = [row.take(self.catch_up_tokens) for row in active]
+            blocks = [BatchBlock.chain(row.slot, chunk) for row, chunk in zip(active, chunks, strict=True)]
+            logits = self.model.forward_batch(self.pool, blocks)
+            for row, row_logits in zip(active, logits, strict=True):
+                if row.pending.numel() == 0:  # caught up: choose the next token (draws in the order given)
+                    row.choose(row_logits[-1])
+            active = [row for row in active if row.pending.numel() > 0]
+
+    def _catch_up(self, row: _Row) -> torch.Tensor:  # [k] int64, the committed tokens the slot lacks (k >= 1)
+        """Roll the slot back to the longest prefix of what it caches that is still committed (never the last
+        committed token, whose logits are needed); the rest of the committed text is still to feed."""
+        drafter = row.drafter
+        cached, context = drafter.cached, drafter.context
+        keep = 0
+        limit = min(len(cached), len(context) - 1)
+        while keep < limit and cached[keep] == context[keep]:
+            keep += 1
+        self.pool.rollback(row.slot, keep)
+        drafter.cached = context[:]
+        return torch.tensor(context[keep:], dtype=torch.long)
+
+
+@dataclass
+class _Row:
+    """One request's chain while it is drafted."""
+
+    drafter: PooledDraftModelDrafter
+    slot: int
+    budget: int  # tokens to draft (0: an empty draft)
+    pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [k] still to feed
+    tokens: list[torch.Tensor] = field(default_factory=list)  # each [] int64, drafted so far
+    probs: list[torch.Tensor] = field(default_factory=list)  # each [vocab], the q of each sampled token
+
+    @property
+    def sampled(self) -> bool:
+        """Tokens are drawn from the request's generator (not greedy, not drafter-invariant)."""
+        params = self.drafter.params
+        return self.budget > 0 and not params.greedy and not params.invariant_sampling
+
+    def take(self, limit: int) -> torch.Tensor:  # [min(k, limit)] int64
+        chunk, self.pending = self.pending[:limit], self.pending[limit:]
+        return chunk
+
+    def choose(self, logits: torch.Tensor) -> None:  # logits: [vocab], after the last fed token
+        """The next draft token, chosen as :meth:`DraftModelDrafter.propose` chooses it; fed next unless the
+        budget is spent."""
+        params = self.drafter.params
+        if params.greedy:
+            token = logits.argmax(-1)
+        elif params.invariant_sampling:  # argmax(log q + G) at this token's absolute position; no q is sent
+            position = len(self.drafter.context) + len(self.tokens)
+            token = invariant_tokens(logits[None], params, [position])[0]
+        else:
+            generator = self.drafter.generator
+            assert generator is not None
+            row = warp_probs(logits, params)
+            token = sample(row, generator)
+            self.probs.append(row)
+        self.tokens.append(token)
+        if len(self.tokens) < self.budget:
+            self.pending = token.reshape(1)
+
+    def finish(self, device: torch.device) -> Draft:
+        """The drafted chain on ``device``; the slot then caches the committed text and all but the last token."""
+        if not self.tokens:
+            return Draft.empty(device)
+        tokens = torch.stack(self.tokens).to(device)
+        self.drafter.cached.extend(int(t) for t in tokens[:-1].tolist())
+        draft_probs = torch.stack(self.probs).to(device) if self.probs else None
+        return Draft(tokens, draft_probs)
+
+
+class PooledDraftModelDrafter:
+    """One request's draft-model drafter whose KV is a slot of a :class:`BatchedDraftModel`'s pool.
+
+    A :class:`~specserve.core.draft.BatchedDrafter`: ``start`` takes a slot (giving back the one it held),
+    ``release`` gives it back (idempotent; call it when the request ends or is cancelled, or the slot is lost
+    to the pool), and ``propose`` alone is a batch of one. Trees are drafted alone, with a cache of their own.
+    """
+
+    name = "model"
+
+    def __init__(self, batcher: BatchedDraftModel) -> None:
+        self.batcher: ChainBatcher = batcher
+        self._model = batcher
+        self.slot: int | None = None  # the pool slot, while started
+        self.cached: list[int] = []  # tokens whose keys/values are in the slot, in order
+        self.context: list[int] = []  # committed tokens of the current request
+        self.params = SamplingParams()
+        self.generator: torch.Generator | None = None
+        self._trees: TreeModelDrafter | None = None  # once trees are asked for: its own cache, this context
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
+        """Reset for a new request and take a slot (raises :class:`PoolFull` when none is free or the prompt
+        does not fit one)."""
+        self.release()
+        self.slot = self._model.pool.allocate(len(prompt_ids))
+        self.cached = []
+        self.context = list(prompt_ids)
+        self.params = params
+        self.generator = generator
+
+    def release(self) -> None:
+        """Give the slot back to the pool (nothing when none is held)."""
+        if self.slot is not None:
+            self._model.pool.free(self.slot)
+            self.slot = None
+        self.cached = []
+        self._trees = None
+
+    def propose(self, budget: int) -> Draft:
+        return self._model.propose_chains([self], [budget])[0]
+
+    def accept(self, committed: Sequence[int]) -> None:
+        self.context.extend(committed)
+
+    def rewind(self, length: int) -> None:
+        if not 0 <= length <= len(self.context):
+            raise ValueError(f"cannot rewind {len(self.context)} committed tokens to {length}")
+        del self.context[length:]
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        """A draft tree after the committed text, drafted alone (see :meth:`DraftModelDrafter.propose_tree`)."""
+        if self.slot is None:
+            raise RuntimeError("start() must be called before proposing (or again after release())")
+        if self._trees is None:
+            self._trees = TreeModelDrafter(self._model.model)
+            self._trees.start(self.context)
+        self._trees.context = self.context  # the same list: accept() and rewind() keep both in step
+        self._trees.configure(self.params, self.generator)
+        return self._trees.propose_tree(spec).to(self._model.output_device)
