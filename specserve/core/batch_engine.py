@@ -27,6 +27,7 @@ goodput-aware budgets, and drafters that read the target's hidden states or shar
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -34,8 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import Drafter, FeatureDrafter, SharesTargetKV, check_can_draft
-from specserve.core.draft_side import DraftSide
+from specserve.core.draft import BatchedDrafter, Drafter, FeatureDrafter, SharesTargetKV, check_can_draft
+from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import CausalLM
@@ -133,6 +134,8 @@ class BatchedEngine(GenerationFrontend):
         request = self._running.pop(request_id, None)
         if request is not None:
             self.pool.free(request.slot)
+            if isinstance(request.drafter, BatchedDrafter):
+                request.drafter.release()  # its slot of the draft model's pool
 
     @property
     def has_work(self) -> bool:
@@ -153,26 +156,36 @@ class BatchedEngine(GenerationFrontend):
         running = [r for r in self._running.values() if r.verifier is not None and not r.verifier.unprefilled]
         if not running:
             return []
-        proposals = []
-        for request in running:
-            assert request.side is not None
-            proposals.append(request.side.propose())
+        sides = [r.side for r in running]
+        assert all(side is not None for side in sides)
+        proposals = propose_batch(sides)  # type: ignore[arg-type]
         start = time.perf_counter()
         blocks = []
         for request, proposal in zip(running, proposals, strict=True):
             assert request.verifier is not None
             blocks.append(request.verifier.block(proposal, request.slot))
         logits = self.target.forward_batch(self.pool, blocks)
-        chunks = []
+        outcomes = []
         for request, proposal, rows in zip(running, proposals, logits, strict=True):
+            assert request.verifier is not None
+            outcomes.append(request.verifier.decide(proposal, rows, start))
+        # Every request waited for the whole step: its forward over all rows (padded to the widest block) and every
+        # request's verdict. That is the cost a goodput-aware schedule learns, as a function of the positions.
+        step_seconds = time.perf_counter() - start
+        positions = len(blocks) * max(block.size for block in blocks)
+        chunks = []
+        for request, proposal, outcome in zip(running, proposals, outcomes, strict=True):
             verifier, side, out = request.verifier, request.side, request.out
             assert verifier is not None and side is not None and out is not None
-            outcome = verifier.decide(proposal, rows, start)
+            outcome = dataclasses.replace(outcome, verify_seconds=step_seconds)
             chunk = out.push(outcome.new_tokens, outcome.finish)
             if out.finish == "stop":
                 verifier.stop_at(len(out.tokens))
             stopped = out.finish == "stop"
-            out.stats.record(side.on_verdict(proposal, outcome, stopped=stopped, batch_size=len(running)))
+            observation = side.on_verdict(
+                proposal, outcome, stopped=stopped, batch_size=len(running), step_positions=positions
+            )
+            out.stats.record(observation)
             chunks.append((request.request_id, chunk))
             if out.finish is not None:
                 self.cancel(request.request_id)

@@ -21,10 +21,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
-from specserve.core.draft import Drafter, FeatureDrafter, Proposal, SharesTargetKV, check_can_draft, propose
+from specserve.core.draft import (
+    BatchedDrafter,
+    Draft,
+    Drafter,
+    FeatureDrafter,
+    Proposal,
+    SharesTargetKV,
+    check_can_draft,
+    propose,
+)
 from specserve.core.model import KVCache
 from specserve.core.sampling import SamplingParams
 from specserve.core.schedule import Budget, CycleObservation, Schedule
@@ -87,13 +97,37 @@ class DraftSide:
     # -----------------------------------------------------------------------------------------
     # One cycle
 
-    def propose(self) -> Proposal:
+    def plan(self, batch_size: int = 1) -> Budget:
+        """The schedule's budget for the next cycle, whose target forward verifies ``batch_size`` requests."""
+        self.budget = self.schedule.next_budget(self.remaining, batch_size)
+        return self.budget
+
+    def propose(self, batch_size: int = 1) -> Proposal:
         """The next proposal: the schedule's budget, drafted within the request's remaining tokens."""
-        self.budget = self.schedule.next_budget(self.remaining)
+        self.plan(batch_size)
+        return self.draft()
+
+    def draft(self) -> Proposal:
+        """The drafter's proposal for the budget :meth:`plan` chose, timed."""
         start = time.perf_counter()
         proposal = propose(self.drafter, self.budget, self.remaining, self.device)
         self.draft_seconds = time.perf_counter() - start
         return proposal
+
+    @property
+    def chain_limit(self) -> int | None:
+        """Draft tokens the planned chain may hold (its γ cut to ``remaining - 1``); ``None`` for a tree."""
+        if self.budget.tree is not None:
+            return None
+        return max(0, min(self.budget.gamma, self.remaining - 1))
+
+    def take(self, draft: Draft, seconds: float) -> Proposal:
+        """A chain drafted for this side elsewhere (with other requests' chains, in ``seconds`` of drafting time
+        charged to this one), checked against the plan as :meth:`draft` checks its own."""
+        limit = self.chain_limit
+        assert limit is not None, "take() is for planned chains"
+        self.draft_seconds = seconds
+        return draft.truncate(limit).to(self.device)
 
     def on_verdict(
         self,
@@ -103,10 +137,11 @@ class DraftSide:
         wire_seconds: float = 0.0,
         stopped: bool = False,
         batch_size: int = 1,
+        step_positions: int = 0,
     ) -> CycleObservation:
-        """Record the verdict on ``proposal`` (verified among ``batch_size`` requests); unless the request ended
-        (``outcome.finish``, or ``stopped`` by a stop string), tell the drafter what was committed and hand it the
-        cycle's features."""
+        """Record the verdict on ``proposal`` (verified among ``batch_size`` requests, in a forward of
+        ``step_positions`` positions; 0 = alone); unless the request ended (``outcome.finish``, or ``stopped`` by a
+        stop string), tell the drafter what was committed and hand it the cycle's features."""
         observation = CycleObservation(
             self.budget,
             proposal.size,
@@ -116,6 +151,7 @@ class DraftSide:
             verify_seconds=outcome.verify_seconds,
             wire_seconds=wire_seconds,
             batch_size=batch_size,
+            step_positions=step_positions,
         )
         self.schedule.observe(observation)
         root = self.committed - 1  # the position of the verified block's first token
@@ -130,3 +166,62 @@ class DraftSide:
         self.drafter.accept(outcome.new_tokens)
         if self._reader is not None and outcome.features is not None:
             self._reader.add_features(root, outcome.features.to(self.device))
+
+
+def align_chains(depths: Sequence[int]) -> list[int]:
+    """Chain lengths for one batched step: every chain that drafts at all gets the same length, the upper median of
+    what the drafting requests planned.
+
+    The target's forward pads every row to the widest block, so a chain shorter than the widest leaves
+    positions computed for nothing, and one longer than the others makes every row pay for its positions.
+    Each request's plan prices its block as if every request drafted alike
+    (:mod:`specserve.policies.step_costs`); the median of the plans is the batch's consensus, robust to a few
+    requests whose noisy estimates ask for more (the widest plan would ratchet every row up) or less.
+    ``depths``: per request, its planned chain's length, or minus a tree's node count (trees count towards the
+    median but keep their shape); a chain of 0 (plain decoding, or a request switched off) stays 0.
+    """
+    drafting = sorted(abs(d) for d in depths if d != 0)
+    if not drafting:
+        return list(depths)
+    width = drafting[len(drafting) // 2]
+    return [width if d > 0 else d for d in depths]
+
+
+def propose_batch(sides: Sequence[DraftSide]) -> list[Proposal]:
+    """Every side's next proposal for one batched step of ``len(sides)`` requests.
+
+    Each schedule first plans its budget knowing the batch size; the drafting chains of schedules that allow it
+    (``aligns_in_batch``: the goodput-aware adaptive policy; a fixed γ stays fixed) are aligned to one length
+    (:func:`align_chains`, each still cut to its request's remaining tokens); then the chains of drafters that share a
+    :class:`~specserve.core.draft.ChainBatcher` (a draft model over one KV pool) are drafted together, each
+    request charged an equal share of the group's time, and every other proposal (trees, n-gram, none) is drafted
+    on its own. Every request's drafter sees the calls it would see alone, so the proposals are the same.
+    """
+    batch = len(sides)
+    for side in sides:
+        side.plan(batch)
+    flexible = [side for side in sides if getattr(side.schedule, "aligns_in_batch", False)]
+    planned = [side.chain_limit if side.chain_limit is not None else -side.budget.nodes for side in flexible]
+    widths = align_chains(planned)
+    for side, width in zip(flexible, widths, strict=True):
+        if side.chain_limit is not None and width != side.chain_limit:
+            side.budget = Budget(width)
+    proposals: list[Proposal | None] = [None] * batch
+    groups: dict[int, list[int]] = {}
+    for i, side in enumerate(sides):
+        limit = side.chain_limit
+        if limit and isinstance(side.drafter, BatchedDrafter):
+            groups.setdefault(id(side.drafter.batcher), []).append(i)
+        else:
+            proposals[i] = side.draft()
+    for members in groups.values():
+        drafters = [sides[i].drafter for i in members]
+        limits = [sides[i].chain_limit or 0 for i in members]
+        batcher = drafters[0].batcher  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        drafts = batcher.propose_chains(drafters, limits)
+        share = (time.perf_counter() - start) / len(members)
+        for i, draft in zip(members, drafts, strict=True):
+            proposals[i] = sides[i].take(draft, share)
+    assert all(p is not None for p in proposals)
+    return cast(list[Proposal], proposals)

@@ -1,7 +1,7 @@
 """What the engine loop asks before each cycle and reports after it: the budget, and the cycle's observation.
 
-The single-process engine and the distributed coordinator run every request through a
-:class:`Schedule`: ``next_budget(remaining)`` before drafting, ``observe(observation)`` after the
+The single-process engines and the distributed coordinator run every request through a
+:class:`Schedule`: ``next_budget(remaining, batch_size)`` before drafting, ``observe(observation)`` after the
 verdict. :class:`FixedSchedule` (the request's own γ or tree, every cycle) is the default;
 ``specserve.policies`` builds adaptive ones from online estimates. The types live here so that
 ``core`` never imports policies. A budget only changes how much is proposed, never how proposals
@@ -61,7 +61,14 @@ class CycleObservation:
     draft_seconds: float  # drafting on the critical path
     verify_seconds: float  # the target's forward + verification + rollback
     wire_seconds: float = 0.0  # distributed runs: transit
-    batch_size: int = 1  # sequences verified together (1 until batching exists)
+    batch_size: int = 1  # requests verified together in this cycle's target forward
+    # positions that forward computed, padding included (batch rows x the widest block); 0 = drafted + 1 (alone)
+    step_positions: int = 0
+
+    @property
+    def positions(self) -> int:
+        """Positions the cycle's target forward computed: the whole batch's, or this request's block alone."""
+        return self.step_positions or self.drafted + 1
 
     @property
     def accept_flags(self) -> tuple[bool, ...]:
@@ -76,9 +83,11 @@ class CycleObservation:
 class Schedule(Protocol):
     """One request's budget per cycle."""
 
-    def next_budget(self, remaining: int) -> Budget:
+    def next_budget(self, remaining: int, batch_size: int = 1) -> Budget:
         """The next cycle's budget; ``remaining`` = tokens the request may still emit (callers cut drafts
-        to ``remaining - 1``, since the verdict always adds one token)."""
+        to ``remaining - 1``, since the verdict always adds one token); ``batch_size`` = requests the next
+        target forward verifies together, this one included (a goodput-aware schedule drafts less in a
+        larger batch)."""
         ...
 
     def observe(self, observation: CycleObservation) -> None: ...
@@ -87,10 +96,14 @@ class Schedule(Protocol):
 class FixedSchedule:
     """The same budget every cycle (the request's ``gamma`` or ``tree``)."""
 
+    # A schedule may set ``aligns_in_batch = True`` to let a batched engine give its chain the length the batch's
+    # other such chains agree on (specserve.core.draft_side.align_chains); a fixed budget is never changed.
+    aligns_in_batch = False
+
     def __init__(self, budget: Budget) -> None:
         self.budget = budget
 
-    def next_budget(self, remaining: int) -> Budget:
+    def next_budget(self, remaining: int, batch_size: int = 1) -> Budget:
         return self.budget
 
     def observe(self, observation: CycleObservation) -> None:

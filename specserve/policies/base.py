@@ -42,6 +42,10 @@ class PolicyState:
     cycles_off: int = 0  # consecutive decisions spent off (plain decoding, probes included); 0 while speculating
     # pseudo-counts behind each alpha (prior strength + forgetting-weighted observations): how sure it is
     alpha_weight: tuple[float, ...] = ()
+    # requests the next target forward verifies together, this one included; verify_seconds is then this request's
+    # share of such a step (specserve.policies.step_costs)
+    batch_size: int = 1
+    batch_size_off: int = 0  # while off: the smallest batch size at which speculation was judged not to pay
     extra: dict[str, float] = field(default_factory=dict)
 
     def optimistic(self, z: float) -> PolicyState:

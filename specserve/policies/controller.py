@@ -5,7 +5,9 @@ tokens the request may still produce), drafts and verifies, and reports the outc
 The controller keeps the request's own :class:`~specserve.policies.estimators.Estimators` (seeded from the
 replica's :class:`~specserve.policies.estimators.ReplicaPrior` when given one), forwards every observation
 to that prior, keeps the decision counters the policy reads (previous budget, cycles since a change,
-cycles off), and records a JSON-ready :attr:`history`.
+cycles off), and records a JSON-ready :attr:`history`. In a batched engine it is also told how many requests
+the next step verifies, and reads its share of such a step off the replica's
+:class:`~specserve.policies.step_costs.StepCostEstimator`, which every cycle's observation feeds.
 
 A policy that sets ``calibrates_plain`` (the adaptive one) gets one plain-decoding cycle first when
 neither the request nor the replica has measured T_verify(1): plain decoding is what every γ is compared
@@ -35,6 +37,7 @@ from specserve.policies.estimators import (
     ReplicaPrior,
 )
 from specserve.policies.rates import budget_depth
+from specserve.policies.step_costs import StepCostEstimator
 
 DEFAULT_MAX_GAMMA_CAP = 16
 
@@ -65,6 +68,7 @@ class SpeculationController:
         max_gamma_cap: int = DEFAULT_MAX_GAMMA_CAP,
         *,
         half_life: float | None = REQUEST_HALF_LIFE_CYCLES,
+        step_costs: StepCostEstimator | None = None,
     ):
         if max_gamma_cap < 0:
             raise ValueError(f"max_gamma_cap must be >= 0, got {max_gamma_cap}")
@@ -78,39 +82,60 @@ class SpeculationController:
         self._cycles_since_change = 0
         self._cycles_off = 0
         self._calibrate = bool(getattr(policy, "calibrates_plain", False))
+        # what a batched step costs: shared by the replica's requests when given, this request's own otherwise
+        self.step_costs = step_costs if step_costs is not None else StepCostEstimator(seed)
+        self._batch_off = 0  # while off: the smallest batch size at which the policy chose not to draft
+        # its budgets price a batched step as if every request drafted alike: a batched engine may align them
+        self.aligns_in_batch = policy.name == "adaptive"
 
-    def snapshot(self) -> PolicyState:
-        """The state the next decision will be made from."""
-        return self.estimators.snapshot(
+    def snapshot(self, batch_size: int = 1) -> PolicyState:
+        """The state the next decision will be made from, in a step that verifies ``batch_size`` requests: beyond
+        one, T_verify(k) is this request's share of such a step if all drafted alike,
+        T_step(batch_size · k) / batch_size (:mod:`specserve.policies.step_costs`)."""
+        state = self.estimators.snapshot(
             self._chosen,
             cycles_since_change=self._cycles_since_change,
             cycles_off=self._cycles_off,
             max_depth=max(1, self.max_gamma_cap),
             max_k=VERIFY_TABLE_SIZE,
         )
+        if batch_size == 1:
+            return dataclasses.replace(state, batch_size_off=self._batch_off) if self._batch_off else state
+        # chains need k <= cap + 1; longer blocks (trees) extrapolate the table's last two entries
+        table = self.step_costs.per_request_table(batch_size, self.max_gamma_cap + 2)
+        return dataclasses.replace(state, verify_seconds=table, batch_size=batch_size, batch_size_off=self._batch_off)
 
-    def next_budget(self, remaining: int) -> Budget:
-        """The budget for the next cycle: the policy's choice, capped, and cut to ``remaining − 1`` (``remaining`` =
-        tokens the request may still emit; the verdict always adds one of its own)."""
+    def next_budget(self, remaining: int, batch_size: int = 1) -> Budget:
+        """The budget for the next cycle (whose target forward verifies ``batch_size`` requests): the policy's
+        choice, capped, and cut to ``remaining − 1`` (``remaining`` = tokens the request may still emit; the
+        verdict always adds one of its own)."""
         if remaining < 1:
             raise ValueError(f"remaining must be >= 1, got {remaining}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if self._calibrate:
             self._calibrate = False
             if not self.estimators.plain_measured:
                 self.history.append(self._entry(Budget(0), Budget(0), remaining, probe=False, calibration=True))
                 return Budget(0)
-        state = self.snapshot()
+        state = self.snapshot(batch_size)
         chosen = clip_budget(self.policy.decide(state), self.max_gamma_cap)
         previous = self._chosen
         probe = chosen.nodes > 0 and self._cycles_off > 0 and previous is not None and previous.nodes == 0
         if chosen.nodes == 0 or probe:
+            if chosen.nodes == 0:
+                self._batch_off = min(self._batch_off, batch_size) if self._cycles_off else batch_size
             self._cycles_off += 1
         else:
             self._cycles_off = 0
+            self._batch_off = 0
         self._cycles_since_change = self._cycles_since_change + 1 if chosen == previous else 0
         self._chosen = chosen
         sent = clip_budget(chosen, remaining - 1)
-        self.history.append(self._entry(chosen, sent, remaining, probe=probe, calibration=False))
+        entry = self._entry(chosen, sent, remaining, probe=probe, calibration=False)
+        if batch_size > 1:
+            entry["batch_size"] = batch_size
+        self.history.append(entry)
         return sent
 
     def _entry(self, chosen: Budget, sent: Budget, remaining: int, probe: bool, calibration: bool) -> dict[str, Any]:
@@ -131,6 +156,7 @@ class SpeculationController:
         self.estimators.observe(obs)
         if self.replica_prior is not None:
             self.replica_prior.observe(obs)
+        self.step_costs.observe(obs.positions, obs.verify_seconds + obs.wire_seconds)
         record = {
             "drafted": obs.drafted,
             "depth": obs.depth,

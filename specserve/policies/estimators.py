@@ -31,7 +31,9 @@ Conventions (all documented again where used):
 Not here: choosing a budget (:mod:`specserve.policies.policies`), the rate model
 (:mod:`specserve.policies.rates`), per-request bookkeeping of decisions
 (:mod:`specserve.policies.controller`). Nothing here reads a clock: callers time the cycle and pass the
-seconds in. Batching is not modelled: an observation with ``batch_size > 1`` is recorded as measured.
+seconds in. Batched steps: T_verify(k) learns from cycles verified alone; what a batched step costs is
+learned by :mod:`specserve.policies.step_costs` (an observation with ``batch_size > 1`` adds its acceptance and
+draft cost here, not its verify time).
 """
 
 from __future__ import annotations
@@ -398,7 +400,8 @@ class CostEstimator:
         self._verify_weight: dict[int, float] = {}
 
     def observe(self, obs: CycleObservation) -> None:
-        self.observe_verify(obs.drafted + 1, obs.verify_seconds + obs.wire_seconds)
+        if obs.batch_size == 1:  # a batched step's time is the whole batch's (specserve.policies.step_costs)
+            self.observe_verify(obs.drafted + 1, obs.verify_seconds + obs.wire_seconds)
         if obs.budget.nodes > 0:  # drafting was attempted, even if the drafter came back empty
             self.observe_draft(obs.depth, obs.draft_seconds)
 

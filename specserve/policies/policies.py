@@ -122,7 +122,15 @@ class AdaptivePolicy:
       cycles): a handful of unlucky cycles, or a pessimistic replica prior, must not switch a request off
       for good. After a probe, speculation comes back on if the drafts' rate under acceptance raised by
       ``optimism`` posterior standard deviations (:meth:`~specserve.policies.base.PolicyState.optimistic`)
-      beats plain decoding by the margin.
+      beats plain decoding by the margin. In a batch (``state.batch_size > 1``) the evidence rule holds only
+      while that optimistic rate would still beat plain decoding: when the step's cost alone rules drafting
+      out, more evidence about the drafts could not change the answer.
+    * **Batches (goodput)** — in a batched step ``state.verify_seconds`` is this request's share of the step
+      if every request drafted alike (:mod:`specserve.policies.step_costs`), so maximising the request's rate
+      maximises the batch's committed tokens per second: γ shrinks as the batch grows and speculation
+      switches off where it no longer pays, later for a request whose drafts are accepted more. While off,
+      the decision is revisited (against plain decoding, with the full ``hysteresis``) whenever the batch is
+      smaller than it was when speculation last was judged not to pay.
     * **Trees** — optional candidates (static topologies or dynamic budgets), rated with the simple tree
       model of :mod:`specserve.policies.rates`; chains are the main case.
     """
@@ -186,12 +194,22 @@ class AdaptivePolicy:
         decayed = self.hysteresis * 2.0 ** (-cycles_since_change / self.hysteresis_half_life)
         return max(self.hysteresis_floor, decayed)
 
+    def _might_pay(self, state: PolicyState, drafting: list[Budget], margin: float) -> bool:
+        """Whether drafting could beat plain decoding with acceptance raised by ``optimism`` standard deviations."""
+        hopeful = self.rates(state.optimistic(self.optimism))
+        return max(hopeful[b] for b in drafting) > hopeful[Budget(0)] * (1.0 + margin)
+
     def decide(self, state: PolicyState) -> Budget:
         previous = state.previous
         if state.cycles_off > 0 and previous is not None:
-            if previous.nodes == 0:  # off: nothing new to learn but from a probe
+            if previous.nodes == 0:  # off: nothing new to learn but from a probe, unless the batch shrank
                 if probe_due(state.cycles_off, self.probe_interval, self.max_probe_interval):
                     return Budget(self.probe_gamma)
+                if 0 < state.batch_size < state.batch_size_off:  # a smaller batch: a larger share of a step
+                    rates = self.rates(state)
+                    best = max(rates, key=lambda b: rates[b])
+                    if best.nodes > 0 and rates[best] > rates[Budget(0)] * (1.0 + self.hysteresis):
+                        return best
                 return Budget(0)
             if state.last_accepted == 0:  # a probe that got nothing accepted
                 return Budget(0)
@@ -205,11 +223,16 @@ class AdaptivePolicy:
         drafting = [b for b in rates if b.nodes > 0]
         if drafting and reference is not None and reference.nodes == 0:
             # just probed: back on if the drafts might pay — acceptance raised by `optimism` standard deviations
-            hopeful = self.rates(state.optimistic(self.optimism))
-            if max(hopeful[b] for b in drafting) > rates[Budget(0)] * (1.0 + margin):
+            if self._might_pay(state, drafting, margin):
                 return max(drafting, key=lambda b: rates[b])
             return Budget(0)
-        if drafting and best.nodes == 0 and state.alpha_weight and state.alpha_weight[0] < self.min_evidence:
+        if (
+            drafting
+            and best.nodes == 0
+            and state.alpha_weight
+            and state.alpha_weight[0] < self.min_evidence
+            and (state.batch_size == 1 or self._might_pay(state, drafting, margin))
+        ):
             # too little seen of these drafts to give up on them (a few unlucky cycles, a pessimistic prior)
             if reference is not None and reference.nodes > 0 and reference in rates:
                 return reference

@@ -6,7 +6,8 @@
 and follows transformers' +2 / −1 schedule; ``adaptive`` chooses each cycle's γ (and, when the
 request names a tree, that tree as a further candidate) from the online estimates. Every request's
 controller is seeded from, and feeds, one :class:`~specserve.policies.estimators.ReplicaPrior`
-per factory — one per engine or drafter actor, i.e. per replica. Does not draft, verify or time.
+per factory — one per engine or drafter actor, i.e. per replica — and learns what a batched step costs in one
+:class:`~specserve.policies.step_costs.StepCostEstimator` per factory. Does not draft, verify or time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from specserve.core.schedule import (
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
 from specserve.policies.estimators import ReplicaPrior
 from specserve.policies.policies import build_policy
+from specserve.policies.step_costs import StepCostEstimator
 
 __all__ = ["POLICY_NAMES", "schedules"]
 
@@ -31,6 +33,7 @@ __all__ = ["POLICY_NAMES", "schedules"]
 def schedules(prior: ReplicaPrior | None = None, max_gamma_cap: int = DEFAULT_MAX_GAMMA_CAP) -> ScheduleFactory:
     """A schedule factory whose adaptive and heuristic requests share ``prior`` (a fresh one by default)."""
     shared = prior if prior is not None else ReplicaPrior()
+    steps = StepCostEstimator(shared.prior())  # what a (batched) step costs on this replica, shared like the prior
 
     def make(policy: str, budget: Budget) -> Schedule:
         check_policy_name(policy)
@@ -41,6 +44,6 @@ def schedules(prior: ReplicaPrior | None = None, max_gamma_cap: int = DEFAULT_MA
             options["start_gamma"] = max(1, min(budget.gamma, max_gamma_cap))
         elif budget.tree is not None:
             options["trees"] = (budget.tree,)
-        return SpeculationController(build_policy(policy, **options), shared, max_gamma_cap)
+        return SpeculationController(build_policy(policy, **options), shared, max_gamma_cap, step_costs=steps)
 
     return make

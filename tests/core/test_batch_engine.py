@@ -153,3 +153,26 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding(pai
     assert results[second].output_ids == alone(pair, long_prompt, SamplingParams(), long_config).output_ids
     assert results[first].output_ids == alone(pair, short, params, config).output_ids
     assert results[second].stats.prefill_seconds > 0
+
+
+def test_goodput_aware_adaptive_requests_in_a_batch_stay_exact(pair: TinyPair) -> None:
+    """Adaptive requests share the replica's step-cost estimate and get their chains aligned in each step: the
+    budgets change with the batch, never the tokens (greedy: transformers' own ``generate``)."""
+    from specserve.policies.schedules import schedules
+
+    engine = BatchedEngine(pair.target, drafter_factory(pair), schedules=schedules(), num_slots=4, slot_capacity=96)
+    prompts = [list(p) for p in pair.prompts[:4]]
+    config = GenerationConfig(max_new_tokens=16, gamma=3, policy="adaptive")
+    ids = {engine.submit(prompt, SamplingParams(), config): prompt for prompt in prompts}
+    results: dict[int, GenerationResult] = {}
+    while engine.has_work:
+        for request_id, chunk in engine.step():
+            if chunk.result is not None:
+                results[request_id] = chunk.result
+    for request_id, prompt in ids.items():
+        result = results[request_id]
+        assert result.output_ids == hf_greedy_ids(pair.target.model, prompt, 16)
+        observations = result.stats.observations
+        assert max(o.batch_size for o in observations) == 4
+        assert all(o.step_positions >= o.batch_size * (o.drafted + 1) for o in observations)
+    assert engine.pool.free_slots == 4
