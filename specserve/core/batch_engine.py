@@ -7,8 +7,12 @@ Requests join and leave between steps. One :meth:`BatchedEngine.step`:
    prompts are prefilled in chunks, at most ``prefill_tokens`` tokens per step over all newcomers,
    in a forward of their own, so a long prompt never stalls the others' decoding for more than
    one chunk; a request whose prompt and output can never fit a slot is refused when submitted;
-2. **draft** — every running request's :class:`~specserve.core.draft_side.DraftSide` proposes
-   within its own budget (chain, tree or nothing), with the request's own drafter;
+2. **draft** — every running request's :class:`~specserve.core.draft_side.DraftSide` plans its budget
+   knowing the batch size (a goodput-aware schedule drafts less in a larger batch), the chains of
+   adaptive requests are aligned to one length (:func:`~specserve.core.draft_side.align_chains`), and
+   the drafts are made (:func:`~specserve.core.draft_side.propose_batch`): chains of drafters that share
+   a :class:`~specserve.core.draft.ChainBatcher` (a draft model over its own KV pool) in shared
+   forwards, every other proposal (trees, n-gram, none) with the request's own drafter;
 3. **verify** — the target scores every request's block in **one** forward
    (:meth:`~specserve.core.model.CausalLM.forward_batch`); each request's
    :class:`~specserve.core.target.TargetVerifier` decides on its own rows by the same exact rules
@@ -18,11 +22,14 @@ Requests join and leave between steps. One :meth:`BatchedEngine.step`:
 
 Per request, the drafter, schedule and generators see exactly the calls the single-request
 :class:`~specserve.core.engine.SpeculativeEngine` makes, in the same order, so a request's tokens
-do not depend on who shares its batch. Each request gets its own drafter instance from
-``new_drafter(name)`` (a draft model's weights are shared; its cache is the request's).
+do not depend on who shares its batch (a fixed budget stays fixed; an adaptive one changes only how
+much is proposed, never the output's law). Each request gets its own drafter from
+``new_drafter(name)`` (a draft model's weights are shared; its cache, or its slot of a shared pool,
+is the request's), given back when the request ends. Each step's observation carries the batch size,
+the positions the forward computed and the step's time, which the policies' step-cost estimate learns.
 
-Not yet here (issue 15 continues): draft models drafting for all requests in one forward,
-goodput-aware budgets, and drafters that read the target's hidden states or share its KV.
+Not yet here (issue 15 continues): drafters that read the target's hidden states or share its KV
+(EAGLE, Medusa, layer-skip) are refused when submitted.
 """
 
 from __future__ import annotations

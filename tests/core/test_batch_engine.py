@@ -25,6 +25,7 @@ from specserve.drafters.layerskip import LayerSkipDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
+from specserve.drafters.registry import request_drafters
 
 DYNAMIC = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))
 
@@ -67,11 +68,18 @@ def mixed_requests(pair: TinyPair) -> list[tuple[list[int], SamplingParams, Gene
     ]
 
 
+def pooled_drafter_factory(pair: TinyPair, num_slots: int) -> Callable[[str], Drafter]:
+    """The draft model drafts every request's chain in shared forwards over one KV pool (ngram and none as above)."""
+    return request_drafters(pair.draft, pair.target, num_slots=num_slots, slot_capacity=128)
+
+
 @pytest.mark.timeout(300)
-def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair) -> None:
+@pytest.mark.parametrize("drafting", ["per-request", "pooled"])
+def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair, drafting: str) -> None:
     requests = mixed_requests(pair)
     # prompts are prefilled in chunks of at most 5 tokens per step, over all newcomers
-    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=5, slot_capacity=96, prefill_tokens=5)
+    factory = drafter_factory(pair) if drafting == "per-request" else pooled_drafter_factory(pair, 5)
+    engine = BatchedEngine(pair.target, factory, num_slots=5, slot_capacity=96, prefill_tokens=5)
     joins = [0, 0, 0, 1, 1, 3, 3, 6]  # step at which each request is submitted; some wait for a slot
     ids: dict[int, int] = {}
     results: dict[int, GenerationResult] = {}
@@ -100,6 +108,9 @@ def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair) -> N
             assert got.output_ids == hf_greedy_ids(pair.target.model, prompt, config.max_new_tokens)
     assert finishes == {"eos", "length", "stop"}  # not vacuous: every way of ending happened inside the batch
     assert engine.pool.free_slots == 5 and not engine.has_work
+    if drafting == "pooled":  # every request gave its slot of the draft model's pool back
+        draft_pool = engine.new_drafter("default").batcher.pool  # type: ignore[attr-defined]
+        assert draft_pool.free_slots == 5
 
 
 def test_one_request_streams_through_the_batch_and_cancellation_frees_its_slot(pair: TinyPair) -> None:
