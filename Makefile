@@ -18,7 +18,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck pytest bench train protos clean
+.PHONY: install demo test lint typecheck pytest bench bench-batch train protos clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ bench: install
 	$(BIN)/specserve experiment
 	$(BIN)/specserve bench-distributed
 	$(BIN)/specserve bench-serve
+	$(BIN)/specserve bench-batch
+
+# Batched serving in process by concurrency (BENCHMARKS.md §8); ARGS="--concurrency 1,4 --requests 4" for a smoke run.
+bench-batch: install
+	$(BIN)/specserve bench-batch $(ARGS)
 
 train: install
 	$(BIN)/specserve train

@@ -56,6 +56,10 @@ COMMANDS: dict[str, Command] = {
     "bench-serve": Command(
         "specserve.benchmarks.serve_load", "load test of the HTTP API: speculation on vs off by concurrency"
     ),
+    "bench-batch": Command(
+        "specserve.benchmarks.batch",
+        "batched serving in process by concurrency: one at a time, batched γ, transformers",
+    ),
     "experiment": Command(
         "specserve.benchmarks.experiment", "γ policies over workloads: live, or replayed from cycle traces"
     ),
