@@ -45,8 +45,14 @@ are cut at ``remaining - 1`` like the engine's, from the recorded ``remaining`` 
 Tokens/s is emitted tokens over charged cycle seconds: prefill and per-request overhead are not
 simulated, so replayed tokens/s read higher than live wall-clock ones; compare replays with replays.
 
+**Batches.** A cycle recorded in a batched step (``batch_size`` > 1) is replayed at that batch size: the
+policy is told it (``next_budget(remaining, batch_size)``), and a γ other than the recorded one is charged
+the verify seconds of a forward over ``batch_size · (γ + 1)`` positions (the batch drafting alike, as the
+goodput-aware policy assumes), read off the same curve, which batched records key by the positions their
+step computed. Who shared the batch, and how their choices widened it, is not replayed.
+
 Not simulated: draft trees (tree records are ignored and tree budgets rejected), overlap mode,
-batching effects, and anything a policy could learn from the text itself.
+and anything a policy could learn from the text itself.
 """
 
 from __future__ import annotations
@@ -115,8 +121,9 @@ class CostCurves:
 
     draft_fixed_seconds: float
     draft_seconds_per_token: float | None  # None: nothing was ever drafted (speculation cannot be charged)
-    verify_ks: tuple[int, ...]  # [n] recorded verify sizes k = depth + 1, ascending
-    verify_seconds: tuple[float, ...]  # [n] median verify seconds at each k
+    # [n] recorded forward sizes, ascending: positions computed (k = depth + 1 alone; rows x widest block in a batch)
+    verify_ks: tuple[int, ...]
+    verify_seconds: tuple[float, ...]  # [n] median verify seconds at each size
 
     @staticmethod
     def from_records(records: Sequence[TraceRecord]) -> CostCurves:
@@ -125,7 +132,7 @@ class CostCurves:
         draft_by_gamma: dict[int, list[float]] = defaultdict(list)
         verify_by_k: dict[int, list[float]] = defaultdict(list)
         for record in records:
-            verify_by_k[record.nodes + 1].append(record.verify_seconds)
+            verify_by_k[record.positions].append(record.verify_seconds)
             if record.nodes > 0:
                 draft_by_gamma[record.nodes].append(record.draft_seconds)
         ks = tuple(sorted(verify_by_k))
@@ -417,14 +424,16 @@ def _simulate_request(
     position = 0
     while position < length:
         remaining = max_new - position
-        budget = schedule.next_budget(remaining)
+        batch = request.record_covering(position).batch_size
+        budget = schedule.next_budget(remaining, batch)
         if budget.tree is not None:
             raise UserError("the trace simulator replays chain budgets only; the policy chose a tree")
         gamma = max(0, min(budget.gamma, remaining - 1))
         accepted = _run_length(model.acceptance, request, position, gamma, rng)
-        draft, verify, wire, recorded = _charge(model.costs, request, position, gamma)
+        draft, verify, wire, recorded = _charge(model.costs, request, position, gamma, batch)
         cycle = SimulatedCycle(request_index, position, budget, gamma, accepted, draft, verify, wire, recorded)
-        schedule.observe(CycleObservation(budget, gamma, gamma, accepted, draft, verify, wire))
+        positions = batch * (gamma + 1) if batch > 1 else 0
+        schedule.observe(CycleObservation(budget, gamma, gamma, accepted, draft, verify, wire, batch, positions))
         result.cycles.append(cycle)
         emitted = min(accepted + 1, length - position)
         result.tokens += emitted
@@ -445,10 +454,13 @@ def _run_length(
     return gamma
 
 
-def _charge(costs: CostCurves, request: RecordedRequest, position: int, gamma: int) -> tuple[float, float, float, bool]:
-    """(draft, verify, wire seconds, whether they are the recorded cycle's own) of a γ-draft at ``position``."""
+def _charge(
+    costs: CostCurves, request: RecordedRequest, position: int, gamma: int, batch: int = 1
+) -> tuple[float, float, float, bool]:
+    """(draft, verify, wire seconds, whether they are the recorded cycle's own) of a γ-draft at ``position`` in a
+    step of ``batch`` requests (which, drafting alike, compute ``batch · (γ + 1)`` positions)."""
     recorded = request.record_starting_at(position)
-    if recorded is not None and recorded.nodes == gamma:
+    if recorded is not None and recorded.nodes == gamma and recorded.batch_size == batch:
         return recorded.draft_seconds, recorded.verify_seconds, recorded.wire_seconds, True
     wire = request.record_covering(position).wire_seconds
-    return costs.t_draft(gamma), costs.t_verify(gamma + 1), wire, False
+    return costs.t_draft(gamma), costs.t_verify(batch * (gamma + 1)), wire, False

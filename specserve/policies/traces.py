@@ -65,12 +65,21 @@ class TraceRecord:
     batch_size: int
     temperature: float  # the request's sampling temperature (0 = greedy)
     remaining: int | None = None  # tokens the request could still emit when the cycle began (None = unknown)
+    # positions the cycle's target forward computed (batch rows x widest block); 0 = nodes + 1 (verified alone)
+    step_positions: int = 0
 
     def __post_init__(self) -> None:
         if self.cycle < 0 or self.gamma < 0 or self.nodes < 0 or self.depth < 0 or self.batch_size < 1:
             raise ValueError(f"cycle, gamma, nodes and depth must be >= 0 and batch_size >= 1: {self}")
         if not 0 <= self.accepted <= self.depth <= self.nodes:
             raise ValueError(f"need 0 <= accepted <= depth <= nodes, got {self.accepted}, {self.depth}, {self.nodes}")
+        if self.step_positions < 0:
+            raise ValueError(f"step_positions must be >= 0, got {self.step_positions}")
+
+    @property
+    def positions(self) -> int:
+        """Positions the cycle's target forward computed: the whole batch's, or this request's block alone."""
+        return self.step_positions or self.nodes + 1
 
     @property
     def tree_description(self) -> str | None:
@@ -117,6 +126,7 @@ class TraceRecord:
             batch_size=observation.batch_size,
             temperature=temperature,
             remaining=remaining,
+            step_positions=observation.step_positions,
         )
 
     def observation(self) -> CycleObservation:
@@ -129,6 +139,7 @@ class TraceRecord:
             verify_seconds=self.verify_seconds,
             wire_seconds=self.wire_seconds,
             batch_size=self.batch_size,
+            step_positions=self.step_positions,
         )
 
     # Encoding ----------------------------------------------------------------------------------
@@ -153,6 +164,7 @@ class TraceRecord:
             "batch_size": self.batch_size,
             "temperature": self.temperature,
             "remaining": self.remaining,
+            "step_positions": self.step_positions,
         }
 
     @staticmethod
@@ -186,6 +198,7 @@ class TraceRecord:
             batch_size=_field(data, "batch_size", int),
             temperature=_number(data, "temperature"),
             remaining=remaining,
+            step_positions=_field(data, "step_positions", int) if "step_positions" in data else 0,
         )
 
 

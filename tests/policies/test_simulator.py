@@ -43,6 +43,7 @@ def record_trace(
     noise: float = 0.0,
     seed: int = 0,
     workload: str = "synthetic",
+    batch: int = 1,
 ) -> list[TraceRecord]:
     """Run a fixed γ over per-request acceptance streams as the engine would, recording every cycle."""
     rng = random.Random(seed)
@@ -69,11 +70,12 @@ def record_trace(
                     accepted=accepted,
                     accept_flags=(True,) * accepted + ((False,) if accepted < drafted else ()),
                     draft_seconds=draft_cost(drafted) * jitter,
-                    verify_seconds=verify_cost(drafted + 1) * jitter,
+                    verify_seconds=verify_cost(batch * (drafted + 1)) * jitter,
                     wire_seconds=0.0,
-                    batch_size=1,
+                    batch_size=batch,
                     temperature=0.0,
                     remaining=remaining,
+                    step_positions=batch * (drafted + 1) if batch > 1 else 0,
                 )
             )
             position += accepted + 1
@@ -207,3 +209,22 @@ def test_bad_traces_are_user_errors() -> None:
     tree = Budget(0, TreeSpec("dynamic", budget=TreeBudget(2, 2, 3)))
     with pytest.raises(UserError, match="chain budgets only"):
         simulate(WorkloadModel.from_records(records), lambda: FixedSchedule(tree))
+
+
+def test_batched_traces_replay_at_their_batch_size() -> None:
+    """Recorded in steps of 16 requests (each step's forward over 16 · (γ + 1) positions), the same text makes the
+    goodput-aware policy draft less than recorded alone, and other γ are charged the batch's forward."""
+    text = streams(0.8, 4, 200)
+    alone = WorkloadModel.from_records(record_trace(text, 4, max_new_tokens=200))
+    batched = WorkloadModel.from_records(record_trace(text, 4, max_new_tokens=200, batch=16))
+    assert batched.costs.t_verify(16 * 5) == pytest.approx(verify_cost(80))
+    replay = simulate(batched, fixed(2))
+    charged = [c for c in replay.cycles if not c.recorded]
+    assert charged and all(c.verify_seconds == pytest.approx(verify_cost(16 * (c.gamma + 1))) for c in charged)
+    adaptive = build_policy("adaptive", max_gamma=8)
+    gammas = {}
+    for name, model in (("alone", alone), ("batched", batched)):
+        result = simulate(model, controller_schedules(adaptive, max_gamma_cap=8), policy_name="adaptive")
+        late = result.gammas[len(result.gammas) // 2 :]
+        gammas[name] = sum(late) / len(late)
+    assert gammas["batched"] < gammas["alone"] - 1, gammas

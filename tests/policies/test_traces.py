@@ -21,7 +21,7 @@ def _records() -> list[TraceRecord]:
         CycleObservation(Budget(4), 3, 3, 3, 0.001, 0.016, 0.0002, 2),  # cut at the request's end, all accepted
         CycleObservation(Budget(0), 0, 0, 0, 0.0, 0.0135),  # plain decoding
         CycleObservation(Budget(0, static), 3, 2, 1, 0.002, 0.02),
-        CycleObservation(Budget(0, dynamic), 5, 3, 0, 0.003, 0.021, 1e-4, 4),
+        CycleObservation(Budget(0, dynamic), 5, 3, 0, 0.003, 0.021, 1e-4, 4, step_positions=24),  # a batched step
     ]
     ids = ["请求-0 ✓", "req/1", "ré\u0301q-2", "🙂", ""]
     return [
@@ -50,6 +50,7 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
     assert back[2].remaining is None and back[2].accept_flags == ()
     assert back[3].tree_description == "static(3 nodes)" and back[3].tree == records[3].tree
     assert back[4].tree_description == "dynamic(depth=3, width=2, nodes=5)" and back[4].batch_size == 4
+    assert (back[4].step_positions, back[4].positions, back[0].step_positions, back[0].positions) == (24, 24, 0, 5)
     raw = msgpack.unpackb(path.read_bytes()[: len(msgpack.packb(records[0].to_map()))], raw=False)
     assert raw["tree"] is None and raw["accept_flags"] == [True, True, False]  # what other readers see
 
@@ -146,3 +147,10 @@ def test_bad_fields_are_reported(tmp_path: Path, field: str, value: object, mess
     path.write_bytes(msgpack.packb(_records()[1].to_map()) + msgpack.packb(data))
     with pytest.raises(CorruptTrace, match=rf"record 1 .*{message}"):
         read_trace(path)
+
+
+def test_records_written_before_batching_read_as_verified_alone() -> None:
+    data = _records()[0].to_map()
+    del data["step_positions"]
+    record = TraceRecord.from_map(data)
+    assert record.step_positions == 0 and record.positions == record.nodes + 1
