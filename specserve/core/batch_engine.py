@@ -34,13 +34,13 @@ Not yet here (issue 15 continues): drafters that read the target's hidden states
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from specserve.core.batch_step import LocalPool, verify_batch
 from specserve.core.detokenize import TextStream
 from specserve.core.draft import BatchedDrafter, Drafter, FeatureDrafter, SharesTargetKV, check_can_draft
 from specserve.core.draft_side import DraftSide, propose_batch
@@ -66,6 +66,11 @@ class _Request:
     verifier: TargetVerifier | None = None
     side: DraftSide | None = None
     out: RequestOutput | None = None
+
+    def parts(self) -> tuple[TargetVerifier, DraftSide, RequestOutput]:
+        """The verifier, draft side and output of a started request."""
+        assert self.verifier is not None and self.side is not None and self.out is not None, "not started"
+        return self.verifier, self.side, self.out
 
 
 class BatchedEngine(GenerationFrontend):
@@ -99,6 +104,7 @@ class BatchedEngine(GenerationFrontend):
         # checked against it when submitted).
         scratch = min(capacity, max(prefill_tokens, MAX_GAMMA + 1))
         self.pool = KVPool(target.model, num_slots, capacity, scratch=scratch)
+        self.ops = LocalPool(target, self.pool)
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}
@@ -163,34 +169,20 @@ class BatchedEngine(GenerationFrontend):
         running = [r for r in self._running.values() if r.verifier is not None and not r.verifier.unprefilled]
         if not running:
             return []
-        sides = [r.side for r in running]
-        assert all(side is not None for side in sides)
-        proposals = propose_batch(sides)  # type: ignore[arg-type]
-        start = time.perf_counter()
-        blocks = []
-        for request, proposal in zip(running, proposals, strict=True):
-            assert request.verifier is not None
-            blocks.append(request.verifier.block(proposal, request.slot))
-        logits = self.target.forward_batch(self.pool, blocks)
-        outcomes = []
-        for request, proposal, rows in zip(running, proposals, logits, strict=True):
-            assert request.verifier is not None
-            outcomes.append(request.verifier.decide(proposal, rows, start))
-        # Every request waited for the whole step: its forward over all rows (padded to the widest block) and every
-        # request's verdict. That is the cost a goodput-aware schedule learns, as a function of the positions.
-        step_seconds = time.perf_counter() - start
-        positions = len(blocks) * max(block.size for block in blocks)
+        parts = [request.parts() for request in running]
+        proposals = propose_batch([side for _, side, _ in parts])
+        slots = [request.slot for request in running]
+        step = verify_batch(self.ops, [(p[0], x, slot) for p, x, slot in zip(parts, proposals, slots, strict=True)])
         chunks = []
-        for request, proposal, outcome in zip(running, proposals, outcomes, strict=True):
-            verifier, side, out = request.verifier, request.side, request.out
-            assert verifier is not None and side is not None and out is not None
-            outcome = dataclasses.replace(outcome, verify_seconds=step_seconds)
+        for request, (verifier, side, out), proposal, outcome in zip(
+            running, parts, proposals, step.outcomes, strict=True
+        ):
             chunk = out.push(outcome.new_tokens, outcome.finish)
             if out.finish == "stop":
                 verifier.stop_at(len(out.tokens))
             stopped = out.finish == "stop"
             observation = side.on_verdict(
-                proposal, outcome, stopped=stopped, batch_size=len(running), step_positions=positions
+                proposal, outcome, stopped=stopped, batch_size=len(running), step_positions=step.positions
             )
             out.stats.record(observation)
             chunks.append((request.request_id, chunk))
@@ -216,7 +208,7 @@ class BatchedEngine(GenerationFrontend):
                 filling.append(request)
         if not blocks:
             return
-        self.target.forward_batch(self.pool, blocks)
+        self.ops.forward_batch(blocks)
         now = time.perf_counter()
         for request in filling:
             assert request.verifier is not None and request.out is not None
@@ -242,7 +234,7 @@ class BatchedEngine(GenerationFrontend):
             device,
             config.drafter,
         )
-        sequence = PooledSequence(self.target, self.pool, request.slot)
+        sequence = PooledSequence(self.ops, request.slot)
         verifier = TargetVerifier(
             sequence, request.prompt_ids, params, generators.verify, config.max_new_tokens, eos, device
         )

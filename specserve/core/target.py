@@ -99,39 +99,51 @@ class LocalSequence:
         self.cache.compact(keep)
 
 
+class PoolOps(Protocol):
+    """What a batched step does to a KV pool: in this process (:class:`~specserve.core.batch_step.LocalPool`), or
+    mirrored on every tensor-parallel rank (``specserve.actors``). Slots are the pool's."""
+
+    pool: KVPool
+
+    def forward_batch(self, blocks: Sequence[BatchBlock], last_only: bool = False) -> list[torch.Tensor]: ...
+
+    def rollback(self, slot: int, length: int) -> None: ...
+
+    def compact(self, slot: int, keep: Sequence[int]) -> None: ...
+
+
 class PooledSequence:
     """A sequence whose KV lives in one slot of a :class:`~specserve.core.kv_pool.KVPool` (batched serving).
 
     Its own forwards (a prefill, or a cycle verified alone) are one-row batched forwards; a batched step
     scores its block together with the other slots' (:meth:`TargetVerifier.block`)."""
 
-    def __init__(self, target: CausalLM, pool: KVPool, slot: int) -> None:
-        self.target = target
-        self.pool = pool
+    def __init__(self, ops: PoolOps, slot: int) -> None:
+        self.ops = ops
         self.slot = slot
 
     @property
     def length(self) -> int:
-        return self.pool.length(self.slot)
+        return self.ops.pool.length(self.slot)
 
     def forward(
         self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
     ) -> torch.Tensor:
         if capture is not None:
             raise NotImplementedError("a pooled sequence does not capture features yet")
-        logits = self.target.forward_batch(self.pool, [BatchBlock.chain(self.slot, input_ids)])[0]
+        logits = self.ops.forward_batch([BatchBlock.chain(self.slot, input_ids)])[0]
         return logits[-1:] if last_only else logits
 
     def rollback(self, length: int) -> None:
-        self.pool.rollback(self.slot, length)
+        self.ops.rollback(self.slot, length)
 
     def forward_tree(self, root: int, tree: DraftTree, capture: FeatureCapture | None = None) -> torch.Tensor:
         if capture is not None:
             raise NotImplementedError("a pooled sequence does not capture features yet")
-        return self.target.forward_batch(self.pool, [BatchBlock.tree(self.slot, root, tree)])[0]
+        return self.ops.forward_batch([BatchBlock.tree(self.slot, root, tree)])[0]
 
     def compact(self, keep: Sequence[int]) -> None:
-        self.pool.compact(self.slot, keep)
+        self.ops.compact(self.slot, keep)
 
 
 Verdict = ChainVerdict | TreeVerdict  # both name the accepted path (``accepted``) and the token after it
