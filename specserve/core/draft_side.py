@@ -136,12 +136,12 @@ class DraftSide:
         *,
         wire_seconds: float = 0.0,
         stopped: bool = False,
-        batch_size: int = 1,
-        step_positions: int = 0,
+        batch_size: int | None = None,
+        step_positions: int | None = None,
     ) -> CycleObservation:
         """Record the verdict on ``proposal`` (verified among ``batch_size`` requests, in a forward of
-        ``step_positions`` positions; 0 = alone); unless the request ended (``outcome.finish``, or ``stopped`` by a
-        stop string), tell the drafter what was committed and hand it the cycle's features."""
+        ``step_positions`` positions — by default the outcome's own); unless the request ended (``outcome.finish``,
+        or ``stopped`` by a stop string), tell the drafter what was committed and hand it the cycle's features."""
         observation = CycleObservation(
             self.budget,
             proposal.size,
@@ -150,8 +150,8 @@ class DraftSide:
             draft_seconds=self.draft_seconds,
             verify_seconds=outcome.verify_seconds,
             wire_seconds=wire_seconds,
-            batch_size=batch_size,
-            step_positions=step_positions,
+            batch_size=outcome.batch_size if batch_size is None else batch_size,
+            step_positions=outcome.step_positions if step_positions is None else step_positions,
         )
         self.schedule.observe(observation)
         root = self.committed - 1  # the position of the verified block's first token

@@ -161,6 +161,8 @@ class CycleOutcome:
     # with feature layers: [len(path) + 1, width], the features of the block's root and of the accepted path
     features: torch.Tensor | None = None
     allreduce_seconds: float = 0.0  # of verify_seconds, tensor-parallel all-reduces (rank 0's view)
+    batch_size: int = 1  # requests verified in the same target forward (1 = alone)
+    step_positions: int = 0  # positions that forward computed (rows x widest block); 0 = this block's alone
 
 
 class TargetVerifier:

@@ -211,6 +211,8 @@ class VerdictInfo:
     target_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     features: torch.Tensor | None = None  # hidden-state drafters: root + accepted path, one row each
+    batch_size: int = 1  # requests in the target forward that verified it
+    step_positions: int = 0  # positions that forward computed; 0 = this proposal's alone
 
     def outcome(self, sent: Proposal, committed: int) -> CycleOutcome:
         """The target's :class:`~specserve.core.target.CycleOutcome` for ``sent``, given ``committed`` tokens before
@@ -233,6 +235,8 @@ class VerdictInfo:
             self.committed_length,
             self.features,
             self.allreduce_seconds,
+            self.batch_size,
+            self.step_positions,
         )
 
 
@@ -253,6 +257,8 @@ def encode_verdict(request_id: str, cycle: int, outcome: CycleOutcome) -> pb.Ver
         finish_reason=_FINISH_TO_WIRE[outcome.finish],
         target_seconds=outcome.verify_seconds,
         allreduce_seconds=outcome.allreduce_seconds,
+        batch_size=outcome.batch_size,
+        step_positions=outcome.step_positions,
     )
     if features is not None:
         message.features.CopyFrom(encode_tensor(features))
@@ -300,6 +306,8 @@ def parse_verdict(data: bytes) -> VerdictInfo:
         target_seconds=float(message.target_seconds),
         allreduce_seconds=float(message.allreduce_seconds),
         features=features,
+        batch_size=max(1, int(message.batch_size)),  # 0: a target that does not batch
+        step_positions=int(message.step_positions),
     )
 
 

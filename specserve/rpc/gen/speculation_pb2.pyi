@@ -75,7 +75,7 @@ class DraftTree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_probs_dtype: _Optional[str] = ..., rules: _Optional[_Union[Rules, str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finish_reason", "target_seconds", "allreduce_seconds", "features")
+    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finish_reason", "target_seconds", "allreduce_seconds", "features", "batch_size", "step_positions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class Verdict(_message.Message):
     TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
@@ -96,4 +98,6 @@ class Verdict(_message.Message):
     target_seconds: float
     allreduce_seconds: float
     features: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    batch_size: int
+    step_positions: int
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., batch_size: _Optional[int] = ..., step_positions: _Optional[int] = ...) -> None: ...
