@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -243,6 +244,17 @@ def test_verdict_round_trips_through_bytes_with_timings() -> None:
             "req-v", 2**63 + 5, verdict, committed, finish, target_seconds, allreduce_seconds
         )
         assert list(message.accepted_path) == list(range(verdict.num_accepted))
+
+
+def test_verdicts_name_the_batched_step_that_verified_them() -> None:
+    verdict = ChainVerdict(2, 6, TokenKind.BONUS)
+    batched = dataclasses.replace(_outcome(verdict, 31), batch_size=12, step_positions=12 * 5)
+    info = codec.parse_verdict(codec.encode_verdict("req-b", 3, batched).SerializeToString())
+    assert (info.batch_size, info.step_positions) == (12, 60)
+    back = info.outcome(Draft(torch.tensor([5, 7, 9, 11]), None), 28)
+    assert (back.batch_size, back.step_positions, back.new_tokens) == (12, 60, [5, 7, 6])
+    alone = codec.parse_verdict(codec.encode_verdict("req-a", 3, _outcome(verdict, 31)).SerializeToString())
+    assert (alone.batch_size, alone.step_positions) == (1, 0)
 
 
 @pytest.mark.parametrize(
