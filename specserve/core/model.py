@@ -265,8 +265,9 @@ class CausalLM:
         return self.model(input_ids=ids, use_cache=True, **kwargs).logits[0]
 
     @torch.inference_mode()
-    def forward_batch(self, pool: KVPool, blocks: Sequence[BatchBlock]) -> list[torch.Tensor]:
-        """Append every block to its own slot of ``pool`` in one forward; per block, its ``[k, vocab]`` logits.
+    def forward_batch(self, pool: KVPool, blocks: Sequence[BatchBlock], last_only: bool = False) -> list[torch.Tensor]:
+        """Append every block to its own slot of ``pool`` in one forward; per block, its ``[k, vocab]`` logits
+        (``[1, vocab]``, its last token's, with ``last_only``: the head then runs on one token per row).
 
         Each row sees its own cached prefix and its own block (causally, or by the block's tree ancestry),
         never another row's: block b's logits equal :meth:`forward` (a chain) or :meth:`forward_tree` (a tree)
@@ -288,13 +289,15 @@ class CausalLM:
             mask[row, 0, :k, :prefix] = 0  # its own cached prefix
             mask[row, 0, :k, prefix : prefix + k].masked_fill_(block.attends(), 0)
             mask[row, 0, k:, prefix] = 0  # padding queries see one real key (their outputs are dropped)
-        kwargs = {
+        kwargs: dict[str, Any] = {
             self._cache_kwarg: view,
             "attention_mask": mask.to(self.device),
             "position_ids": positions.to(self.device),
         }
+        if last_only:  # [rows, 1]: per row, the column of its last real token
+            kwargs["logits_to_keep"] = torch.tensor([[k - 1] for k in sizes], device=self.device)
         logits = self.model(input_ids=ids.to(self.device), use_cache=True, **kwargs).logits
-        return [logits[row, :k] for row, k in enumerate(sizes)]
+        return [logits[row, : 1 if last_only else k] for row, k in enumerate(sizes)]
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@
 request's drafter (:class:`PooledDraftModelDrafter`, from :meth:`BatchedDraftModel.new_drafter`) keeps its
 KV in one slot of the batcher's :class:`~specserve.core.kv_pool.KVPool`, taken by ``start`` and given back by
 ``release``. :meth:`BatchedDraftModel.propose_chains` drafts every request's chain together: each row first
-catches up (its slot rolled back to the longest prefix shared with its committed text, the rest fed as one
+catches up (its slot rolled back to the longest prefix shared with its committed text, the rest fed as a
 ragged block), then grows by one token per forward while its budget lasts, all rows in the same
-:meth:`~specserve.core.model.CausalLM.forward_batch` calls. So 16 requests drafting γ tokens cost about γ
-forwards of 16 rows instead of 16 × γ forwards of one row.
+:meth:`~specserve.core.model.CausalLM.forward_batch` calls, which compute each row's last logits only. So 16
+requests drafting γ tokens cost γ forwards of 16 rows instead of 16 × γ forwards of one row.
 
 Per request the result is :class:`~specserve.drafters.model.DraftModelDrafter`'s, call for call: the same
 catch-up, the same token choice (greedy argmax; the keyed-noise token in drafter-invariant mode; otherwise a
@@ -17,11 +17,12 @@ by rounding. Random draws are made row by row in the order given, one generator 
 requests share a generator their chains are drafted one request after another, so that generator still sees
 the draws it would see alone.
 
-Catch-up blocks are fed at most ``catch_up_tokens`` per row and forward (the first catch-up after ``start``
-is the whole prompt): a long block goes in chunks over several forwards, beside the other rows' drafting.
-So a forward's blocks differ by less than ``catch_up_tokens`` tokens, which is the pool's scratch (padding)
-width. ``forward_batch`` returns logits for every fed token, so a chunk costs the draft's head on each of
-its tokens, where the one-row drafter asks for the last token's only.
+A batched forward pads every row to its longest block, so one long catch-up (the first after ``start`` is
+the whole prompt) would make every row of the batch that long. Catch-ups of at most ``SHORT_CATCH_UP`` tokens
+(the usual one or two: the last draft token and the verdict's) go into the first shared round; a longer one
+first feeds all but its last token in forwards of the long rows only, at most ``catch_up_tokens`` per row and
+forward. So a forward's blocks differ by fewer than ``max(catch_up_tokens, SHORT_CATCH_UP)`` tokens, the
+pool's scratch (padding) columns.
 
 Does not draft trees in batches: :meth:`PooledDraftModelDrafter.propose_tree` drafts alone, with a
 :class:`~specserve.drafters.tree.TreeModelDrafter` and a cache of its own, as the one-row drafter does. Does
@@ -44,7 +45,8 @@ from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.tree import TreeModelDrafter
 from specserve.drafters.vocabulary import check_same_vocabulary
 
-DEFAULT_CATCH_UP_TOKENS = 128  # tokens per row and forward while catching up; also the pool's scratch columns
+DEFAULT_CATCH_UP_TOKENS = 128  # tokens per row and forward of a long catch-up
+SHORT_CATCH_UP = 4  # a catch-up of at most this many tokens shares the first drafting round with the others
 
 
 class BatchedDraftModel:
@@ -70,8 +72,9 @@ class BatchedDraftModel:
             raise ValueError(f"catch_up_tokens must be >= 1, got {catch_up_tokens}")
         self.model = draft
         self.output_device = target.device if target is not None else draft.device
-        self.catch_up_tokens = min(catch_up_tokens, slot_capacity)  # no block is longer than a slot
-        self.pool = KVPool(draft.model, num_slots, slot_capacity, scratch=self.catch_up_tokens)
+        self.catch_up_tokens = catch_up_tokens
+        scratch = min(max(catch_up_tokens, SHORT_CATCH_UP), slot_capacity)  # no block is longer than a slot
+        self.pool = KVPool(draft.model, num_slots, slot_capacity, scratch=scratch)
 
     def new_drafter(self) -> PooledDraftModelDrafter:
         """A drafter for one request (it takes a slot on ``start``; ``release`` gives the slot back)."""
@@ -113,17 +116,22 @@ class BatchedDraftModel:
         return rows
 
     def _draft(self, rows: Sequence[_Row]) -> None:
-        """Catch every row up and draft its budget: one forward per round over the rows with tokens to feed."""
+        """Catch every row up and draft its budget: after any long catch-ups, one forward per round over the rows
+        still drafting (the first round feeds each row's short catch-up, then one token per row)."""
         active = [row for row in rows if row.budget > 0]
         for row in active:
             row.pending = self._catch_up(row)
+        long = [row for row in active if row.pending.numel() > SHORT_CATCH_UP]
+        while long:  # all but the last token of each long catch-up, in rows of their own
+            chunks = [row.take(min(self.catch_up_tokens, row.pending.numel() - 1)) for row in long]
+            blocks = [BatchBlock.chain(row.slot, chunk) for row, chunk in zip(long, chunks, strict=True)]
+            self.model.forward_batch(self.pool, blocks, last_only=True)
+            long = [row for row in long if row.pending.numel() > 1]
         while active:
-            chunks = [row.take(self.catch_up_tokens) for row in active]
-            blocks = [BatchBlock.chain(row.slot, chunk) for row, chunk in zip(active, chunks, strict=True)]
-            logits = self.model.forward_batch(self.pool, blocks)
-            for row, row_logits in zip(active, logits, strict=True):
-                if row.pending.numel() == 0:  # caught up: choose the next token (draws in the order given)
-                    row.choose(row_logits[-1])
+            blocks = [BatchBlock.chain(row.slot, row.take(SHORT_CATCH_UP)) for row in active]
+            logits = self.model.forward_batch(self.pool, blocks, last_only=True)
+            for row, row_logits in zip(active, logits, strict=True):  # [1, vocab] each
+                row.choose(row_logits[-1])  # draws in the order given
             active = [row for row in active if row.pending.numel() > 0]
 
     def _catch_up(self, row: _Row) -> torch.Tensor:  # [k] int64, the committed tokens the slot lacks (k >= 1)

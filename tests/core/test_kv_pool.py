@@ -85,6 +85,26 @@ def test_each_row_of_a_batch_equals_its_sequence_alone(pair: TinyPair, consecuti
     assert_same_kv(pool, slots[2], target, torch.cat([prompts[2], chain[:1]]))
 
 
+def test_last_only_gives_each_rows_last_logits(pair: TinyPair) -> None:
+    target = pair.target
+    pool = KVPool(target.model, num_slots=3, slot_capacity=32, scratch=16)
+    slots = [pool.allocate(32) for _ in range(3)]
+    tree = DraftTree(torch.tensor([5, 6, 7]), (-1, -1, 0))
+    blocks = [
+        BatchBlock.chain(slots[0], random_tokens(9, 0)),
+        BatchBlock.tree(slots[1], 11, tree),
+        BatchBlock.chain(slots[2], random_tokens(1, 1)),
+    ]
+    full = target.forward_batch(pool, blocks)
+    for slot in slots:
+        pool.rollback(slot, 0)
+    last = target.forward_batch(pool, blocks, last_only=True)
+    assert [pool.length(s) for s in slots] == [9, 4, 1]  # the whole blocks are cached all the same
+    for logits, reference in zip(last, full, strict=True):
+        assert logits.shape == (1, VOCAB)
+        torch.testing.assert_close(logits, reference[-1:], rtol=0, atol=ATOL)
+
+
 def test_greedy_requests_joining_and_leaving_equal_transformers(pair: TinyPair) -> None:
     """Plain greedy decoding, one token per request per step, requests joining at different steps."""
     target = pair.target

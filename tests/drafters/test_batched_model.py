@@ -6,7 +6,8 @@ sampling (temperature, top-k, top-p) and drafter-invariant sampling — are driv
 :class:`~specserve.drafters.model.DraftModelDrafter` instances with identically seeded generators: budgets
 from 0 up, verdicts committing 0 to all draft tokens plus one more, rewinds. Every chain's tokens are equal,
 its q allclose (float64), and the generators end in the same state. Slots are reused after release and the
-pool is empty at the end. Also: the forward count, shared generators, trees, the registry and bad input.
+pool is empty at the end. Long catch-ups are fed whole or in chunks. Also: the forwards a call makes (long
+catch-ups apart, then one per drafted position), shared generators, trees, the registry and bad input.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def run_cycles(
                 theirs.rewind(length)
 
 
-@pytest.mark.parametrize("catch_up_tokens", [128, 4])  # whole catch-ups, or chunks beside others' drafting
+@pytest.mark.parametrize("catch_up_tokens", [128, 3])  # long catch-ups whole, or in chunks
 def test_chains_equal_one_drafter_per_request(pair: TinyPair, catch_up_tokens: int) -> None:
     batcher = BatchedDraftModel(pair.draft, pair.target, num_slots=8, slot_capacity=MAX_POSITIONS,
                                 catch_up_tokens=catch_up_tokens)  # fmt: skip
@@ -148,7 +149,8 @@ def test_chains_equal_one_drafter_per_request(pair: TinyPair, catch_up_tokens: i
 
 
 def test_one_forward_per_drafted_position(pair: TinyPair, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The catch-ups go in one forward together, then one forward per further token of the longest chain."""
+    """Short catch-ups and the first draft tokens go in one forward together (long catch-ups are fed before, in
+    rows of their own), then one forward per further token of the longest chain."""
     batcher = BatchedDraftModel(pair.draft, pair.target, num_slots=4, slot_capacity=64)
     drafters = [batcher.new_drafter() for _ in range(4)]
     for i, drafter in enumerate(drafters):
@@ -156,21 +158,23 @@ def test_one_forward_per_drafted_position(pair: TinyPair, monkeypatch: pytest.Mo
     calls: list[list[int]] = []
     forward_batch = pair.draft.forward_batch
 
-    def counted(pool: Any, blocks: Any) -> list[torch.Tensor]:
+    def counted(pool: Any, blocks: Any, last_only: bool = False) -> list[torch.Tensor]:
         calls.append([block.size for block in blocks])
-        return forward_batch(pool, blocks)
+        return forward_batch(pool, blocks, last_only=last_only)
 
     monkeypatch.setattr(pair.draft, "forward_batch", counted)
     drafts = batcher.propose_chains(drafters, [3, 0, 5, 1])
     assert [d.gamma for d in drafts] == [3, 0, 5, 1]
-    assert calls[0] == [len(pair.prompts[i]) for i in (0, 2, 3)]  # every catch-up in one forward
-    assert calls[1:] == [[1, 1], [1, 1], [1], [1]]  # then the rows still drafting, one token each
+    assert [len(pair.prompts[i]) for i in (0, 2, 3)] == [11, 6, 1]
+    assert calls[0] == [10, 5]  # the long catch-ups but their last tokens, in a forward of their own
+    assert calls[1] == [1, 1, 1]  # then every row's last committed token, in one forward
+    assert calls[2:] == [[1, 1], [1, 1], [1], [1]]  # then the rows still drafting, one token each
     # the next catch-ups feed only what the slots lack: drafts that were accepted stay cached
     for drafter, draft, accepted in zip(drafters, drafts, [1, 0, 5, 1], strict=True):
         drafter.accept(verdict(draft, accepted, extra=30))
     calls.clear()
     batcher.propose_chains(drafters, [1, 1, 1, 1])
-    assert calls == [[1, len(pair.prompts[1]) + 1, 2, 2]]
+    assert calls == [[len(pair.prompts[1])], [1, 1, 2, 2]]
     for drafter in drafters:
         drafter.release()
 
