@@ -93,7 +93,9 @@ class ReplicaConfig(BaseModel):
     overlap: bool = Field(
         False, description="draft the next chain while the target verifies (trees are drafted after each verdict)"
     )
-    threads_per_shard: int = Field(1, ge=1, description="torch threads in each target shard actor")
+    threads_per_shard: int = Field(
+        1, ge=1, description="torch threads in each target shard actor (a batched replica: in its own process)"
+    )
     threads_per_drafter: int = Field(1, ge=1, description="torch threads in the drafter actor")
     verifier_host: str = Field(
         "127.0.0.1",
@@ -112,12 +114,46 @@ class ReplicaConfig(BaseModel):
         description="seconds to wait for the cluster to place the replica before failing with what it lacks",
     )
 
+    # ---- batched serving (a Serve replica; `specserve generate` runs one request and ignores these)
+    max_num_seqs: int = Field(
+        1,
+        ge=1,
+        description="requests one Serve replica generates at once. 1 (the default) = one at a time on the "
+        "distributed runtime: the target's TP shards and the drafter are Ray actors, and every drafter, TP degree, "
+        "drafter placement and overlap works; it stays the default until that runtime batches. > 1 = continuous "
+        "batching in the replica's own process, one target forward per step for all its requests (tp_degree 1; "
+        "a draft model, ngram or none; no overlap, no separate drafter)",
+    )
+    max_batch_tokens: int = Field(
+        256,
+        ge=1,
+        description="batched replicas: prompt tokens one step may prefill over all newcomers (chunked prefill: a long "
+        "prompt delays the running requests by at most one such chunk per step)",
+    )
+    max_seq_len: int = Field(
+        0,
+        ge=0,
+        description="batched replicas: tokens (prompt + max_tokens) one request may hold, the length of each of the "
+        "max_num_seqs KV slots preallocated; 0 = the target's context; a longer request is refused with 400",
+    )
+    max_queue: int = Field(
+        16,
+        ge=0,
+        description="requests a replica lets wait beyond the max_num_seqs it generates; one more is refused at once "
+        "with 429 and Retry-After. Serve sends a replica at most max_ongoing_requests, so the bound bites only when "
+        "that is above max_num_seqs + max_queue; the default, above Serve's default 8, refuses nothing by itself",
+    )
+
     # ---- what the replica asks Ray for (the placement spec's fields, same names)
     large_resource: str = Field(_SPEC.large_resource, description="custom resource of nodes that host target shards")
     cheap_resource: str = Field(
         _SPEC.cheap_resource, description="custom resource of nodes that host separate drafters"
     )
-    cpus_per_shard: float = Field(_SPEC.cpus_per_shard, description="Ray CPUs each shard actor reserves (> 0)")
+    cpus_per_shard: float = Field(
+        _SPEC.cpus_per_shard,
+        description="Ray CPUs each shard actor reserves (> 0); a batched replica, its own one shard, reserves them "
+        "with one unit of large_resource",
+    )
     cpus_per_drafter: float = Field(_SPEC.cpus_per_drafter, description="Ray CPUs the drafter actor reserves (> 0)")
     gpus_per_drafter: float = Field(
         _SPEC.gpus_per_drafter,
@@ -149,7 +185,43 @@ class ReplicaConfig(BaseModel):
                 f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}"
             )
         self.spec()  # tp_degree a power of two, resource names, CPUs: the placement spec checks them
+        if self.batched:
+            self._check_batched()
         return self
+
+    @property
+    def batched(self) -> bool:
+        """Whether a Serve replica of this configuration batches requests (``max_num_seqs > 1``)."""
+        return self.max_num_seqs > 1
+
+    def _check_batched(self) -> None:
+        """A batched replica runs the target and every request's drafter in its one process: refuse the distributed
+        runtime's settings it cannot honour, rather than ignore them."""
+        from specserve.drafters.registry import EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
+
+        one_at_a_time = "or max_num_seqs 1 to serve one request at a time on the distributed runtime"
+        if self.tp_degree > 1:
+            raise InvalidSetting(
+                f"max_num_seqs {self.max_num_seqs} batches requests in one process, which runs the target whole; "
+                f"set tp_degree 1 (got {self.tp_degree}), {one_at_a_time}"
+            )
+        if self.draft.startswith((EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX)):
+            raise InvalidSetting(
+                f"max_num_seqs {self.max_num_seqs}: the batched engine cannot run the {self.draft.split(':')[0]} "
+                f"drafter yet (it reads the target's hidden states or shares its KV); draft with a model directory, "
+                f"ngram or none, {one_at_a_time}"
+            )
+        refused = {
+            "overlap": self.overlap,
+            "drafter_placement separate": self.drafter_placement == "separate",
+            "gpus_per_drafter > 0": self.gpus_per_drafter > 0,
+        }
+        chosen = [name for name, on in refused.items() if on]
+        if chosen:
+            raise InvalidSetting(
+                f"max_num_seqs {self.max_num_seqs} drafts in the replica's own process, with no drafter actor to "
+                f"apply {', '.join(chosen)} to: leave them out, {one_at_a_time}"
+            )
 
     def spec(self) -> ClusterSpec:
         """The placement spec of this one replica: the fields the two share by name, the accelerator from ``device``."""

@@ -4,9 +4,11 @@ Two deployments, as in Ray Serve LLM's design:
 
 * ``OpenAIIngress`` (:mod:`specserve.serve.ingress`) — the HTTP routes; light, one replica is
   plenty;
-* ``ModelServer`` (:mod:`specserve.serve.model_server`) — one target replica each (its TP
-  shards and drafter are Ray actors it places when it starts); this is the deployment that
-  Serve's autoscaling grows and shrinks with load.
+* ``ModelServer`` (:mod:`specserve.serve.model_server`) — one target replica each; this is the
+  deployment that Serve's autoscaling grows and shrinks with load. One at a time (``max_num_seqs``
+  1) its TP shards and drafter are Ray actors it places when it starts, so the replica itself asks
+  Ray for no CPU; batched (``max_num_seqs > 1``) it runs the target in its own process, so it asks
+  for what a shard would: ``cpus_per_shard`` CPUs, one unit of ``large_resource`` and, on cuda, a GPU.
 
 :func:`build_app` is the ``import_path`` of ``deploy/serve.yaml``: Ray's ``serve run`` /
 ``serve deploy`` call it with the YAML's ``args``, which are :class:`ServeConfig` one to one;
@@ -25,7 +27,7 @@ from ray.serve import Application
 
 from specserve.serve.config import ServeConfig
 from specserve.serve.ingress import OpenAIIngress
-from specserve.serve.model_server import ModelServer, spawn_coordinator
+from specserve.serve.model_server import ModelServer, build_runner
 
 INGRESS = "OpenAIIngress"
 MODEL = "ModelServer"
@@ -46,7 +48,7 @@ def application(config: ServeConfig, deployment_options: Mapping[str, Mapping[st
     args = config.model_dump()
     model = serve.deployment(
         name=MODEL,
-        ray_actor_options={"num_cpus": 0},  # the compute lives in the actors each replica places
+        ray_actor_options=model_actor_options(config),
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=10,
         health_check_timeout_s=60,
@@ -57,4 +59,15 @@ def application(config: ServeConfig, deployment_options: Mapping[str, Mapping[st
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1024,  # the ingress only forwards; the model replicas' queues bound the work
     )(serve.ingress()(OpenAIIngress)).options(**options.get(INGRESS, {}))
-    return ingress.bind(args, model.bind(args, spawn_coordinator, True))
+    return ingress.bind(args, model.bind(args, build_runner, True))
+
+
+def model_actor_options(config: ServeConfig) -> dict[str, Any]:
+    """What one ModelServer replica asks Ray for: nothing when the compute lives in the actors it places (one
+    at a time); a shard's share when it runs the batched engine in its own process."""
+    if not config.batched:
+        return {"num_cpus": 0}
+    options: dict[str, Any] = {"num_cpus": config.cpus_per_shard, "resources": {config.large_resource: 1.0}}
+    if config.device.startswith("cuda"):
+        options["num_gpus"] = 1
+    return options

@@ -11,11 +11,12 @@ from the environment (``SPECSERVE_API_KEY``) instead of the file. Does not start
 from __future__ import annotations
 
 import os
+from typing import Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specserve import defaults
-from specserve.cluster.replica_config import ReplicaConfig, with_edge_default
+from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig, with_edge_default
 from specserve.core.schedule import MAX_GAMMA
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
@@ -35,12 +36,25 @@ class ServeConfig(ReplicaConfig):
         defaults.DEFAULT_MAX_NEW_TOKENS, ge=1, description="max_tokens of a request that does not set it"
     )
     max_ongoing_requests: int = Field(
-        8, ge=1, description="requests one model replica holds at once: one generates, the rest wait in its queue"
+        8,
+        ge=1,
+        description="requests Serve sends one model replica at once (max_num_seqs generate, the rest wait there; "
+        "more wait in Serve's router); at least max_num_seqs; above max_num_seqs + max_queue the replica answers "
+        "the excess with 429",
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused with 413")
     api_key: str | None = Field(
         None, description=f"require `Authorization: Bearer <key>`; default: ${API_KEY_ENV} if set, else no key"
     )
+
+    @model_validator(mode="after")
+    def _fills_its_batch(self) -> Self:
+        if self.max_ongoing_requests < self.max_num_seqs:
+            raise InvalidSetting(
+                f"max_ongoing_requests {self.max_ongoing_requests} < max_num_seqs {self.max_num_seqs}: Serve would "
+                "never send a replica enough requests to fill its batch; raise max_ongoing_requests"
+            )
+        return self
 
     def replica(self) -> ReplicaConfig:
         """The replica part alone (what :meth:`Coordinator.spawn` takes)."""

@@ -12,6 +12,12 @@ bad JSON, wrong types, unknown model, over-long prompt, oversize body, missing o
 unknown route — is OpenAI's error JSON with a 4xx status; a failure inside generation is a 500
 (or an error event once a stream has started), and the server keeps serving.
 
+Before answering, the ingress waits for the replica's first chunk (an empty one, sent as soon as
+the replica took the request), so the replica's own refusals still get a status of their own: a
+full replica (:class:`~specserve.serve.model_server.QueueFull`) is a 429 with ``Retry-After``, a
+request it cannot hold (an :class:`~specserve.core.errors.UserError`, e.g. longer than its KV
+slot) a 400. Errors that crossed Ray arrive wrapped; their cause is what is reported.
+
 When the client disconnects, Starlette cancels the response; the cancellation reaches the
 backend's stream, which stops the generation and frees its KV.
 """
@@ -19,18 +25,31 @@ backend's stream, which stops the generation and frees its KV.
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from ray.exceptions import RayTaskError
 from starlette.exceptions import HTTPException
 
 from specserve.core.engine import StreamChunk
+from specserve.core.errors import UserError
 from specserve.serve.config import ServeConfig
-from specserve.serve.model_server import ModelServer
+from specserve.serve.model_server import ModelServer, QueueFull
 from specserve.serve.openai_api import DONE_EVENT, OpenAIHandler, PreparedRequest, error_event
 from specserve.serve.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+
+
+def generation_error(exc: BaseException) -> RequestError:
+    """What a client is told about an exception from a replica's stream: its cause, with a status of its own."""
+    cause = exc.cause if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException) else exc
+    if isinstance(cause, QueueFull):
+        headers = {"Retry-After": str(cause.retry_after_s)}
+        return RequestError(cause.message, status=429, code="queue_full", headers=headers)
+    if isinstance(cause, UserError):
+        return RequestError(str(cause), status=400, code="invalid_request")
+    return RequestError(f"generation failed: {cause}", status=500, code="internal_error")
 
 
 class ReplicaClient:
@@ -45,7 +64,7 @@ class ReplicaClient:
             return self.backend.describe()
         return await self.backend.describe.remote()
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[StreamChunk]:
+    async def generate(self, prepared: PreparedRequest) -> AsyncGenerator[StreamChunk, None]:
         args = (prepared.prompt_ids, prepared.params, prepared.generation)
         if self.local:
             chunks = self.backend.generate(*args)
@@ -89,8 +108,8 @@ class OpenAIIngress:
 
         @app.exception_handler(RequestError)
         async def _refused(request: Request, exc: RequestError) -> JSONResponse:
-            headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-            return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+            headers = {**exc.headers, **({"WWW-Authenticate": "Bearer"} if exc.status == 401 else {})}
+            return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
         @app.exception_handler(HTTPException)
         async def _http(request: Request, exc: HTTPException) -> JSONResponse:
@@ -147,22 +166,36 @@ class OpenAIIngress:
             raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
         body = await request.body()
         prepared = (await self.handler()).prepare(parse_request(kind, body, limit))
-        if prepared.stream:
-            return StreamingResponse(self._events(prepared), media_type="text/event-stream")
+        chunks = self.client.generate(prepared)
         try:
-            chunks = [chunk async for chunk in self.client.generate(prepared)]
-            return JSONResponse(prepared.collect(chunks))
-        except Exception as exc:  # a replica failed mid-generation: a 500 that says so; the server serves on
-            raise RequestError(f"generation failed: {exc}", status=500, code="internal_error") from exc
+            first = await anext(chunks)  # the replica took the request, or refused it
+        except StopAsyncIteration:
+            raise RequestError("generation ended without a result", status=500, code="internal_error") from None
+        except Exception as exc:  # a full replica (429), a request it cannot hold (400), a failure (500)
+            raise generation_error(exc) from exc
+        if prepared.stream:
+            return StreamingResponse(self._events(prepared, first, chunks), media_type="text/event-stream")
+        try:
+            return JSONResponse(prepared.collect([first, *[chunk async for chunk in chunks]]))
+        except Exception as exc:  # a replica failed mid-generation: a status that says so; the server serves on
+            raise generation_error(exc) from exc
+        finally:
+            await chunks.aclose()
 
-    async def _events(self, prepared: PreparedRequest) -> AsyncIterator[str]:
+    async def _events(
+        self, prepared: PreparedRequest, first: StreamChunk, chunks: AsyncGenerator[StreamChunk, None]
+    ) -> AsyncIterator[str]:
         for opening in prepared.opening_events():
             yield opening
         try:
-            async for chunk in self.client.generate(prepared):
+            chunk: StreamChunk | None = first
+            while chunk is not None:
                 event = prepared.chunk_event(chunk)
                 if event is not None:
                     yield event
+                chunk = await anext(chunks, None)
         except Exception as exc:  # the status line is sent: report in-band, then end the stream properly
-            yield error_event(RequestError(f"generation failed: {exc}", status=500, code="internal_error"))
+            yield error_event(generation_error(exc))
+        finally:
+            await chunks.aclose()  # a client that left: the replica stops the generation and frees its KV
         yield DONE_EVENT

@@ -7,8 +7,11 @@ acceptance mode (a request's ``speculation.acceptance: typical``, :mod:`specserv
 so exact and lossy runs never mix on a dashboard. Per-request metrics take the request's own
 ``lossy``; the replica's queue gauges keep the deployment's.
 
-Recorded per request when it finishes (counts and per-request histograms), at its first token
-(time to first token), and whenever the replica's queue changes. Needs a connected Ray: the
+Recorded per request when it finishes (counts and per-request histograms; the budget chosen per
+cycle is tagged with the cycle's batch size, as a power-of-two bucket, so a dashboard shows γ
+against batch size), at its first token (time to first token), whenever the replica's queue
+changes, and, on a batched replica, after every engine step (requests verified together, tokens
+committed). Needs a connected Ray: the
 Serve deployment creates a :class:`ServeMetrics`; in-process runs pass none. Does not compute
 anything that :class:`~specserve.core.stats.RequestStats` does not already hold.
 """
@@ -23,6 +26,16 @@ TAGS = ("model", "lossy")
 LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LENGTH_BOUNDARIES = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0]
 RATE_BOUNDARIES = [1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0]
+BATCH_BOUNDARIES = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+STEP_TOKEN_BOUNDARIES = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0]
+
+
+def batch_bucket(size: int) -> str:
+    """A batch size as a small set of tag values: ``1``, ``2``, ``3-4``, ``5-8``, ``9-16``, ..."""
+    if size <= 2:
+        return str(max(size, 1))
+    upper = 1 << (size - 1).bit_length()
+    return f"{upper // 2 + 1}-{upper}"
 
 
 class ServeMetrics:
@@ -56,8 +69,21 @@ class ServeMetrics:
         )
         self.gamma = Histogram(
             "specserve_gamma",
-            "the budget the request's policy chose per cycle (gamma, or a tree's nodes; 0 = plain decoding)",
+            "the budget the request's policy chose per cycle (gamma, or a tree's nodes; 0 = plain decoding), by the "
+            "cycle's batch size (requests verified together: 1, 2, 3-4, 5-8, ...)",
             LENGTH_BOUNDARIES,
+            (*TAGS, "batch_size"),
+        )
+        self.batch_size = Histogram(
+            "specserve_batch_size",
+            "batched replicas: requests verified together per engine step",
+            BATCH_BOUNDARIES,
+            TAGS,
+        )
+        self.tokens_per_step = Histogram(
+            "specserve_tokens_per_step",
+            "batched replicas: tokens committed per engine step, over all its requests",
+            STEP_TOKEN_BOUNDARIES,
             TAGS,
         )
         self.tokens_per_second = Histogram(
@@ -69,12 +95,19 @@ class ServeMetrics:
             LATENCY_BOUNDARIES,
             TAGS,
         )
-        self.queue_length = Gauge("specserve_queue_length", "requests waiting for this replica's generation slot", TAGS)
+        self.queue_length = Gauge(
+            "specserve_queue_length", "requests waiting in this replica to generate (batched: for a KV slot)", TAGS
+        )
         self.running = Gauge("specserve_running_requests", "requests this replica is generating right now", TAGS)
 
     def queue(self, waiting: int, running: int) -> None:
         self.queue_length.set(waiting, self.tags)
         self.running.set(running, self.tags)
+
+    def step(self, batch_size: int, tokens: int) -> None:
+        """One step of a batched replica's engine: ``batch_size`` requests verified, ``tokens`` committed."""
+        self.batch_size.observe(batch_size, self.tags)
+        self.tokens_per_step.observe(tokens, self.tags)
 
     def request_tags(self, lossy: bool) -> dict[str, str]:
         """The tags of one request's metrics: ``lossy="true"`` when it ran a lossy acceptance rule."""
@@ -99,8 +132,11 @@ class ServeMetrics:
             _inc(self.accepted_by_position, accepted, {**tags, "position": str(position)})
         if stats.cycles:
             self.mean_accepted_length.observe(stats.mean_accepted, tags)
-        for budget in stats.budgets:
-            self.gamma.observe(budget, tags)
+        sizes = [o.batch_size for o in stats.observations]
+        if len(sizes) != len(stats.budgets):  # a runner that recorded budgets without observations ran alone
+            sizes = [1] * len(stats.budgets)
+        for budget, size in zip(stats.budgets, sizes, strict=True):
+            self.gamma.observe(budget, {**tags, "batch_size": batch_bucket(size)})
         if stats.total_seconds > 0:
             self.tokens_per_second.observe(stats.tokens_per_second, tags)
 

@@ -1,25 +1,45 @@
-"""``ModelServer``: one target replica as Serve sees it — a runner, one generation at a time, streamed.
+"""``ModelServer``: one target replica as Serve sees it — requests admitted up to a bound, generated, streamed.
 
 A plain class. Serve wraps it as the autoscaled deployment (:mod:`specserve.serve.app`); each
-Serve replica builds its runner through the injected ``runner_factory``: by default
-:func:`spawn_coordinator`, which places the replica's target shards and its drafter
-(:class:`~specserve.actors.coordinator.Coordinator`), so drafters scale with their replicas.
-Tests inject the in-process engine instead.
+Serve replica builds its runner through the injected ``runner_factory`` (by default
+:func:`build_runner`). Tests inject an in-process engine instead. A replica takes one of two paths,
+chosen by its configuration's ``max_num_seqs`` and logged (and reported by :meth:`ModelServer.status`)
+when it starts:
 
-The runner is synchronous and serves one request at a time, so requests wait their turn on an
-``asyncio.Lock`` (the queue that the ``specserve_queue_length`` metric shows) and the chosen one
-runs on a dedicated worker thread. Chunks cross to the event loop through a queue; chunks that
-piled up while the consumer was busy are merged, so a slow client costs one message, not many.
-When the consumer goes away (the client disconnected, the ingress cancelled), the generation is
-closed on its own thread: the coordinator cancels the drafter and frees the request's KV on
-every shard before the next request is admitted.
+* **batched** (``max_num_seqs > 1``): the runner is a
+  :class:`~specserve.core.batch_engine.BatchedEngine` built in this process
+  (:func:`load_batched_engine`: the target, every request's own drafter, the policies' schedules),
+  driven by an :class:`~specserve.serve.engine_loop.EngineLoop` on one dedicated thread. Up to
+  ``max_num_seqs`` requests generate together, one target forward per step; there is no lock, and
+  each request streams as its tokens are committed. A request whose prompt and output cannot fit
+  the KV slot is refused (the ingress refuses it first, with the loop's codec). Closing a stream
+  cancels the request at the next step and frees its KV slot.
+* **one at a time** (``max_num_seqs`` 1, the default): the runner is synchronous and serves one
+  request at a time — by default a :class:`~specserve.actors.coordinator.Coordinator`
+  (:func:`spawn_coordinator`) over the replica's target shards and drafter placed as Ray actors, so
+  drafters scale with their replicas. This is the baseline, and the path for everything the
+  batched engine cannot run yet: ``tp_degree > 1``, EAGLE, Medusa and layer-skip drafters, overlap,
+  separate drafters. Requests wait their turn on an ``asyncio.Lock``, and the chosen one runs on a
+  dedicated worker thread; chunks cross to the event loop through a queue (piled-up chunks are
+  merged). When the consumer goes away, the generation is closed on its own thread: the coordinator
+  cancels the drafter and frees the request's KV on every shard before the next request is admitted.
 
-Does not: parse HTTP or OpenAI requests (the ingress does), or batch requests together.
+Either way the replica holds at most ``max_num_seqs + max_queue`` requests (generating + waiting);
+one more is refused at once with :class:`QueueFull`, which the ingress answers with HTTP 429 and
+``Retry-After``. Every stream first yields an empty chunk once the replica has taken the request
+(on the batched path: once the engine accepted it), so the ingress knows before answering whether
+the request was refused. Metrics (:class:`~specserve.serve.metrics.ServeMetrics`): per request, and
+on the batched path per engine step (batch size, tokens committed).
+
+Does not: parse HTTP or OpenAI requests (the ingress does), place actors itself (the coordinator
+does), or batch on the distributed runtime.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -28,20 +48,79 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
+from specserve.cluster.replica_config import InvalidSetting
 from specserve.core.engine import GenerationConfig, GenerationFrontend, StreamChunk
+from specserve.core.errors import UserError
 from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
 from specserve.serve.config import ServeConfig
+from specserve.serve.engine_loop import BatchEngine, EngineLoop, merge_chunks
 from specserve.serve.metrics import ServeMetrics
 
+__all__ = ["ModelServer", "QueueFull", "build_runner", "load_batched_engine", "merge_chunks", "spawn_coordinator"]
+
+logger = logging.getLogger(__name__)
+
 RunnerFactory = Callable[[ServeConfig], GenerationFrontend]
+MAX_RETRY_AFTER_S = 60
+
+
+class QueueFull(Exception):
+    """The replica holds as many requests as it may (``max_num_seqs + max_queue``); retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray by pickle: keep both arguments
+        return (type(self), (self.message, self.retry_after_s))
 
 
 def spawn_coordinator(config: ServeConfig) -> GenerationFrontend:
-    """The default runner: a distributed replica (target shards + drafter) placed on the cluster."""
+    """The one-at-a-time runner: a distributed replica (target shards + drafter) placed on the cluster."""
     from specserve.actors.coordinator import Coordinator
 
     return Coordinator.spawn(config.replica())
+
+
+def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
+    """The batched runner, in this process: the target loaded here (``threads_per_shard`` torch threads), a drafter
+    per request (:func:`~specserve.drafters.registry.request_drafters`: a draft model loaded once, drafting for all
+    requests in shared forwards), the policies' schedules (adaptive budgets priced per step)."""
+    import torch
+
+    from specserve.core.batch_engine import BatchedEngine
+    from specserve.core.model import CausalLM
+    from specserve.drafters.registry import request_drafters
+    from specserve.policies.schedules import schedules
+
+    torch.set_num_threads(config.threads_per_shard)
+    target = CausalLM.load(config.target, dtype=config.dtype, device=config.device)
+    context = target.info.max_positions
+    if config.max_seq_len > context:
+        raise InvalidSetting(
+            f"max_seq_len {config.max_seq_len} exceeds the target's context of {context} tokens; "
+            f"set at most {context}, or 0 for the whole context"
+        )
+    slots, capacity = config.max_num_seqs, config.max_seq_len or None
+    # a draft model drafts for all requests in shared forwards, from a KV pool of as many slots as the target's
+    new_drafter = request_drafters(
+        config.draft, target, **config.drafter_options(), num_slots=slots, slot_capacity=capacity
+    )
+    return BatchedEngine(
+        target,
+        new_drafter,
+        schedules=schedules(),
+        num_slots=slots,
+        slot_capacity=capacity,
+        prefill_tokens=config.max_batch_tokens,
+    )
+
+
+def build_runner(config: ServeConfig) -> GenerationFrontend:
+    """The runner of a Serve replica: the batched engine when ``max_num_seqs > 1``, else the distributed runtime."""
+    return load_batched_engine(config) if config.batched else spawn_coordinator(config)
 
 
 class _End:
@@ -53,54 +132,95 @@ class _Failure:
         self.error = error
 
 
-def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
-    """Several consecutive chunks as one (text and tokens concatenated, the last one's result)."""
-    if len(chunks) == 1:
-        return chunks[0]
-    return StreamChunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].result)
-
-
 class ModelServer:
     def __init__(
         self,
         config: ServeConfig | Mapping[str, Any],
-        runner_factory: RunnerFactory = spawn_coordinator,
+        runner_factory: RunnerFactory = build_runner,
         record_metrics: bool = False,
     ) -> None:
         self.config = ServeConfig.model_validate(config)
         self.runner = runner_factory(self.config)
         self.metrics = ServeMetrics(self.config.model_name) if record_metrics else None
+        self.capacity = self.config.max_num_seqs + self.config.max_queue
+        self.loop: EngineLoop | None = None
+        if self.config.batched:
+            if not isinstance(self.runner, BatchEngine):
+                raise TypeError(
+                    f"max_num_seqs {self.config.max_num_seqs} needs a batched engine (submit/step/cancel), "
+                    f"got a {type(self.runner).__name__}"
+                )
+            self.loop = EngineLoop(self.runner, on_step=self._on_step)
         self._slot = asyncio.Lock()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-generation")
-        self._waiting = 0
-        self._running = 0
-        self._finished: Counter[str] = Counter()  # finish reason (stop, length, eos, cancelled, error) -> requests
+        self._held = 0  # requests taken and not finished (generating or waiting)
+        self._running = 0  # one-at-a-time path: generating
+        self._finished: Counter[str] = Counter()  # stop, length, eos, cancelled, error, invalid, queue_full
+        self._seconds_per_request = 0.0  # moving average of a finished request's time here (for Retry-After)
+        logger.info("ModelServer %r: %s", self.config.model_name, self.path_description())
+
+    @property
+    def path(self) -> str:
+        return "batched" if self.loop is not None else "one_at_a_time"
+
+    def path_description(self) -> str:
+        c = self.config
+        if self.loop is not None:
+            return (
+                f"batched: up to {c.max_num_seqs} requests at once in this process (one target forward per step, "
+                f"{c.max_batch_tokens} prefill tokens per step), {c.max_queue} more may wait"
+            )
+        return f"one request at a time on a {type(self.runner).__name__}, {c.max_queue} more may wait"
 
     def describe(self) -> PromptCodec:
         """How prompts are encoded and checked for this model (the ingress validates requests with it)."""
-        return self.runner.prompts
+        return self.loop.prompts if self.loop is not None else self.runner.prompts
 
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"waiting": self._waiting, "running": self._running, "finished": dict(self._finished)}
-        active = getattr(self.runner, "active_requests", None)
-        if active is not None:
-            out["active_requests"] = active()
+        out: dict[str, Any] = {
+            "path": self.path,
+            "waiting": self.waiting,
+            "running": self.running,
+            "capacity": self.capacity,
+            "finished": dict(self._finished),
+        }
+        if self.loop is not None:
+            loop = self.loop.status()
+            out.update(kv=loop["kv"], steps=loop["steps"], failed_steps=loop["failed_steps"])
+            out.update(batch_sizes=loop["batch_sizes"], active_requests=loop["active_requests"])
+        else:
+            active = getattr(self.runner, "active_requests", None)
+            if active is not None:
+                out["active_requests"] = active()
         return out
 
+    @property
+    def running(self) -> int:
+        return min(self.loop.running, self._held) if self.loop is not None else self._running
+
+    @property
+    def waiting(self) -> int:
+        """Taken and not generating yet (waiting for the lock, or for a KV slot)."""
+        return max(0, self._held - self.running)
+
     def check_health(self) -> None:
-        """Serve's periodic health check: raises when the replica's actors are gone."""
+        """Serve's periodic health check: raises when the replica's actors are gone, or its engine loop is broken."""
+        if self.loop is not None:
+            self.loop.check_health()
         check = getattr(self.runner, "check_health", None)
         if check is not None:
             check()
 
     def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.shutdown()
         self._worker.shutdown(wait=False, cancel_futures=True)
         shutdown = getattr(self.runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
 
     def __del__(self) -> None:  # Serve calls it when it stops a replica (downscaling, redeploy)
-        if hasattr(self, "runner"):
+        if hasattr(self, "_worker"):
             self.shutdown()
 
     # -----------------------------------------------------------------------------------------
@@ -108,20 +228,23 @@ class ModelServer:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig
     ) -> AsyncIterator[StreamChunk]:
-        """Stream one request's chunks; the last carries the result. Stops (and frees KV) if closed early."""
+        """Stream one request's chunks: first an empty one once the replica took it, the last with the result.
+        Raises :class:`QueueFull` when the replica is full; stops (and frees KV) if closed early."""
         arrived = time.perf_counter()
-        self._waiting += 1
-        self._report_queue()
-        try:
-            await self._slot.acquire()
-        finally:
-            self._waiting -= 1
-        self._running += 1
+        if self._held >= self.capacity:
+            self._count("queue_full", params)
+            raise self._queue_full()
+        self._held += 1
         self._report_queue()
         finish = "cancelled"
         first = True
+        chunks = (
+            self.loop.stream(prompt_ids, params, generation)
+            if self.loop is not None
+            else self._one_at_a_time(prompt_ids, params, generation)
+        )
         try:
-            async with aclosing(self._run_on_worker(prompt_ids, params, generation)) as chunks:
+            async with aclosing(chunks):
                 async for chunk in chunks:
                     if first and chunk.token_ids and self.metrics is not None:
                         self.metrics.first_token(time.perf_counter() - arrived, params.lossy_acceptance)
@@ -130,17 +253,36 @@ class ModelServer:
                         finish = chunk.result.finish_reason
                         if self.metrics is not None:
                             self.metrics.finished(finish, chunk.result.stats, params.lossy_acceptance)
+                        self._learn(time.perf_counter() - arrived)
                     yield chunk
+        except UserError:
+            finish = "invalid"
+            raise
         except Exception:
             finish = "error"
             raise
         finally:
-            if finish in ("cancelled", "error") and self.metrics is not None:
-                self.metrics.finished(finish, None, params.lossy_acceptance)
-            self._running -= 1
-            self._finished[finish] += 1
-            self._slot.release()
+            self._held -= 1
+            if finish in ("cancelled", "error", "invalid"):
+                self._count(finish, params)
+            else:
+                self._finished[finish] += 1
             self._report_queue()
+
+    async def _one_at_a_time(
+        self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig
+    ) -> AsyncGenerator[StreamChunk, None]:
+        yield StreamChunk("", [])  # taken: it waits its turn here
+        await self._slot.acquire()
+        try:
+            self._running += 1
+            self._report_queue()
+            async with aclosing(self._run_on_worker(prompt_ids, params, generation)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._running -= 1
+            self._slot.release()
 
     async def _run_on_worker(
         self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig
@@ -187,6 +329,38 @@ class ModelServer:
             stop.set()
             await asyncio.shield(worker)  # the next request starts only after this one's cleanup
 
+    # -----------------------------------------------------------------------------------------
+
+    def _queue_full(self) -> QueueFull:
+        c = self.config
+        retry = self.retry_after_s()
+        return QueueFull(
+            f"this replica is full: {self.running} requests generating and {self.waiting} waiting, the most it holds "
+            f"(max_num_seqs {c.max_num_seqs} + max_queue {c.max_queue}); retry after {retry} s",
+            retry,
+        )
+
+    def retry_after_s(self) -> int:
+        """Seconds until a place is likely free: a request's average time here over the requests generated at once."""
+        if self._seconds_per_request <= 0:
+            return 1
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self._seconds_per_request / self.config.max_num_seqs)))
+
+    def _learn(self, seconds: float) -> None:
+        average = self._seconds_per_request
+        self._seconds_per_request = seconds if average <= 0 else 0.8 * average + 0.2 * seconds
+
+    def _count(self, finish: str, params: SamplingParams) -> None:
+        """A request that ended without a result (cancelled, failed, refused)."""
+        self._finished[finish] += 1
+        if self.metrics is not None:
+            self.metrics.finished(finish, None, params.lossy_acceptance)
+
+    def _on_step(self, batch_size: int, tokens: int) -> None:  # on the engine thread
+        if self.metrics is not None:
+            self.metrics.step(batch_size, tokens)
+            self._report_queue()
+
     def _report_queue(self) -> None:
         if self.metrics is not None:
-            self.metrics.queue(self._waiting, self._running)
+            self.metrics.queue(self.waiting, self.running)

@@ -45,17 +45,31 @@ MAX_TREE_WIDTH = 8
 MAX_TREE_NODES = 64
 
 
+ERROR_TYPES = {  # OpenAI's error ``type`` by status (anything else: invalid_request_error below 500)
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
 class RequestError(Exception):
     """A request the server refuses; ``body()`` is the OpenAI-style error JSON."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = dict(headers or {})  # extra response headers (429: Retry-After)
 
     def body(self) -> dict[str, Any]:
-        kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
-            self.status, "invalid_request_error" if self.status < 500 else "server_error"
-        )
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     @classmethod

@@ -58,6 +58,10 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "cpus_per_shard": (2.0, {}),
     "cpus_per_drafter": (0.5, {}),
     "gpus_per_drafter": (0.5, {"device": "cuda"}),
+    "max_num_seqs": (4, {}),
+    "max_batch_tokens": (64, {}),
+    "max_seq_len": (512, {}),
+    "max_queue": (2, {}),
 }
 
 
@@ -266,3 +270,38 @@ def test_a_drafter_actor_without_gpus_drafts_on_the_cpu() -> None:
     assert ReplicaConfig(target="t", device="cuda", gpus_per_drafter=0.25).drafter_actor_device == "cuda"
     assert ReplicaConfig(target="t").drafter_actor_device == "cpu"
     assert ReplicaConfig(target="t", device="cuda").drafter_options()["device"] == "cuda"  # in process: the device
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched replicas refuse what only the distributed runtime can do
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"tp_degree": 2}, ["max_num_seqs 4", "set tp_degree 1 (got 2)", "or max_num_seqs 1"]),
+        ({"draft": "eagle:/srv/heads"}, ["cannot run the eagle drafter", "hidden states", "or max_num_seqs 1"]),
+        ({"draft": "layerskip:2"}, ["cannot run the layerskip drafter"]),
+        ({"overlap": True}, ["no drafter actor to apply overlap to", "or max_num_seqs 1"]),
+        (
+            {"drafter_placement": "separate", "device": "cuda", "gpus_per_drafter": 0.5},
+            ["to apply drafter_placement separate, gpus_per_drafter > 0 to"],
+        ),
+    ],
+)
+def test_a_batched_replica_refuses_what_only_the_distributed_runtime_does(
+    settings: dict[str, Any], words: list[str]
+) -> None:
+    ReplicaConfig(target=TARGET, **settings)  # fine one request at a time
+    with pytest.raises(InvalidSetting) as info:
+        ReplicaConfig(target=TARGET, max_num_seqs=4, **settings)
+    for word in words:
+        assert word in str(info.value)
+    assert ReplicaConfig(target=TARGET, max_num_seqs=4, draft="/srv/draft").batched
+
+
+def test_serve_sends_a_batched_replica_enough_requests_to_fill_its_batch() -> None:
+    with pytest.raises(InvalidSetting, match=r"max_ongoing_requests 8 < max_num_seqs 16.*raise max_ongoing_requests"):
+        ServeConfig(max_num_seqs=16)
+    assert ServeConfig(max_num_seqs=16, max_ongoing_requests=32).max_num_seqs == 16
+    assert not ServeConfig().batched  # one at a time, on the distributed runtime, unless asked

@@ -1,30 +1,38 @@
-"""ModelServer without Serve: the in-process engine behind it, driven by asyncio as Serve would drive it.
+"""ModelServer without Serve: in-process engines behind it, driven by asyncio as Serve would drive it.
 
-Checks that the streamed chunks add up to the engine's own answer, that requests queue and all
-complete, that closing a stream early stops its generation (finish reason ``cancelled``), and that
-a runner failure reaches the consumer while the server keeps serving.
+One at a time (the in-process engine): the streamed chunks add up to the engine's own answer,
+requests queue and all complete, closing a stream early stops its generation (finish reason
+``cancelled``), a runner failure reaches the consumer while the server keeps serving, and the queue
+is bounded (``QueueFull``). Batched (a real ``BatchedEngine`` on the tiny llama pair): concurrent
+requests each equal the request alone, the replica holds at most ``max_num_seqs + max_queue``
+requests and refuses one more with ``QueueFull`` and a retry delay, cancelled requests free their
+KV slots, and a batched configuration refuses a runner that cannot batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from conftest import TinyPair
 
+from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, GenerationFrontend, SpeculativeEngine, StreamChunk
 from specserve.core.sampling import SamplingParams
-from specserve.drafters.registry import build_drafter_set
+from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.serve.config import ServeConfig
-from specserve.serve.model_server import ModelServer, merge_chunks
+from specserve.serve.model_server import ModelServer, QueueFull, merge_chunks
 
 CONFIG = ServeConfig(model_name="tiny", gamma=3)
 GREEDY = SamplingParams()
 
 
-def server_for(runner: GenerationFrontend) -> ModelServer:
-    return ModelServer(CONFIG, lambda config: runner)
+LONG = GenerationConfig(max_new_tokens=100, gamma=3, ignore_eos=True)
+
+
+def server_for(runner: GenerationFrontend, config: ServeConfig = CONFIG) -> ModelServer:
+    return ModelServer(config, lambda config: runner)
 
 
 @pytest.fixture()
@@ -61,8 +69,10 @@ def test_closing_a_stream_early_cancels_it(engine: SpeculativeEngine) -> None:
 
     async def main() -> None:
         stream = server.generate(prompt, GREEDY, GenerationConfig(max_new_tokens=100, gamma=3, ignore_eos=True))
+        taken = await anext(stream)  # the replica took it: an empty chunk
+        assert (taken.text, taken.token_ids, taken.result) == ("", [], None)
         first = await anext(stream)
-        assert first.result is None
+        assert first.token_ids and first.result is None  # generating
         await stream.aclose()
         # the next request runs normally
         chunks = await collect(server, prompt, GenerationConfig(max_new_tokens=6, gamma=3))
@@ -106,3 +116,85 @@ def test_merge_chunks() -> None:
     merged = merge_chunks(chunks)
     assert (merged.text, merged.token_ids, merged.result) == ("abc", [1, 2, 3], None)
     assert merge_chunks(chunks[:1]) is chunks[0]
+
+
+async def generating(stream: AsyncIterator[StreamChunk]) -> StreamChunk:
+    """Read a stream until its first tokens."""
+    chunk = await anext(stream)
+    while not chunk.token_ids:
+        chunk = await anext(stream)
+    return chunk
+
+
+def test_one_at_a_time_the_queue_is_bounded(engine: SpeculativeEngine) -> None:
+    server = server_for(engine, ServeConfig(model_name="tiny", gamma=3, max_queue=1))
+    prompt = engine.encode("abcab")
+
+    async def main() -> None:
+        running = server.generate(prompt, GREEDY, LONG)
+        await generating(running)
+        waiting = server.generate(prompt, GREEDY, LONG)
+        await anext(waiting)  # taken, waiting for the one generation slot
+        assert (server.status()["running"], server.status()["waiting"]) == (1, 1)
+        with pytest.raises(QueueFull, match=r"max_num_seqs 1 \+ max_queue 1") as refused:
+            await anext(server.generate(prompt, GREEDY, LONG))
+        assert refused.value.retry_after_s >= 1
+        await running.aclose()
+        await waiting.aclose()
+        assert (await collect(server, prompt, GenerationConfig(max_new_tokens=6, gamma=3)))[-1].result is not None
+
+    asyncio.run(main())
+    assert server.status()["finished"] == {"queue_full": 1, "cancelled": 2, "length": 1}
+
+
+@pytest.fixture()
+def batched_server(tiny_pairs: dict[str, TinyPair]) -> Iterator[tuple[ModelServer, TinyPair]]:
+    llama = tiny_pairs["llama"]
+    config = ServeConfig(model_name="tiny", gamma=3, max_num_seqs=2, max_queue=1, max_seq_len=120)
+    drafters = request_drafters(llama.draft, llama.target, num_slots=2, slot_capacity=120)  # drafting together
+    engine = BatchedEngine(llama.target, drafters, num_slots=2, slot_capacity=120)
+    server = server_for(engine, config)
+    yield server, llama
+    server.shutdown()
+
+
+def test_batched_requests_equal_themselves_alone_and_the_queue_is_bounded(
+    batched_server: tuple[ModelServer, TinyPair],
+) -> None:
+    server, llama = batched_server
+    assert server.status()["path"] == "batched" and "batched" in server.path_description()
+    alone = SpeculativeEngine(llama.target, build_drafter_set(llama.draft, llama.target))
+    prompts = [list(p) for p in (llama.prompts[0], llama.length_prompts[0], llama.eos_prompts[0])]
+    config = GenerationConfig(max_new_tokens=20, gamma=3)
+
+    async def main() -> list[list[StreamChunk]]:
+        # three concurrent requests: two generate, one waits for a KV slot (max_queue 1)
+        answers = await asyncio.gather(*(collect(server, p, config) for p in prompts))
+        long = [server.generate(p, GREEDY, LONG) for p in prompts]
+        for stream in long[:2]:
+            await generating(stream)
+        await anext(long[2])  # taken: waiting
+        status = server.status()
+        assert (status["running"], status["waiting"], status["kv"]) == (2, 1, {"slots": 2, "free": 0})
+        with pytest.raises(QueueFull, match=r"2 requests generating and 1 waiting.*max_num_seqs 2 \+ max_queue 1"):
+            await anext(server.generate(prompts[0], GREEDY, LONG))
+        for stream in long:
+            await stream.aclose()
+        deadline = asyncio.get_running_loop().time() + 20
+        while server.status()["kv"]["free"] != 2 or server.status()["active_requests"]:
+            assert asyncio.get_running_loop().time() < deadline, server.status()
+            await asyncio.sleep(0.01)
+        return list(answers)
+
+    for prompt, chunks in zip(prompts, asyncio.run(main()), strict=True):
+        want = alone.generate(prompt, GREEDY, config)
+        assert [t for c in chunks for t in c.token_ids] == want.output_ids
+        assert "".join(c.text for c in chunks) == want.text
+    status = server.status()
+    assert max(status["batch_sizes"]) == 2 and (status["running"], status["waiting"]) == (0, 0)
+    assert status["finished"]["cancelled"] == 3 and status["finished"]["queue_full"] == 1
+
+
+def test_a_batched_config_needs_a_runner_that_batches(engine: SpeculativeEngine) -> None:
+    with pytest.raises(TypeError, match="max_num_seqs 2 needs a batched engine"):
+        server_for(engine, ServeConfig(model_name="tiny", max_num_seqs=2))

@@ -1,0 +1,178 @@
+"""A batched replica end to end: real Ray Serve on 127.0.0.1, the official ``openai`` client, the tiny llama pair.
+
+One application whose ModelServer replica batches (``max_num_seqs`` 2, ``max_queue`` 1, KV slots of
+1024 tokens) serves the tiny float64 llama target and draft model, saved with a 2048-token context so
+that a request can outlive the test's other calls. Checks: concurrent requests (whole and streamed)
+each return exactly the text they return alone, greedy, while the replica's steps verify two at
+once; a third waits and a fourth is refused with 429, OpenAI's error JSON and ``Retry-After``, and
+the server keeps serving; clients that close their streams cancel their requests and the engine's
+KV pool is empty again; a request that can never fit a KV slot is a 400 saying so; the batch
+size and tokens per step reach Ray's Prometheus exporter.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from specserve.serve.app import MODEL, application
+from specserve.serve.config import ServeConfig
+
+pytestmark = pytest.mark.timeout(600)
+
+APP = "batched"
+MODEL_NAME = "tiny-batched"
+SLOTS, QUEUE, SLOT_TOKENS, CONTEXT = 2, 1, 1024, 2048
+PROMPTS = ["abcabcabc", "hello wor", "xyz xyz x", "0123 0123"]
+NO_EOS = {"ignore_eos": True}
+ENDLESS: dict[str, Any] = {"max_tokens": 1000, "temperature": 0, "extra_body": NO_EOS}
+
+
+@pytest.fixture(scope="module")
+def long_context_pair(saved_pairs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama target and draft, their configs saying CONTEXT positions (rotary: any length works)."""
+    root = tmp_path_factory.mktemp("long-context")
+    for role in ("target", "draft"):
+        shutil.copytree(saved_pairs["llama"] / role, root / role)
+        path = root / role / "config.json"
+        config = json.loads(path.read_text())
+        path.write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
+    from ray import serve
+
+    config = ServeConfig(
+        model_name=MODEL_NAME,
+        target=str(long_context_pair / "target"),
+        draft=str(long_context_pair / "draft"),
+        dtype="float64",
+        gamma=3,
+        max_num_seqs=SLOTS,
+        max_queue=QUEUE,
+        max_seq_len=SLOT_TOKENS,
+        max_batch_tokens=32,
+        max_ongoing_requests=8,  # above max_num_seqs + max_queue: the replica itself refuses the excess
+    )
+    serve.run(application(config), name=APP, route_prefix="/")
+    yield serve_url
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def model_status() -> dict[str, Any]:
+    from ray import serve
+
+    return dict(serve.get_deployment_handle(MODEL, APP).status.remote().result(timeout_s=60))
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def pool_empty() -> bool:
+    status = model_status()
+    free = status["kv"] == {"slots": SLOTS, "free": SLOTS}
+    return free and status["active_requests"] == [] and status["running"] == 0
+
+
+def complete(client: openai.OpenAI, prompt: str, stream: bool) -> tuple[str, int]:
+    """The text and how many tokens it came from."""
+    options: dict[str, Any] = {"max_tokens": 160, "temperature": 0, "extra_body": NO_EOS}
+    if stream:
+        parts = list(client.completions.create(model=MODEL_NAME, prompt=prompt, stream=True, **options))
+        usage = parts[-1].usage
+        assert usage is not None
+        return "".join(part.choices[0].text for part in parts), usage.completion_tokens
+    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, **options)
+    assert answer.usage is not None
+    return answer.choices[0].text, answer.usage.completion_tokens
+
+
+def test_concurrent_requests_each_return_what_they_return_alone(client: openai.OpenAI) -> None:
+    status = model_status()
+    assert status["path"] == "batched" and status["kv"]["slots"] == SLOTS
+    prompts = PROMPTS[: SLOTS + QUEUE]  # as many as the replica holds: two generate at once, one waits for a slot
+    alone = [complete(client, prompt, stream=False) for prompt in prompts]
+    assert all(tokens == 160 for _, tokens in alone)  # EOS ignored: long enough to overlap
+    before = model_status()["batch_sizes"].get(SLOTS, 0)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(complete, [client] * len(prompts), prompts, [False, True, True]))
+    assert together == alone
+    assert model_status()["batch_sizes"].get(SLOTS, 0) > before  # steps verified two requests at once
+    wait_for(pool_empty, 30, "the KV pool to empty")
+
+
+def test_a_full_replica_answers_429_and_serves_on(client: openai.OpenAI) -> None:
+    cancelled = model_status()["finished"].get("cancelled", 0)
+    # max_num_seqs generate and max_queue wait; each stream's status line means the replica took it
+    streams = [client.completions.create(model=MODEL_NAME, prompt=p, stream=True, **ENDLESS) for p in PROMPTS[:3]]
+    try:
+        wait_for(lambda: model_status()["running"] == SLOTS, 30, "two requests generating")
+        status = model_status()
+        assert (status["running"], status["waiting"]) == (SLOTS, QUEUE) and status["kv"]["free"] == 0
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], **ENDLESS)
+        answer = refused.value.response
+        assert answer.status_code == 429
+        assert answer.headers["retry-after"].isdigit() and int(answer.headers["retry-after"]) >= 1
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert (error["type"], error["code"], error["param"]) == ("rate_limit_error", "queue_full", None)
+        assert f"max_num_seqs {SLOTS} + max_queue {QUEUE}" in error["message"]
+    finally:
+        for stream in streams:
+            stream.close()  # the clients leave: their requests are cancelled and their KV freed
+    wait_for(pool_empty, 60, "the cancelled requests' KV slots")
+    wait_for(lambda: model_status()["finished"].get("cancelled", 0) == cancelled + 3, 30, "three cancellations")
+    again = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=8, extra_body=NO_EOS)
+    assert again.usage is not None and again.usage.completion_tokens == 8
+    assert model_status()["finished"]["queue_full"] == 1
+
+
+def test_a_request_longer_than_a_kv_slot_is_refused_with_why(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as slot:
+        client.completions.create(model=MODEL_NAME, prompt="ab", max_tokens=SLOT_TOKENS, temperature=0)
+    error = slot.value.response.json()["error"]
+    assert f"exceed the {SLOT_TOKENS} tokens one request may hold on this replica" in error["message"]
+    assert "max_seq_len" in error["message"] and error["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as context:
+        client.completions.create(model=MODEL_NAME, prompt="ab", max_tokens=CONTEXT, temperature=0)
+    assert f"the target's context of {CONTEXT} tokens" in context.value.response.json()["error"]["message"]
+    assert client.completions.create(model=MODEL_NAME, prompt="ab", max_tokens=4).usage is not None
+
+
+def test_batch_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any) -> None:
+    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    port = ray_cluster.nodes()[0]["MetricsExportPort"]
+    names = {"ray_specserve_batch_size_bucket", "ray_specserve_tokens_per_step_bucket", "ray_specserve_gamma_bucket"}
+    seen: set[str] = set()
+
+    def exported() -> bool:
+        for line in requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+            name = line.split("{", 1)[0]
+            tagged = name != "ray_specserve_gamma_bucket" or 'batch_size="' in line
+            if name in names and f'model="{MODEL_NAME}"' in line and tagged:
+                seen.add(name)
+        return seen == names
+
+    wait_for(exported, 60, f"the metrics {sorted(names)} (missing: {sorted(names - seen)})")
