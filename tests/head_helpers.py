@@ -1,4 +1,5 @@
-"""A trained EAGLE head per tiny target, shared by the in-process and distributed tests (trained once per session)."""
+"""Heads for the tiny targets, shared by the drafter, batched-engine and distributed tests: a trained EAGLE head
+per target (trained once per session) and Medusa heads with random weights."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from conftest import TinyPair
 
 from specserve.core.model import CausalLM
 from specserve.drafters.eagle import EagleConfig, EagleHead
+from specserve.drafters.medusa import MedusaHeads
 from specserve.training.eagle import EagleRecipe, train_head
+from specserve.training.medusa import heads_for
 
 RECIPE = EagleRecipe(unroll=2, steps=400, batch_size=8, seq_len=24, peak_lr=3e-3, checkpoint_every=1000)
 
@@ -36,3 +39,13 @@ def trained_head(pair: TinyPair) -> EagleHead:
         train_head(head, pair.target.model, target_stream(pair.target), RECIPE, None)
         _HEADS[pair.family] = head
     return _HEADS[pair.family]
+
+
+def random_heads(target: CausalLM, seed: int = 0, num_heads: int = 3, std: float = 0.05) -> MedusaHeads:
+    """Medusa heads with random (non-zero) weights: their drafts are right sometimes, wrong sometimes."""
+    heads = heads_for(target.model, num_heads)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.copy_(std * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    return heads

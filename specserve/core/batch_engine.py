@@ -21,15 +21,21 @@ Requests join and leave between steps. One :meth:`BatchedEngine.step`:
 4. **stop checks** — EOS, length, stop strings; finished requests free their slots.
 
 Per request, the drafter, schedule and generators see exactly the calls the single-request
-:class:`~specserve.core.engine.SpeculativeEngine` makes, in the same order, so a request's tokens
+:class:`~specserve.core.engine.SpeculativeEngine` makes, in the same order (but for a prompt's features,
+which arrive chunk by chunk: see below), so a request's tokens
 do not depend on who shares its batch (a fixed budget stays fixed; an adaptive one changes only how
 much is proposed, never the output's law). Each request gets its own drafter from
 ``new_drafter(name)`` (a draft model's weights are shared; its cache, or its slot of a shared pool,
 is the request's), given back when the request ends. Each step's observation carries the batch size,
 the positions the forward computed and the step's time, which the policies' step-cost estimate learns.
 
-Not yet here (issue 15 continues): drafters that read the target's hidden states or share its KV
-(EAGLE, Medusa, layer-skip) are refused when submitted.
+Hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.FeatureDrafter`) get the target's
+features from the batched forwards themselves: each prefill chunk's, in order, from the chunk's first
+position (together, what the single engine's prefill hands over at once: every prompt token's but the
+last), then each cycle's root and accepted tokens' from the step's verify forward (one
+:class:`~specserve.core.model.FeatureCapture` per row that wants them). A layer-skip drafter
+(:class:`~specserve.core.draft.SharesTargetKV`) is not given the target's cache here: a request's KV is
+its slot of the pool, so the drafter keeps a cache of its own, as it does in a drafter process.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 
 from specserve.core.batch_step import LocalPool, verify_batch
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import BatchedDrafter, Drafter, FeatureDrafter, SharesTargetKV, check_can_draft
+from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
 from specserve.core.kv_pool import KVPool
@@ -126,10 +132,6 @@ class BatchedEngine(GenerationFrontend):
                 f"{self.pool.slot_capacity} tokens a request may hold here; shorten one of them"
             )
         drafter = self.new_drafter(config.drafter)
-        if isinstance(drafter, FeatureDrafter | SharesTargetKV):
-            raise InvalidRequest(
-                f"the {drafter.name!r} drafter does not run in a batch yet; use a draft model or ngram"
-            )
         check_can_draft(drafter, config.tree, config.drafter)
         if config.budget.nodes + 1 > self.pool.scratch:
             raise InvalidRequest(
@@ -203,17 +205,20 @@ class BatchedEngine(GenerationFrontend):
             verifier = request.verifier
             assert verifier is not None
             if verifier.unprefilled and budget:
+                # the chunk's first position, and its features for a drafter that reads them (None otherwise)
+                filling.append((request, verifier.sequence.length, verifier.new_capture()))
                 blocks.append(verifier.prefill_block(request.slot, budget))
                 budget -= blocks[-1].size
-                filling.append(request)
         if not blocks:
             return
-        self.ops.forward_batch(blocks)
+        self.ops.forward_batch(blocks, capture=[capture for _, _, capture in filling])
         now = time.perf_counter()
-        for request in filling:
-            assert request.verifier is not None and request.out is not None
-            if not request.verifier.unprefilled:
-                request.out.stats.prefill_seconds = now - request.submitted
+        for request, start, capture in filling:
+            verifier, side, out = request.parts()
+            if capture is not None:  # the chunks come in order: the drafter knows every position before ``start``
+                side.add_features(start, capture.take())
+            if not verifier.unprefilled:
+                out.stats.prefill_seconds = now - request.submitted
 
     def _start(self, request: _Request) -> None:
         """Give a newcomer its slot, verifier and draft side, as the single-request engine does; its prompt is
@@ -236,8 +241,18 @@ class BatchedEngine(GenerationFrontend):
         )
         sequence = PooledSequence(self.ops, request.slot)
         verifier = TargetVerifier(
-            sequence, request.prompt_ids, params, generators.verify, config.max_new_tokens, eos, device
+            sequence,
+            request.prompt_ids,
+            params,
+            generators.verify,
+            config.max_new_tokens,
+            eos,
+            device,
+            side.feature_layers,
         )
+        # No target cache for a layer-skip drafter: the request's KV is a slot of the pool, not a cache it can draft
+        # in, so it keeps its own (as in a drafter process). A hidden-state drafter gets the prompt's features from
+        # the prefill's chunks (_prefill).
         side.start(request.prompt_ids, params, generators.draft)
         request.verifier, request.side = verifier, side
         request.out = RequestOutput(request.prompt_ids, TextStream(self.decode, config.stop), stats, request.submitted)

@@ -4,9 +4,11 @@
 (:meth:`~specserve.core.model.CausalLM.forward_batch`: rows padded to the widest block, each row seeing
 only its own prefix and block), then lets each request's :class:`~specserve.core.target.TargetVerifier`
 decide on its own rows by the exact rules, with its own generators, and roll back or compact its own
-slot. Every request waited for the whole step, so each outcome's ``verify_seconds`` is the step's; the
-step also reports the positions its forward computed (rows × widest block), which goodput-aware
-schedules learn costs against.
+slot. A request whose verifier has feature layers (a hidden-state drafter's) gets its block's features
+from that same forward, as :meth:`~specserve.core.target.TargetVerifier.verify` gets them alone. Every
+request waited for the whole step, so each outcome's ``verify_seconds`` is the step's; the step also
+reports the positions its forward computed (rows × widest block), which goodput-aware schedules learn
+costs against.
 
 The in-process :class:`~specserve.core.batch_engine.BatchedEngine` runs it on a :class:`LocalPool`;
 rank 0 of a distributed replica runs it on pool operations that every tensor-parallel rank mirrors
@@ -24,7 +26,7 @@ import torch
 
 from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
-from specserve.core.model import BatchBlock, CausalLM
+from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.target import CycleOutcome, PoolOps, TargetVerifier
 
 
@@ -35,8 +37,13 @@ class LocalPool:
         self.target = target
         self.pool = pool
 
-    def forward_batch(self, blocks: Sequence[BatchBlock], last_only: bool = False) -> list[torch.Tensor]:
-        return self.target.forward_batch(self.pool, blocks, last_only=last_only)
+    def forward_batch(
+        self,
+        blocks: Sequence[BatchBlock],
+        last_only: bool = False,
+        capture: Sequence[FeatureCapture | None] | None = None,
+    ) -> list[torch.Tensor]:
+        return self.target.forward_batch(self.pool, blocks, last_only=last_only, capture=capture)
 
     def rollback(self, slot: int, length: int) -> None:
         self.pool.rollback(slot, length)
@@ -58,9 +65,11 @@ def verify_batch(ops: PoolOps, items: Sequence[tuple[TargetVerifier, Proposal, i
         raise ValueError("a batched step needs at least one request")
     start = time.perf_counter()
     blocks = [verifier.block(proposal, slot) for verifier, proposal, slot in items]
-    logits = ops.forward_batch(blocks)
+    captures = [verifier.new_capture() for verifier, _, _ in items]  # None for requests that read no features
+    logits = ops.forward_batch(blocks, capture=captures)
     outcomes = [
-        verifier.decide(proposal, rows, start) for (verifier, proposal, _), rows in zip(items, logits, strict=True)
+        verifier.decide(proposal, rows, start, capture.take() if capture is not None else None)
+        for (verifier, proposal, _), rows, capture in zip(items, logits, captures, strict=True)
     ]
     seconds = time.perf_counter() - start
     positions = len(blocks) * max(block.size for block in blocks)

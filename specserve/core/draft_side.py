@@ -91,8 +91,13 @@ class DraftSide:
 
     def add_prompt_features(self, features: torch.Tensor | None) -> None:
         """The target's features of the prompt (all but its last token), from the prefill."""
+        self.add_features(0, features)
+
+    def add_features(self, start: int, features: torch.Tensor | None) -> None:
+        """The target's features of committed positions ``start ..`` (a chunk of a prefill spread over several
+        batched steps, or a cycle's from its root on), for a drafter that reads them; others ignore them."""
         if self._reader is not None and features is not None:
-            self._reader.add_features(0, features.to(self.device))
+            self._reader.add_features(start, features.to(self.device))
 
     # -----------------------------------------------------------------------------------------
     # One cycle
@@ -164,8 +169,7 @@ class DraftSide:
     def _hand_over(self, proposal: Proposal, outcome: CycleOutcome, root: int) -> None:
         """Tell the drafter the committed tokens; a hidden-state drafter also gets the features from ``root`` on."""
         self.drafter.accept(outcome.new_tokens)
-        if self._reader is not None and outcome.features is not None:
-            self._reader.add_features(root, outcome.features.to(self.device))
+        self.add_features(root, outcome.features)
 
 
 def align_chains(depths: Sequence[int]) -> list[int]:

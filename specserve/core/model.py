@@ -129,7 +129,11 @@ def select_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int]
 
 class FeatureCapture:
     """Asks one forward for the target's features at ``layers``; :attr:`value` holds them afterwards
-    (``[k, len(layers) * hidden]``, one row per token of the block)."""
+    (``[k, len(layers) * hidden]``, one row per token of the block).
+
+    A batched forward (:meth:`CausalLM.forward_batch`) takes one capture per block (or ``None`` for a block
+    whose features nobody reads), each filled with its own block's features, as a forward of that block alone
+    fills it."""
 
     def __init__(self, layers: Sequence[int]) -> None:
         self.layers = tuple(int(layer) for layer in layers)
@@ -215,16 +219,26 @@ class CausalLM:
         """Append ``input_ids`` to the cache and return their next-token logits (and, with ``capture``, keep
         every token's features there)."""
         kwargs = {self._cache_kwarg: cache.inner, "logits_to_keep": 1 if last_only else 0}
-        return self._call(input_ids.to(self.device)[None], capture, kwargs)
+        return self._call(input_ids.to(self.device)[None], [input_ids.shape[0]], [capture], kwargs)[0]
 
-    def _call(self, input_ids: torch.Tensor, capture: FeatureCapture | None, kwargs: dict[str, Any]) -> torch.Tensor:
-        """One model call on a batch of one; the logits, and the features into ``capture`` when given."""
-        if capture is not None:
+    def _call(
+        self,
+        input_ids: torch.Tensor,  # [rows, width]
+        sizes: Sequence[int],  # per row, its real (unpadded) tokens: the first ``sizes[row]`` columns
+        captures: Sequence[FeatureCapture | None],  # per row
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """One model call; the logits ``[rows, ..., vocab]``, and each row's features (of its real tokens) into its
+        capture when it has one."""
+        wanted = any(capture is not None for capture in captures)
+        if wanted:
             kwargs["output_hidden_states"] = True
         out = self.model(input_ids=input_ids, use_cache=True, **kwargs)
-        if capture is not None:
-            capture.value = select_features(out.hidden_states, capture.layers)[0]
-        return out.logits[0]
+        if wanted:
+            for row, (capture, k) in enumerate(zip(captures, sizes, strict=True)):
+                if capture is not None:
+                    capture.value = select_features([hidden[row, :k] for hidden in out.hidden_states], capture.layers)
+        return out.logits
 
     @torch.inference_mode()
     def forward_tree(
@@ -243,7 +257,7 @@ class CausalLM:
             "attention_mask": tree.attention_mask(prefix, self.dtype, self.device),
             "position_ids": tree.position_ids(prefix, self.device),
         }
-        return self._call(ids.to(self.device)[None], capture, kwargs)
+        return self._call(ids.to(self.device)[None], [ids.shape[0]], [capture], kwargs)[0]
 
     @torch.inference_mode()
     def extend_tree(self, cache: KVCache, tree: DraftTree, start: int) -> torch.Tensor:
@@ -265,16 +279,28 @@ class CausalLM:
         return self.model(input_ids=ids, use_cache=True, **kwargs).logits[0]
 
     @torch.inference_mode()
-    def forward_batch(self, pool: KVPool, blocks: Sequence[BatchBlock], last_only: bool = False) -> list[torch.Tensor]:
+    def forward_batch(
+        self,
+        pool: KVPool,
+        blocks: Sequence[BatchBlock],
+        last_only: bool = False,
+        capture: Sequence[FeatureCapture | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Append every block to its own slot of ``pool`` in one forward; per block, its ``[k, vocab]`` logits
         (``[1, vocab]``, its last token's, with ``last_only``: the head then runs on one token per row).
 
         Each row sees its own cached prefix and its own block (causally, or by the block's tree ancestry),
         never another row's: block b's logits equal :meth:`forward` (a chain) or :meth:`forward_tree` (a tree)
         on that sequence alone. The pool's slots then hold the whole blocks; the caller rolls back or compacts.
+
+        ``capture``: one :class:`FeatureCapture` (or ``None``) per block; block b's is filled with the ``[k,
+        width]`` features of its k real tokens at its own layers, what a forward of that sequence alone captures.
         """
         if not blocks:
             raise ValueError("a batched forward needs at least one block")
+        captures: list[FeatureCapture | None] = [None] * len(blocks) if capture is None else list(capture)
+        if len(captures) != len(blocks):
+            raise ValueError(f"{len(captures)} feature captures for {len(blocks)} blocks: give one per block")
         sizes = [block.size for block in blocks]
         view = pool.view([block.slot for block in blocks], sizes)
         rows, width, low = len(blocks), max(sizes), torch.finfo(self.dtype).min
@@ -296,7 +322,7 @@ class CausalLM:
         }
         if last_only:  # [rows, 1]: per row, the column of its last real token
             kwargs["logits_to_keep"] = torch.tensor([[k - 1] for k in sizes], device=self.device)
-        logits = self.model(input_ids=ids.to(self.device), use_cache=True, **kwargs).logits
+        logits = self._call(ids.to(self.device), sizes, captures, kwargs)
         return [logits[row, : 1 if last_only else k] for row, k in enumerate(sizes)]
 
 

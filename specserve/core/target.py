@@ -18,7 +18,9 @@ handled here: they need detokenisation and end the request, so the caller cuts f
 
 For hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.FeatureDrafter`) the verifier
 is built with their ``feature_layers``: the prefill returns the prompt's features and every cycle's
-outcome the features of its root and accepted tokens, taken from the same forward that verified them.
+outcome the features of its root and accepted tokens, taken from the same forward that verified them
+(in a batched step, the batch's forward, which fills one :class:`~specserve.core.model.FeatureCapture`
+per row: :meth:`TargetVerifier.new_capture`).
 """
 
 from __future__ import annotations
@@ -105,7 +107,15 @@ class PoolOps(Protocol):
 
     pool: KVPool
 
-    def forward_batch(self, blocks: Sequence[BatchBlock], last_only: bool = False) -> list[torch.Tensor]: ...
+    def forward_batch(
+        self,
+        blocks: Sequence[BatchBlock],
+        last_only: bool = False,
+        capture: Sequence[FeatureCapture | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`~specserve.core.model.CausalLM.forward_batch` on the pool: per block its logits; ``capture``, one
+        per block (or ``None``), is filled with each block's features."""
+        ...
 
     def rollback(self, slot: int, length: int) -> None: ...
 
@@ -129,18 +139,14 @@ class PooledSequence:
     def forward(
         self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
     ) -> torch.Tensor:
-        if capture is not None:
-            raise NotImplementedError("a pooled sequence does not capture features yet")
-        logits = self.ops.forward_batch([BatchBlock.chain(self.slot, input_ids)])[0]
+        logits = self.ops.forward_batch([BatchBlock.chain(self.slot, input_ids)], capture=[capture])[0]
         return logits[-1:] if last_only else logits
 
     def rollback(self, length: int) -> None:
         self.ops.rollback(self.slot, length)
 
     def forward_tree(self, root: int, tree: DraftTree, capture: FeatureCapture | None = None) -> torch.Tensor:
-        if capture is not None:
-            raise NotImplementedError("a pooled sequence does not capture features yet")
-        return self.ops.forward_batch([BatchBlock.tree(self.slot, root, tree)])[0]
+        return self.ops.forward_batch([BatchBlock.tree(self.slot, root, tree)], capture=[capture])[0]
 
     def compact(self, keep: Sequence[int]) -> None:
         self.ops.compact(self.slot, keep)
@@ -208,7 +214,7 @@ class TargetVerifier:
 
     def prefill(self) -> torch.Tensor | None:
         """Cache the prompt but its last token; with feature layers, return those tokens' features."""
-        capture = self._capture()
+        capture = self.new_capture()
         if len(self.committed) > 1:
             ids = torch.tensor(self.committed[:-1], dtype=torch.long, device=self.device)
             self.sequence.forward(ids, last_only=True, capture=capture)
@@ -223,15 +229,17 @@ class TargetVerifier:
 
     def prefill_block(self, slot: int, budget: int) -> BatchBlock:
         """The next (at most ``budget``) uncached prompt tokens as one row of a batched forward whose slot holds
-        this request's KV: a chunk of a prefill spread over several steps (no features: not for hidden-state
-        drafters)."""
+        this request's KV: a chunk of a prefill spread over several steps. The chunk starts at position
+        ``sequence.length``; with feature layers, the forward's :meth:`new_capture` holds its features, which the
+        drafter gets from that position on, chunk after chunk, as :meth:`prefill` would hand them over at once."""
         cached = self.sequence.length
         end = min(cached + budget, len(self.committed) - 1)
         if end <= cached:
             raise ValueError(f"nothing to prefill within a budget of {budget} (cached {cached} of the prompt)")
         return BatchBlock.chain(slot, torch.tensor(self.committed[cached:end], dtype=torch.long))
 
-    def _capture(self) -> FeatureCapture | None:
+    def new_capture(self) -> FeatureCapture | None:
+        """A capture of this request's feature layers for a forward over its tokens; ``None`` without any."""
         return FeatureCapture(self.feature_layers) if self.feature_layers else None
 
     def verify(self, proposal: Proposal) -> CycleOutcome:
@@ -243,11 +251,12 @@ class TargetVerifier:
         :mod:`specserve.core.invariant`: q is ignored and the request's generator is not consumed, so the
         output does not depend on the drafter.
 
-        A batched step splits this in two: the batch scores every request's :meth:`block` in one forward,
-        then each request's verifier decides on its own rows (:meth:`decide`)."""
+        A batched step splits this in two: the batch scores every request's :meth:`block` in one forward (with
+        :meth:`new_capture` for its features), then each request's verifier decides on its own rows
+        (:meth:`decide`)."""
         self._check_running()
         start = time.perf_counter()
-        capture = self._capture()
+        capture = self.new_capture()
         root = self.committed[-1]
         if isinstance(proposal, Draft):  # a chain needs no tree mask
             head = torch.tensor([root], dtype=torch.long, device=self.device)

@@ -7,21 +7,34 @@ in chunks over several steps — runs through
 :class:`~specserve.core.batch_engine.BatchedEngine`. Every request's output (tokens, finish reason)
 equals :class:`~specserve.core.engine.SpeculativeEngine` on that request alone, and greedy ones
 equal transformers' ``generate``; float64, both tiny architectures. The pool is empty afterwards.
+
+The same holds with hidden-state drafters (EAGLE with a trained head, Medusa with random heads) and
+layer-skip in the mix; underneath, a batched forward captures each row's features as a forward of that
+row alone does, and a verifier over a pool slot hands over the features one over a cache of its own does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import pytest
-from conftest import EOS_ID, TinyPair, hf_greedy_ids
+import torch
+from conftest import EOS_ID, VOCAB, TinyPair, hf_greedy_ids
+from head_helpers import random_heads, trained_head
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.draft import Drafter
+from specserve.core.batch_step import LocalPool
+from specserve.core.draft import Draft, Drafter
 from specserve.core.engine import GenerationConfig, GenerationResult, InvalidRequest, SpeculativeEngine
+from specserve.core.kv_pool import KVPool
+from specserve.core.model import BatchBlock, FeatureCapture
 from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.target import LocalSequence, PooledSequence, TargetVerifier
+from specserve.core.tree import DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.layerskip import LayerSkipDrafter
+from specserve.drafters.medusa import MedusaDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
@@ -135,9 +148,6 @@ def test_requests_that_cannot_run_in_a_batch_are_refused(pair: TinyPair) -> None
     with pytest.raises(InvalidRequest, match="a draft budget of 32 nodes is more than a batch step pads"):
         engine.submit(list(pair.prompts[0]), SamplingParams(), big)  # this pool pads 31 columns: its 32 tokens
     assert engine.pool.scratch == 32
-    skip = BatchedEngine(pair.target, lambda name: LayerSkipDrafter(pair.target, 1), num_slots=1)
-    with pytest.raises(InvalidRequest, match="does not run in a batch yet"):
-        skip.submit(list(pair.prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=4))
     assert not engine.has_work
 
 
@@ -187,3 +197,142 @@ def test_goodput_aware_adaptive_requests_in_a_batch_stay_exact(pair: TinyPair) -
         assert max(o.batch_size for o in observations) == 4
         assert all(o.step_positions >= o.batch_size * (o.drafted + 1) for o in observations)
     assert engine.pool.free_slots == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Hidden-state drafters (EAGLE, Medusa) and layer-skip in a batch
+
+FEATURE_ATOL = 1e-10  # float64: a row's features differ from its sequence alone only by the batch's summation order
+STATIC = TreeSpec("static", topology=TreeTopology.from_lists([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]))
+
+
+def test_a_batched_forward_captures_each_rows_features_as_its_forward_alone(pair: TinyPair) -> None:
+    """Prefill chunks (last token's logits only), then a chain, a tree and a single token, each row with its own
+    feature layers (or none): every capture holds its block's features, as a forward of the block alone does."""
+    target = pair.target
+    pool = KVPool(target.model, num_slots=3, slot_capacity=32, scratch=16)
+    slots = [pool.allocate(32) for _ in range(3)]
+    caches = [target.new_cache() for _ in slots]  # the same sequences alone
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator) for n in (7, 2, 12)]
+    tree = DraftTree(torch.tensor([5, 6, 7]), (-1, -1, 0))
+    prefill = [
+        (BatchBlock.chain(slot, p), partial(target.forward, input_ids=p, last_only=True))
+        for slot, p in zip(slots, prompts, strict=True)
+    ]
+    verify = [
+        (BatchBlock.chain(slots[0], prompts[1]), partial(target.forward, input_ids=prompts[1])),
+        (BatchBlock.tree(slots[1], 11, tree), partial(target.forward_tree, root=11, tree=tree)),
+        (BatchBlock.chain(slots[2], prompts[1][:1]), partial(target.forward, input_ids=prompts[1][:1])),
+    ]
+    for rows, layers, last_only in ((prefill, [(2,), None, (0, 1, 2)], True), (verify, [(1,), (2, 0), (2,)], False)):
+        captures = [FeatureCapture(wanted) if wanted else None for wanted in layers]
+        target.forward_batch(pool, [block for block, _ in rows], last_only=last_only, capture=captures)
+        for (block, alone), cache, capture, wanted in zip(rows, caches, captures, layers, strict=True):
+            reference = FeatureCapture(wanted or (2,))
+            alone(cache, capture=reference)
+            if capture is not None:
+                assert wanted is not None
+                got = capture.take()
+                assert got.shape == (block.size, len(wanted) * 32)
+                torch.testing.assert_close(got, reference.take(), rtol=0, atol=FEATURE_ATOL)
+    with pytest.raises(ValueError, match="2 feature captures for 3 blocks"):
+        target.forward_batch(pool, [block for block, _ in verify], capture=[None, None])
+
+
+def test_a_pooled_verifier_hands_over_the_features_a_local_one_does(pair: TinyPair) -> None:
+    """The single-request path through a pool slot: prefill and cycles (chain, tree) give the features a verifier
+    over a cache of its own gives."""
+    target = pair.target
+    pool = KVPool(target.model, num_slots=2, slot_capacity=64, scratch=16)
+    ops = LocalPool(target, pool)
+    prompt = list(pair.prompts[0])
+    verifiers = [
+        TargetVerifier(sequence, prompt, SamplingParams(), torch.Generator(), 12, feature_layers=(0, 2))
+        for sequence in (LocalSequence(target), PooledSequence(ops, pool.allocate(64)))
+    ]
+    local, pooled = (verifier.prefill() for verifier in verifiers)
+    assert local is not None and pooled is not None and pooled.shape == (len(prompt) - 1, 64)
+    torch.testing.assert_close(pooled, local, rtol=0, atol=FEATURE_ATOL)
+    for proposal in (Draft(torch.tensor([5, 6, 7]), None), DraftTree(torch.tensor([8, 5, 6]), (-1, -1, 1))):
+        local_outcome, pooled_outcome = (verifier.verify(proposal) for verifier in verifiers)
+        assert pooled_outcome.new_tokens == local_outcome.new_tokens
+        assert pooled_outcome.features is not None and local_outcome.features is not None
+        torch.testing.assert_close(pooled_outcome.features, local_outcome.features, rtol=0, atol=FEATURE_ATOL)
+
+
+def build_drafter(pair: TinyPair, kind: str) -> Drafter:
+    """A fresh drafter of ``kind``: a draft model (``model``), ``ngram``, ``none``, ``eagle`` (a trained head),
+    ``medusa`` (random heads) or ``layerskip`` (the target's first layer)."""
+    if kind == "eagle":
+        return EagleDrafter.for_target(trained_head(pair), pair.target)
+    if kind == "medusa":
+        return MedusaDrafter.for_target(random_heads(pair.target), pair.target)
+    if kind == "layerskip":
+        return LayerSkipDrafter(pair.target, 1)
+    return drafter_factory(pair)("default" if kind == "model" else kind)
+
+
+class ChosenDrafters:
+    """``new_drafter`` for a batch whose requests draft with different drafters: a request's ``default`` drafter
+    is of the kind chosen (``kind``) before it was submitted."""
+
+    def __init__(self, pair: TinyPair) -> None:
+        self.pair = pair
+        self.kind = "model"
+
+    def __call__(self, name: str) -> Drafter:
+        assert name == "default"
+        return build_drafter(self.pair, self.kind)
+
+
+@pytest.mark.timeout(300)
+def test_hidden_state_and_layer_skip_drafters_in_a_mixed_batch_equal_themselves_alone(pair: TinyPair) -> None:
+    """EAGLE, Medusa and layer-skip requests (chains and trees; greedy, seeded and drafter-invariant sampling; a
+    1-token prompt; prompts prefilled 4 tokens per step) beside draft-model, n-gram and plain ones, joining at
+    different steps: every request's output is its output alone, greedy ones transformers' ``generate``."""
+    sampled = SamplingParams(temperature=1.0, seed=7)
+    top_k = SamplingParams(temperature=0.8, top_k=12, seed=11)
+    invariant = SamplingParams(temperature=1.0, seed=3, drafter_invariant=True)
+    greedy = SamplingParams()
+    requests = [  # (kind, prompt, params, config, step at which it is submitted)
+        ("eagle", pair.prompts[0], greedy, GenerationConfig(max_new_tokens=14, gamma=3), 0),
+        ("medusa", pair.prompts[1], greedy, GenerationConfig(max_new_tokens=20, gamma=3), 0),  # loops: accepts
+        ("layerskip", pair.prompts[1], sampled, GenerationConfig(max_new_tokens=12, gamma=3), 0),
+        ("eagle", pair.prompts[4], top_k, GenerationConfig(max_new_tokens=10, tree=DYNAMIC), 1),
+        ("model", pair.length_prompts[0], greedy, GenerationConfig(max_new_tokens=10, gamma=2), 1),
+        ("medusa", pair.eos_prompts[0], sampled, GenerationConfig(max_new_tokens=12, tree=STATIC), 2),
+        ("eagle", pair.prompts[3], greedy, GenerationConfig(max_new_tokens=10, gamma=2), 3),  # a 1-token prompt
+        ("layerskip", pair.eos_prompts[1], greedy, GenerationConfig(max_new_tokens=14, tree=DYNAMIC), 3),
+        ("ngram", pair.prompts[0], greedy, GenerationConfig(max_new_tokens=8, gamma=2), 4),
+        ("medusa", pair.prompts[1], invariant, GenerationConfig(max_new_tokens=9, gamma=2), 5),
+        ("eagle", pair.eos_prompts[0], invariant, GenerationConfig(max_new_tokens=9, tree=DYNAMIC), 6),
+        ("none", pair.prompts[2], top_k, GenerationConfig(max_new_tokens=8), 8),
+    ]
+    drafters = ChosenDrafters(pair)
+    engine = BatchedEngine(pair.target, drafters, num_slots=5, slot_capacity=96, prefill_tokens=4)
+    ids: dict[int, int] = {}
+    results: dict[int, GenerationResult] = {}
+    step = 0
+    while len(results) < len(requests):
+        for index, (kind, prompt, params, config, join) in enumerate(requests):
+            if join == step:
+                drafters.kind = kind
+                ids[engine.submit(list(prompt), params, config)] = index
+        for request_id, chunk in engine.step():
+            if chunk.result is not None:
+                results[ids[request_id]] = chunk.result
+        step += 1
+        assert step < 200, "the batch never finished"
+    accepted: dict[str, int] = {}
+    for index, (kind, prompt, params, config, _) in enumerate(requests):
+        got = results[index]
+        want = SpeculativeEngine(pair.target, build_drafter(pair, kind)).generate(list(prompt), params, config)
+        assert got.output_ids == want.output_ids, f"request {index} ({kind})"
+        assert got.finish_reason == want.finish_reason
+        assert got.stats.cycles == want.stats.cycles and got.stats.accepted_tokens == want.stats.accepted_tokens
+        accepted[kind] = accepted.get(kind, 0) + got.stats.accepted_tokens
+        if params.greedy:
+            assert got.output_ids == hf_greedy_ids(pair.target.model, prompt, config.max_new_tokens)
+    assert all(accepted[kind] > 0 for kind in ("eagle", "medusa", "layerskip")), accepted  # not vacuous
+    assert engine.pool.free_slots == 5 and not engine.has_work

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REF_TOKENS, TinyPair, build_model, char_tokenizer
+from head_helpers import random_heads
 from safetensors.torch import load_file
 from stats_helpers import chi2_pvalue
 
@@ -45,16 +46,6 @@ ALPHA = 1e-3
 GREEDY = SamplingParams()
 TOPOLOGY = TreeTopology.from_lists([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])
 BUDGET = TreeBudget(depth=4, width=2, nodes=6)  # deeper than K = 3: cut to 3 levels
-
-
-def random_heads(target: CausalLM, seed: int = 0, num_heads: int = HEADS, std: float = 0.05) -> MedusaHeads:
-    """Heads with random (non-zero) weights: their drafts are right sometimes, wrong sometimes."""
-    heads = heads_for(target.model, num_heads)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in heads.parameters():
-            parameter.copy_(std * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
-    return heads
 
 
 def features_of(target: CausalLM, ids: Sequence[int]) -> torch.Tensor:  # [len(ids), hidden]
