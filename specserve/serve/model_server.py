@@ -59,7 +59,7 @@ from specserve.serve.metrics import ServeMetrics
 
 __all__ = ["ModelServer", "QueueFull", "build_runner", "load_batched_engine", "merge_chunks", "spawn_coordinator"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log
 
 RunnerFactory = Callable[[ServeConfig], GenerationFrontend]
 MAX_RETRY_AFTER_S = 60
