@@ -94,7 +94,7 @@ class ReplicaConfig(BaseModel):
         False, description="draft the next chain while the target verifies (trees are drafted after each verdict)"
     )
     threads_per_shard: int = Field(
-        1, ge=1, description="torch threads in each target shard actor (a batched replica: in its own process)"
+        1, ge=1, description="torch threads in each target shard actor (an in-process batched replica: its own)"
     )
     threads_per_drafter: int = Field(1, ge=1, description="torch threads in the drafter actor")
     verifier_host: str = Field(
@@ -114,32 +114,31 @@ class ReplicaConfig(BaseModel):
         description="seconds to wait for the cluster to place the replica before failing with what it lacks",
     )
 
-    # ---- batched serving (a Serve replica; `specserve generate` runs one request and ignores these)
+    # ---- batching and the queue (`specserve generate` runs one request and ignores these)
     max_num_seqs: int = Field(
         1,
         ge=1,
-        description="requests one Serve replica generates at once. 1 (the default) = one at a time on the "
-        "distributed runtime: the target's TP shards and the drafter are Ray actors, and every drafter, TP degree, "
-        "drafter placement and overlap works; it stays the default until that runtime batches. > 1 = continuous "
-        "batching in the replica's own process, one target forward per step for all its requests (tp_degree 1; "
-        "a draft model, ngram or none; no overlap, no separate drafter)",
+        description="requests one replica generates at once. 1 (the default) = one at a time, the baseline every "
+        "setting supports. > 1 = batched, one target forward per step for all its running requests: a Serve replica "
+        "runs the in-process batched engine in its own process when it needs nothing only the distributed runtime "
+        "does (tp_degree 1, no overlap, drafter colocated, gpus_per_drafter 0), the distributed runtime otherwise",
     )
     max_batch_tokens: int = Field(
         256,
         ge=1,
-        description="batched replicas: prompt tokens one step may prefill over all newcomers (chunked prefill: a long "
-        "prompt delays the running requests by at most one such chunk per step)",
+        description="in-process batched replicas: prompt tokens one step may prefill over all newcomers (chunked "
+        "prefill: a long prompt delays the running requests by at most one such chunk per step)",
     )
     max_seq_len: int = Field(
         0,
         ge=0,
-        description="batched replicas: tokens (prompt + max_tokens) one request may hold, the length of each of the "
-        "max_num_seqs KV slots preallocated; 0 = the target's context; a longer request is refused with 400",
+        description="in-process batched replicas: tokens (prompt + max_tokens) one request may hold, the length of "
+        "each of the max_num_seqs KV slots preallocated; 0 = the target's context; longer requests are refused (400)",
     )
     max_queue: int = Field(
         16,
         ge=0,
-        description="requests a replica lets wait beyond the max_num_seqs it generates; one more is refused at once "
+        description="requests a Serve replica lets wait beyond those it generates; one more is refused at once "
         "with 429 and Retry-After. Serve sends a replica at most max_ongoing_requests, so the bound bites only when "
         "that is above max_num_seqs + max_queue; the default, above Serve's default 8, refuses nothing by itself",
     )
@@ -151,8 +150,8 @@ class ReplicaConfig(BaseModel):
     )
     cpus_per_shard: float = Field(
         _SPEC.cpus_per_shard,
-        description="Ray CPUs each shard actor reserves (> 0); a batched replica, its own one shard, reserves them "
-        "with one unit of large_resource",
+        description="Ray CPUs each shard actor reserves (> 0); an in-process batched replica, its own one shard, "
+        "reserves them with one unit of large_resource",
     )
     cpus_per_drafter: float = Field(_SPEC.cpus_per_drafter, description="Ray CPUs the drafter actor reserves (> 0)")
     gpus_per_drafter: float = Field(
@@ -185,43 +184,19 @@ class ReplicaConfig(BaseModel):
                 f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}"
             )
         self.spec()  # tp_degree a power of two, resource names, CPUs: the placement spec checks them
-        if self.batched:
-            self._check_batched()
         return self
 
     @property
     def batched(self) -> bool:
-        """Whether a Serve replica of this configuration batches requests (``max_num_seqs > 1``)."""
+        """Whether a replica of this configuration generates several requests at once (``max_num_seqs > 1``)."""
         return self.max_num_seqs > 1
 
-    def _check_batched(self) -> None:
-        """A batched replica runs the target and every request's drafter in its one process: refuse the distributed
-        runtime's settings it cannot honour, rather than ignore them."""
-        from specserve.drafters.registry import EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
-
-        one_at_a_time = "or max_num_seqs 1 to serve one request at a time on the distributed runtime"
-        if self.tp_degree > 1:
-            raise InvalidSetting(
-                f"max_num_seqs {self.max_num_seqs} batches requests in one process, which runs the target whole; "
-                f"set tp_degree 1 (got {self.tp_degree}), {one_at_a_time}"
-            )
-        if self.draft.startswith((EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX)):
-            raise InvalidSetting(
-                f"max_num_seqs {self.max_num_seqs}: the batched engine cannot run the {self.draft.split(':')[0]} "
-                f"drafter yet (it reads the target's hidden states or shares its KV); draft with a model directory, "
-                f"ngram or none, {one_at_a_time}"
-            )
-        refused = {
-            "overlap": self.overlap,
-            "drafter_placement separate": self.drafter_placement == "separate",
-            "gpus_per_drafter > 0": self.gpus_per_drafter > 0,
-        }
-        chosen = [name for name, on in refused.items() if on]
-        if chosen:
-            raise InvalidSetting(
-                f"max_num_seqs {self.max_num_seqs} drafts in the replica's own process, with no drafter actor to "
-                f"apply {', '.join(chosen)} to: leave them out, {one_at_a_time}"
-            )
+    @property
+    def batches_in_process(self) -> bool:
+        """Whether a batched Serve replica runs the in-process batched engine: it needs nothing only the distributed
+        runtime does (tensor-parallel shards, overlap, a separate or GPU-reserving drafter actor)."""
+        distributed_only = self.tp_degree > 1 or self.overlap or self.drafter_placement == "separate"
+        return self.batched and not distributed_only and self.gpus_per_drafter == 0
 
     def spec(self) -> ClusterSpec:
         """The placement spec of this one replica: the fields the two share by name, the accelerator from ``device``."""

@@ -5,10 +5,11 @@ Two deployments, as in Ray Serve LLM's design:
 * ``OpenAIIngress`` (:mod:`specserve.serve.ingress`) — the HTTP routes; light, one replica is
   plenty;
 * ``ModelServer`` (:mod:`specserve.serve.model_server`) — one target replica each; this is the
-  deployment that Serve's autoscaling grows and shrinks with load. One at a time (``max_num_seqs``
-  1) its TP shards and drafter are Ray actors it places when it starts, so the replica itself asks
-  Ray for no CPU; batched (``max_num_seqs > 1``) it runs the target in its own process, so it asks
-  for what a shard would: ``cpus_per_shard`` CPUs, one unit of ``large_resource`` and, on cuda, a GPU.
+  deployment that Serve's autoscaling grows and shrinks with load. On the distributed runtime its
+  TP shards and drafter are Ray actors it places when it starts, so the replica itself asks Ray for
+  no CPU; batched in process (``ReplicaConfig.batches_in_process``) it runs the target itself, so it
+  asks for what a shard would: ``cpus_per_shard`` CPUs, one unit of ``large_resource`` and, on cuda,
+  a GPU.
 
 :func:`build_app` is the ``import_path`` of ``deploy/serve.yaml``: Ray's ``serve run`` /
 ``serve deploy`` call it with the YAML's ``args``, which are :class:`ServeConfig` one to one;
@@ -63,9 +64,9 @@ def application(config: ServeConfig, deployment_options: Mapping[str, Mapping[st
 
 
 def model_actor_options(config: ServeConfig) -> dict[str, Any]:
-    """What one ModelServer replica asks Ray for: nothing when the compute lives in the actors it places (one
-    at a time); a shard's share when it runs the batched engine in its own process."""
-    if not config.batched:
+    """What one ModelServer replica asks Ray for: nothing when the compute lives in the actors it places; a
+    shard's share when it runs the batched engine in its own process."""
+    if not config.batches_in_process:
         return {"num_cpus": 0}
     options: dict[str, Any] = {"num_cpus": config.cpus_per_shard, "resources": {config.large_resource: 1.0}}
     if config.device.startswith("cuda"):

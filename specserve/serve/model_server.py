@@ -3,10 +3,11 @@
 A plain class. Serve wraps it as the autoscaled deployment (:mod:`specserve.serve.app`); each
 Serve replica builds its runner through the injected ``runner_factory`` (by default
 :func:`build_runner`). Tests inject an in-process engine instead. A replica takes one of two paths,
-chosen by its configuration's ``max_num_seqs`` and logged (and reported by :meth:`ModelServer.status`)
-when it starts:
+chosen by its configuration, logged when it starts and reported by :meth:`ModelServer.status`:
 
-* **batched** (``max_num_seqs > 1``): the runner is a
+* **batched in process** (``max_num_seqs > 1`` and nothing only the distributed runtime does:
+  ``tp_degree`` 1, no overlap, drafter colocated —
+  :attr:`~specserve.cluster.replica_config.ReplicaConfig.batches_in_process`): the runner is a
   :class:`~specserve.core.batch_engine.BatchedEngine` built in this process
   (:func:`load_batched_engine`: the target, every request's own drafter, the policies' schedules),
   driven by an :class:`~specserve.serve.engine_loop.EngineLoop` on one dedicated thread. Up to
@@ -14,25 +15,26 @@ when it starts:
   each request streams as its tokens are committed. A request whose prompt and output cannot fit
   the KV slot is refused (the ingress refuses it first, with the loop's codec). Closing a stream
   cancels the request at the next step and frees its KV slot.
-* **one at a time** (``max_num_seqs`` 1, the default): the runner is synchronous and serves one
-  request at a time — by default a :class:`~specserve.actors.coordinator.Coordinator`
-  (:func:`spawn_coordinator`) over the replica's target shards and drafter placed as Ray actors, so
-  drafters scale with their replicas. This is the baseline, and the path for everything the
-  batched engine cannot run yet: ``tp_degree > 1``, EAGLE, Medusa and layer-skip drafters, overlap,
-  separate drafters. Requests wait their turn on an ``asyncio.Lock``, and the chosen one runs on a
-  dedicated worker thread; chunks cross to the event loop through a queue (piled-up chunks are
-  merged). When the consumer goes away, the generation is closed on its own thread: the coordinator
-  cancels the drafter and frees the request's KV on every shard before the next request is admitted.
+* **a runner** (otherwise; with ``max_num_seqs`` 1, the default, this is the baseline): by default a
+  :class:`~specserve.actors.coordinator.Coordinator` (:func:`spawn_coordinator`) over the replica's
+  target shards and drafter placed as Ray actors, so drafters scale with their replicas. The runner
+  is synchronous; it generates one request at a time unless it says it takes more
+  (``max_concurrency``, as a distributed runtime that batches does). Requests wait their turn on an
+  ``asyncio.Semaphore`` of that size, and each chosen one runs on a worker thread; chunks cross to
+  the event loop through a queue (piled-up chunks are merged). When the consumer goes away, the
+  generation is closed on its own thread: the coordinator cancels the drafter and frees the
+  request's KV on every shard before the next request is admitted.
 
-Either way the replica holds at most ``max_num_seqs + max_queue`` requests (generating + waiting);
-one more is refused at once with :class:`QueueFull`, which the ingress answers with HTTP 429 and
+Either way the replica holds at most ``at_once + max_queue`` requests (generating + waiting;
+``at_once`` is ``max_num_seqs`` on the batched path, the runner's concurrency otherwise); one more
+is refused at once with :class:`QueueFull`, which the ingress answers with HTTP 429 and
 ``Retry-After``. Every stream first yields an empty chunk once the replica has taken the request
 (on the batched path: once the engine accepted it), so the ingress knows before answering whether
 the request was refused. Metrics (:class:`~specserve.serve.metrics.ServeMetrics`): per request, and
 on the batched path per engine step (batch size, tokens committed).
 
 Does not: parse HTTP or OpenAI requests (the ingress does), place actors itself (the coordinator
-does), or batch on the distributed runtime.
+does), or decide how a distributed runtime batches (its coordinator does).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ MAX_RETRY_AFTER_S = 60
 
 
 class QueueFull(Exception):
-    """The replica holds as many requests as it may (``max_num_seqs + max_queue``); retry after ``retry_after_s``."""
+    """The replica holds as many requests as it may (``at_once + max_queue``); retry after ``retry_after_s``."""
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
@@ -119,8 +121,10 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
 
 
 def build_runner(config: ServeConfig) -> GenerationFrontend:
-    """The runner of a Serve replica: the batched engine when ``max_num_seqs > 1``, else the distributed runtime."""
-    return load_batched_engine(config) if config.batched else spawn_coordinator(config)
+    """The runner of a Serve replica: the in-process batched engine when the configuration batches and needs nothing
+    only the distributed runtime does (:attr:`~specserve.cluster.replica_config.ReplicaConfig.batches_in_process`),
+    else the distributed runtime."""
+    return load_batched_engine(config) if config.batches_in_process else spawn_coordinator(config)
 
 
 class _End:
@@ -142,35 +146,43 @@ class ModelServer:
         self.config = ServeConfig.model_validate(config)
         self.runner = runner_factory(self.config)
         self.metrics = ServeMetrics(self.config.model_name) if record_metrics else None
-        self.capacity = self.config.max_num_seqs + self.config.max_queue
         self.loop: EngineLoop | None = None
-        if self.config.batched:
+        if self.config.batches_in_process:
             if not isinstance(self.runner, BatchEngine):
                 raise TypeError(
                     f"max_num_seqs {self.config.max_num_seqs} needs a batched engine (submit/step/cancel), "
                     f"got a {type(self.runner).__name__}"
                 )
             self.loop = EngineLoop(self.runner, on_step=self._on_step)
-        self._slot = asyncio.Lock()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-generation")
+            self.at_once = self.config.max_num_seqs
+        else:  # a runner that is not the in-process batched engine says how many requests it takes at once
+            self.at_once = max(1, int(getattr(self.runner, "max_concurrency", 1)))
+        self.capacity = self.at_once + self.config.max_queue
+        self._slot = asyncio.Semaphore(self.at_once)
+        self._worker = ThreadPoolExecutor(max_workers=self.at_once, thread_name_prefix="specserve-generation")
         self._held = 0  # requests taken and not finished (generating or waiting)
-        self._running = 0  # one-at-a-time path: generating
+        self._running = 0  # runner path: generating
         self._finished: Counter[str] = Counter()  # stop, length, eos, cancelled, error, invalid, queue_full
         self._seconds_per_request = 0.0  # moving average of a finished request's time here (for Retry-After)
         logger.info("ModelServer %r: %s", self.config.model_name, self.path_description())
 
     @property
     def path(self) -> str:
-        return "batched" if self.loop is not None else "one_at_a_time"
+        """``batched`` (the in-process batched engine), ``one_at_a_time``, or ``concurrent`` (a runner taking more)."""
+        if self.loop is not None:
+            return "batched"
+        return "one_at_a_time" if self.at_once == 1 else "concurrent"
 
     def path_description(self) -> str:
-        c = self.config
+        c, runner = self.config, type(self.runner).__name__
         if self.loop is not None:
             return (
                 f"batched: up to {c.max_num_seqs} requests at once in this process (one target forward per step, "
                 f"{c.max_batch_tokens} prefill tokens per step), {c.max_queue} more may wait"
             )
-        return f"one request at a time on a {type(self.runner).__name__}, {c.max_queue} more may wait"
+        if self.at_once == 1:
+            return f"one request at a time on a {runner}, {c.max_queue} more may wait"
+        return f"up to {self.at_once} requests at once on a {runner}, {c.max_queue} more may wait"
 
     def describe(self) -> PromptCodec:
         """How prompts are encoded and checked for this model (the ingress validates requests with it)."""
@@ -181,6 +193,7 @@ class ModelServer:
             "path": self.path,
             "waiting": self.waiting,
             "running": self.running,
+            "at_once": self.at_once,
             "capacity": self.capacity,
             "finished": dict(self._finished),
         }
@@ -241,7 +254,7 @@ class ModelServer:
         chunks = (
             self.loop.stream(prompt_ids, params, generation)
             if self.loop is not None
-            else self._one_at_a_time(prompt_ids, params, generation)
+            else self._on_runner(prompt_ids, params, generation)
         )
         try:
             async with aclosing(chunks):
@@ -269,7 +282,7 @@ class ModelServer:
                 self._finished[finish] += 1
             self._report_queue()
 
-    async def _one_at_a_time(
+    async def _on_runner(
         self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig
     ) -> AsyncGenerator[StreamChunk, None]:
         yield StreamChunk("", [])  # taken: it waits its turn here
@@ -336,7 +349,7 @@ class ModelServer:
         retry = self.retry_after_s()
         return QueueFull(
             f"this replica is full: {self.running} requests generating and {self.waiting} waiting, the most it holds "
-            f"(max_num_seqs {c.max_num_seqs} + max_queue {c.max_queue}); retry after {retry} s",
+            f"({self.at_once} generating at once + max_queue {c.max_queue}); retry after {retry} s",
             retry,
         )
 
@@ -344,7 +357,7 @@ class ModelServer:
         """Seconds until a place is likely free: a request's average time here over the requests generated at once."""
         if self._seconds_per_request <= 0:
             return 1
-        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self._seconds_per_request / self.config.max_num_seqs)))
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(self._seconds_per_request / self.at_once)))
 
     def _learn(self, seconds: float) -> None:
         average = self._seconds_per_request

@@ -273,31 +273,27 @@ def test_a_drafter_actor_without_gpus_drafts_on_the_cpu() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Batched replicas refuse what only the distributed runtime can do
+# Which batched replicas run the in-process engine
 
 
 @pytest.mark.parametrize(
-    ("settings", "words"),
+    "settings",
     [
-        ({"tp_degree": 2}, ["max_num_seqs 4", "set tp_degree 1 (got 2)", "or max_num_seqs 1"]),
-        ({"draft": "eagle:/srv/heads"}, ["cannot run the eagle drafter", "hidden states", "or max_num_seqs 1"]),
-        ({"draft": "layerskip:2"}, ["cannot run the layerskip drafter"]),
-        ({"overlap": True}, ["no drafter actor to apply overlap to", "or max_num_seqs 1"]),
-        (
-            {"drafter_placement": "separate", "device": "cuda", "gpus_per_drafter": 0.5},
-            ["to apply drafter_placement separate, gpus_per_drafter > 0 to"],
-        ),
+        {"tp_degree": 2},
+        {"overlap": True},
+        {"drafter_placement": "separate"},
+        {"device": "cuda", "gpus_per_drafter": 0.5},
     ],
 )
-def test_a_batched_replica_refuses_what_only_the_distributed_runtime_does(
-    settings: dict[str, Any], words: list[str]
-) -> None:
-    ReplicaConfig(target=TARGET, **settings)  # fine one request at a time
-    with pytest.raises(InvalidSetting) as info:
-        ReplicaConfig(target=TARGET, max_num_seqs=4, **settings)
-    for word in words:
-        assert word in str(info.value)
-    assert ReplicaConfig(target=TARGET, max_num_seqs=4, draft="/srv/draft").batched
+def test_a_batched_replica_that_needs_the_distributed_runtime_stays_on_it(settings: dict[str, Any]) -> None:
+    batched = ReplicaConfig(target=TARGET, max_num_seqs=4, **settings)
+    assert batched.batched and not batched.batches_in_process
+
+
+@pytest.mark.parametrize("draft", ["/srv/draft", "ngram", "none", "eagle:/srv/heads", "layerskip:2"])
+def test_a_batched_replica_on_one_process_runs_the_in_process_engine(draft: str) -> None:
+    assert ReplicaConfig(target=TARGET, draft=draft, max_num_seqs=4).batches_in_process
+    assert not ReplicaConfig(target=TARGET, draft=draft).batches_in_process  # max_num_seqs 1: one at a time
 
 
 def test_serve_sends_a_batched_replica_enough_requests_to_fill_its_batch() -> None:

@@ -12,6 +12,7 @@ KV slots, and a batched configuration refuses a runner that cannot batch.
 from __future__ import annotations
 
 import asyncio
+import queue
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -136,7 +137,7 @@ def test_one_at_a_time_the_queue_is_bounded(engine: SpeculativeEngine) -> None:
         waiting = server.generate(prompt, GREEDY, LONG)
         await anext(waiting)  # taken, waiting for the one generation slot
         assert (server.status()["running"], server.status()["waiting"]) == (1, 1)
-        with pytest.raises(QueueFull, match=r"max_num_seqs 1 \+ max_queue 1") as refused:
+        with pytest.raises(QueueFull, match=r"1 generating at once \+ max_queue 1") as refused:
             await anext(server.generate(prompt, GREEDY, LONG))
         assert refused.value.retry_after_s >= 1
         await running.aclose()
@@ -145,6 +146,49 @@ def test_one_at_a_time_the_queue_is_bounded(engine: SpeculativeEngine) -> None:
 
     asyncio.run(main())
     assert server.status()["finished"] == {"queue_full": 1, "cancelled": 2, "length": 1}
+
+
+class EnginePool(GenerationFrontend):
+    """In-process engines behind one runner that takes as many requests at once, as a batching distributed runtime
+    does (logic under test: the server runs up to a runner's ``max_concurrency`` requests, never more)."""
+
+    def __init__(self, engines: list[SpeculativeEngine]) -> None:
+        self.prompts = engines[0].prompts
+        self.max_concurrency = len(engines)
+        self._free: queue.SimpleQueue[SpeculativeEngine] = queue.SimpleQueue()
+        for engine in engines:
+            self._free.put(engine)
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> Iterator[StreamChunk]:
+        engine = self._free.get_nowait()  # raises if the server ran more requests at once than declared
+        try:
+            yield from engine.stream(prompt_ids, params, config)
+        finally:
+            self._free.put(engine)
+
+
+def test_a_runner_that_takes_several_requests_gets_that_many_at_once(pair: TinyPair) -> None:
+    engines = [SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target)) for _ in range(2)]
+    server = server_for(EnginePool(engines), ServeConfig(model_name="tiny", gamma=3, max_queue=1))
+    assert (server.path, server.at_once, server.capacity) == ("concurrent", 2, 3)
+    prompts = [engines[0].encode(text) for text in ("abcab", "hello", "xyzxyz")]
+    config = GenerationConfig(max_new_tokens=14, gamma=3)
+
+    async def main() -> list[list[StreamChunk]]:
+        streams = [server.generate(p, GREEDY, LONG) for p in prompts]
+        for stream in streams[:2]:
+            await generating(stream)  # both generate at once
+        await anext(streams[2])  # taken, waiting
+        assert (server.status()["running"], server.status()["waiting"]) == (2, 1)
+        with pytest.raises(QueueFull, match=r"2 generating at once \+ max_queue 1"):
+            await anext(server.generate(prompts[0], GREEDY, LONG))
+        for stream in streams:
+            await stream.aclose()
+        return list(await asyncio.gather(*(collect(server, p, config) for p in prompts)))
+
+    for prompt, chunks in zip(prompts, asyncio.run(main()), strict=True):
+        assert [t for c in chunks for t in c.token_ids] == engines[0].generate(prompt, GREEDY, config).output_ids
+    assert server.status()["finished"]["cancelled"] == 3
 
 
 @pytest.fixture()
@@ -176,7 +220,8 @@ def test_batched_requests_equal_themselves_alone_and_the_queue_is_bounded(
         await anext(long[2])  # taken: waiting
         status = server.status()
         assert (status["running"], status["waiting"], status["kv"]) == (2, 1, {"slots": 2, "free": 0})
-        with pytest.raises(QueueFull, match=r"2 requests generating and 1 waiting.*max_num_seqs 2 \+ max_queue 1"):
+        full = r"2 requests generating and 1 waiting.*2 generating at once \+ max_queue 1"
+        with pytest.raises(QueueFull, match=full):
             await anext(server.generate(prompts[0], GREEDY, LONG))
         for stream in long:
             await stream.aclose()
