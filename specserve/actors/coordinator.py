@@ -17,11 +17,15 @@ The request's ``policy`` (fixed, heuristic or adaptive: ``specserve.policies``),
 ``tree`` budget, and its ``drafter`` (configured, ``ngram`` or ``none``) go to the drafter actor,
 which decides each cycle's budget there (its replica's estimates are shared by its requests); trees
 are verified with tree attention on every shard.
-Requests to one replica are served one at a time (a drafter holds one request's state).
+A replica with ``max_num_seqs`` > 1 serves that many requests at once: call :meth:`~Coordinator.stream`
+from as many threads; rank 0 verifies their drafts together, one forward per step, and the drafter
+actor runs their loops side by side. Otherwise a replica serves one request at a time (its drafter
+holds one request's state), and concurrent callers wait their turn in the drafter.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
@@ -40,10 +44,16 @@ class Coordinator(GenerationFrontend):
     def __init__(self, replica: Replica) -> None:
         self.replica = replica
         self.prompts = PromptCodec(replica.target_info, load_tokenizer(replica.config.target))
+        self._slots = threading.BoundedSemaphore(replica.config.max_num_seqs)  # callers beyond them wait here
 
     @classmethod
     def spawn(cls, config: ReplicaConfig) -> Coordinator:
         return cls(spawn_replica(config))
+
+    @property
+    def max_concurrency(self) -> int:
+        """Requests this replica generates at once (its ``max_num_seqs``); more callers wait their turn."""
+        return self.replica.config.max_num_seqs
 
     def placement(self) -> dict[str, Any]:
         return self.replica.placement()
@@ -67,6 +77,10 @@ class Coordinator(GenerationFrontend):
     # -----------------------------------------------------------------------------------------
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
+        with self._slots:
+            yield from self._run_admitted(prompt_ids, params, config)
+
+    def _run_admitted(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
         import ray
 
         replica = self.replica

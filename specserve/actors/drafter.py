@@ -46,7 +46,8 @@ from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import Budget, CycleObservation
 from specserve.core.target import FinishReason
 from specserve.core.tree import TreeSpec
-from specserve.drafters.registry import build_drafter_set
+from specserve.drafters.model import DraftModelDrafter
+from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.policies.schedules import schedules
 from specserve.rpc.codec import encode_draft
 from specserve.rpc.verifier import VerifierStream, open_channel
@@ -100,18 +101,27 @@ class DrafterActor:
         max_ngram: int = 3,
         min_ngram: int = 1,
         num_threads: int | None = None,
+        max_requests: int = 1,
     ) -> None:
+        """``max_requests`` > 1 (a batched replica): that many requests' loops run at once, each with a drafter of
+        its own (a draft model's weights shared); their torch calls take turns on the compute thread."""
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.compute = ComputeThread(num_threads)
         self.device = torch.device(device)
         target = TargetDescription(target_info, load_tokenizer(target_dir), self.device)
-        self.drafters = self.compute.run(
-            build_drafter_set, drafter, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram
-        )
+        options: dict[str, Any] = {"dtype": dtype, "device": device, "max_ngram": max_ngram, "min_ngram": min_ngram}
+        self.drafters = self.compute.run(build_drafter_set, drafter, target, **options)
+        # batched: one drafter per request (the configured model's weights loaded once, here)
+        configured = self.drafters.configured
+        loaded = configured.model if isinstance(configured, DraftModelDrafter) else drafter
+        self._new_drafter = self.compute.run(request_drafters, loaded, target, **options) if max_requests > 1 else None
         self.schedules = schedules()  # per request; the adaptive ones share this replica's prior
         self._channels: dict[str, grpc.Channel] = {}
-        self._current: str | None = None  # the request whose loop is running
-        self._cancel = False  # set by cancel(): stop that loop after its current cycle
-        self._busy = threading.Lock()  # one request at a time: a drafter holds one request's state
+        self._lock = threading.Lock()
+        self._running: set[str] = set()  # requests whose loop runs
+        self._cancelled: set[str] = set()  # set by cancel(): stop that loop after its current cycle
+        self._slots = threading.BoundedSemaphore(max_requests)  # one request at a time unless batched
 
     def node_id(self) -> str:
         import ray
@@ -125,8 +135,9 @@ class DrafterActor:
 
     def cancel(self, request_id: str) -> None:
         """Stop a running request's loop after its current cycle (the caller no longer wants it)."""
-        if request_id == self._current:
-            self._cancel = True
+        with self._lock:
+            if request_id in self._running:
+                self._cancelled.add(request_id)
 
     def run(self, job: DraftJob, target_ready: Sequence[Any] = ()) -> Iterator[list[CycleReport]]:
         """The draft-verify loop of one request; yields batches of cycle reports until the target finishes it.
@@ -135,17 +146,23 @@ class DrafterActor:
         prefills its own state and drafts its first tree while the target prefills the prompt, and
         waits for the target only before sending that draft (on two machines, or two cores, the two prefills overlap).
         """
-        with self._busy:
-            self._current, self._cancel = job.request_id, False
+        with self._slots:
+            with self._lock:
+                self._running.add(job.request_id)
             try:
                 # The loop itself runs here (a Ray thread); every torch call goes to the compute thread.
                 yield from self._loop(job, target_ready)
             finally:
-                self._current = None
+                with self._lock:
+                    self._running.discard(job.request_id)
+                    self._cancelled.discard(job.request_id)
 
     def _loop(self, job: DraftJob, target_ready: Sequence[Any]) -> Iterator[list[CycleReport]]:
         device, run = self.device, self.compute.run
-        drafter = run(self.drafters.get, job.drafter)  # built here on first use, then kept
+        if self._new_drafter is not None:
+            drafter = run(self._new_drafter, job.drafter)  # this request's own
+        else:
+            drafter = run(self.drafters.get, job.drafter)  # built here on first use, then kept
         generators = make_generators(job.params.seed, device)
         side_type = OverlapDraftSide if job.overlap else DraftSide
         schedule = self.schedules(job.policy, job.budget)
@@ -169,10 +186,11 @@ class DrafterActor:
         pending: list[CycleReport] = []
         last_report = 0.0
         cycle = 0
+        batch_size = 1  # requests the target verified with this one last cycle: what its next step will hold
         try:
-            while not self._cancel:
+            while job.request_id not in self._cancelled:
                 if cycle > 0:
-                    proposal = run(side.propose)
+                    proposal = run(side.propose, batch_size)
                 overlap_hit = isinstance(side, OverlapDraftSide) and side.used_ready
                 sent = time.perf_counter()
                 stream.send_raw(run(encode_draft, job.request_id, cycle, proposal).SerializeToString())
@@ -186,6 +204,7 @@ class DrafterActor:
                 # send-to-verdict time the target did not spend (and drafting ahead did not hide): gRPC, serialisation
                 wire_seconds = max(0.0, time.perf_counter() - sent - max(info.target_seconds, ahead_seconds))
                 outcome = info.outcome(proposal, side.committed)
+                batch_size = outcome.batch_size
                 observation = run(side.on_verdict, proposal, outcome, wire_seconds=wire_seconds)
                 pending.append(
                     CycleReport(outcome.new_tokens, outcome.finish, observation, outcome.allreduce_seconds, overlap_hit)

@@ -31,11 +31,11 @@ class OverlapDraftSide(DraftSide):
     _ready: Draft | None = None  # the next chain, when the guess was right
     used_ready = False  # the last proposal was drafted during the previous verification
 
-    def propose(self) -> Proposal:
+    def propose(self, batch_size: int = 1) -> Proposal:
         ready, self._ready = self._ready, None
         self.used_ready = ready is not None
         if ready is None:
-            return super().propose()
+            return super().propose(batch_size)
         self.draft_seconds = 0.0  # drafted while the target verified: nothing on the critical path
         return ready  # drafted with the budget of that time (self.budget is unchanged)
 

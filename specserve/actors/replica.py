@@ -6,7 +6,9 @@ Ray objects: a ``STRICT_PACK`` group with one bundle per TP rank on the "large" 
 the drafter's bundle when co-located), or a separate group on the "cheap" resource for the
 drafter. The shard actors join one ``torch.distributed`` group — every rank's
 ``init_tensor_parallel`` is submitted before any is awaited, since each blocks until all have
-joined — and rank 0 starts the gRPC verifier the drafter streams to.
+joined — and rank 0 starts the gRPC verifier the drafter streams to. A batched replica
+(``max_num_seqs`` > 1) gives every rank a KV pool of that many slots and the drafter as many
+concurrent request loops; rank 0 then verifies its running requests' drafts together.
 
 Needs a connected Ray (``ray.init``) whose nodes declare the custom resources the spec names;
 a cluster that lacks them gets a clear error after ``ready_timeout_s`` instead of a hang.
@@ -88,6 +90,10 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
                 "(`specserve cluster up`) or lower --tp."
             )
 
+        # a batched replica (max_num_seqs > 1): KV pools on every rank, rank 0 verifies its requests' drafts
+        # together, and the drafter runs that many requests' loops at once
+        slots = config.max_num_seqs if config.max_num_seqs > 1 else 0
+        concurrency = 4 + config.max_num_seqs
         shard_cls: Any = ray.remote(TargetShardActor)
         drafter_cls: Any = ray.remote(DrafterActor)
         shards: list[Any] = []
@@ -98,7 +104,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
                     num_cpus=resources.pop("CPU", 0.0),
                     num_gpus=resources.pop("GPU", 0.0),
                     resources=resources,
-                    max_concurrency=4,
+                    max_concurrency=concurrency,
                     runtime_env={"env_vars": _actor_env(config.threads_per_shard)},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(groups[0], bundle),
                 ).remote(
@@ -108,6 +114,9 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
                     dtype=config.dtype,
                     device=config.device,
                     num_threads=config.threads_per_shard,
+                    num_slots=slots,
+                    slot_capacity=config.max_seq_len,
+                    batch_wait_s=config.batch_wait_ms / 1000,
                 )
             )
         actors.extend(shards)
@@ -127,7 +136,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             num_cpus=resources.pop("CPU", 0.0),
             num_gpus=resources.pop("GPU", 0.0),
             resources=resources,
-            max_concurrency=4,
+            max_concurrency=concurrency,
             runtime_env={"env_vars": _actor_env(config.threads_per_drafter)},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle),
         ).remote(
@@ -135,6 +144,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             config.target,
             info,
             num_threads=config.threads_per_drafter,
+            max_requests=config.max_num_seqs,
             **{**config.drafter_options(), "device": config.drafter_actor_device},
         )
         actors.append(drafter)

@@ -41,10 +41,13 @@ from datetime import timedelta
 import torch
 
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
+from specserve.core.batch_step import LocalPool, verify_batch
 from specserve.core.draft import Proposal
-from specserve.core.model import CausalLM, FeatureCapture, KVCache, ModelInfo
+from specserve.core.kv_pool import KVPool
+from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.target import CycleOutcome, TargetVerifier
+from specserve.core.schedule import MAX_GAMMA
+from specserve.core.target import CycleOutcome, PooledSequence, TargetVerifier
 from specserve.core.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
 from specserve.core.tree import DraftTree
 from specserve.rpc.verifier import UnknownRequest, VerifierServer
@@ -60,7 +63,10 @@ OP_SHUTDOWN = 5
 OP_FORWARD_TREE = 6  # a = number of nodes; then [root, tokens..., parents...] (2a + 1 int64)
 OP_COMPACT = 7  # a = number of positions to keep; then the positions
 OP_HEARTBEAT = 8  # nothing to do: keeps an idle replica's followers inside the collectives' timeout
+OP_FORWARD_BATCH = 9  # sequence = number of blocks, a = payload length (broadcast next), b = last_only
 HEADER_SIZE = 4
+BATCH_SCRATCH = 256  # padding columns of a batched replica's pool: the widest block a step may add (a prefill is
+# one row: it never pads others)
 HEARTBEAT_FRACTION = 6  # rank 0 sends a heartbeat after 1/6 of the collectives' timeout without a command
 
 
@@ -125,10 +131,152 @@ def _from_tree_block(block: torch.Tensor, nodes: int) -> tuple[int, DraftTree]:
     return root, DraftTree(tokens.clone(), tuple(int(p) for p in parents.tolist()))
 
 
+def pack_blocks(blocks: Sequence[BatchBlock]) -> torch.Tensor:
+    """What the other ranks need to repeat a batched forward: per block ``[slot, k, tokens (k), offsets (k), sees
+    (k · k)]`` as one int64 tensor (a causal block travels with its explicit lower-triangular mask)."""
+    parts: list[torch.Tensor] = []
+    for block in blocks:
+        k = block.size
+        offsets = block.offsets or tuple(range(k))
+        parts += [
+            torch.tensor([block.slot, k], dtype=torch.long),
+            block.tokens.to("cpu", torch.long),
+            torch.tensor(offsets, dtype=torch.long),
+            block.attends().to(torch.long).flatten(),
+        ]
+    return torch.cat(parts)
+
+
+def unpack_blocks(payload: torch.Tensor, count: int) -> list[BatchBlock]:
+    values = payload.tolist()
+    blocks, at = [], 0
+    for _ in range(count):
+        slot, k = values[at], values[at + 1]
+        at += 2
+        tokens = payload[at : at + k].clone()
+        offsets = tuple(values[at + k : at + 2 * k])
+        sees = payload[at + 2 * k : at + 2 * k + k * k].reshape(k, k).to(torch.bool)
+        at += 2 * k + k * k
+        blocks.append(BatchBlock(slot, tokens, sees, offsets))
+    if at != len(values):
+        raise RuntimeError(f"a batched-forward command of {len(values)} values held {at} for {count} blocks")
+    return blocks
+
+
+class ShardedPool:
+    """Rank 0's :class:`~specserve.core.target.PoolOps`: every slot allocation, batched forward, rollback and
+    compaction is broadcast to the other ranks first, then done here on this rank's share of the pool."""
+
+    def __init__(self, target: CausalLM, pool: KVPool, commands: _Commands) -> None:
+        self.local = LocalPool(target, pool)
+        self.pool = pool
+        self.commands = commands
+
+    def allocate(self, tokens: int) -> int:
+        slot = self.pool.allocate(tokens)
+        self.commands.send(OP_NEW, slot, tokens)
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.commands.send(OP_FREE, slot)
+        self.pool.free(slot)
+
+    def forward_batch(
+        self,
+        blocks: Sequence[BatchBlock],
+        last_only: bool = False,
+        capture: Sequence[FeatureCapture | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """The other ranks repeat the forward without capturing: after each row-parallel all-reduce every rank
+        holds the full residual stream, so rank 0's captured features are the whole features."""
+        payload = pack_blocks(blocks)
+        self.commands.send(OP_FORWARD_BATCH, len(blocks), int(payload.numel()), int(last_only), payload)
+        return self.local.forward_batch(blocks, last_only=last_only, capture=capture)
+
+    def rollback(self, slot: int, length: int) -> None:
+        self.commands.send(OP_ROLLBACK, slot, length)
+        self.pool.rollback(slot, length)
+
+    def compact(self, slot: int, keep: Sequence[int]) -> None:
+        self.commands.send(OP_COMPACT, slot, len(keep), 0, torch.tensor(list(keep), dtype=torch.long))
+        self.pool.compact(slot, keep)
+
+
 class _Request:
-    def __init__(self, sequence: ShardedSequence, verifier: TargetVerifier) -> None:
+    def __init__(self, sequence: ShardedSequence | PooledSequence, verifier: TargetVerifier) -> None:
         self.sequence = sequence
         self.verifier = verifier
+
+    @property
+    def slot(self) -> int:
+        """Where its KV lives: its pool slot, or its sequence id."""
+        return self.sequence.slot if isinstance(self.sequence, PooledSequence) else self.sequence.sequence_id
+
+
+class _VerifyBatcher:
+    """Rank 0 of a batched replica: gathers the verify calls of its running requests into batched steps.
+
+    Each request's gRPC stream hands its draft over (:meth:`verify`) and waits. A step starts once every running
+    request has a draft waiting, or ``wait_s`` after the first one arrived (a request still drafting, or whose
+    drafter is slow, joins the next step), and verifies all of them in one forward on the compute thread.
+    """
+
+    def __init__(self, shard: TargetShardActor, wait_s: float) -> None:
+        self.shard = shard
+        self.wait_s = wait_s
+        self._cond = threading.Condition()
+        self._pending: dict[str, tuple[Proposal, Future[CycleOutcome]]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="verify-batcher", daemon=True)
+        self._thread.start()
+
+    def verify(self, request_id: str, proposal: Proposal) -> CycleOutcome:
+        future: Future[CycleOutcome] = Future()
+        with self._cond:
+            if self._stopped:
+                raise UnknownRequest("the replica is shutting down")
+            if request_id in self._pending:
+                raise UnknownRequest(f"request {request_id!r} already has a draft waiting to be verified")
+            self._pending[request_id] = (proposal, future)
+            self._cond.notify_all()
+        return future.result()
+
+    def wake(self) -> None:
+        """The running requests changed (one left): a step may not need to wait any longer."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._pending) or self._stopped)
+                if self._stopped:
+                    for _, future in self._pending.values():
+                        future.set_exception(UnknownRequest("the replica is shutting down"))
+                    return
+                deadline = time.monotonic() + self.wait_s
+                while len(self._pending) < self.shard.expected_drafts() and not self._stopped:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._cond.wait(left):
+                        break
+                batch, self._pending = self._pending, {}
+            try:
+                results = self.shard.compute.run(self.shard.verify_step, {r: p for r, (p, _) in batch.items()})
+            except BaseException as exc:  # the whole step failed: every request in it hears why
+                for _, future in batch.values():
+                    future.set_exception(exc)
+                continue
+            for request_id, (_, future) in batch.items():
+                result = results[request_id]
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
 
 class TargetShardActor:
@@ -142,7 +290,13 @@ class TargetShardActor:
         dtype: str = "float32",
         device: str = "cpu",
         num_threads: int | None = None,
+        num_slots: int = 0,
+        slot_capacity: int = 0,
+        batch_wait_s: float = 0.02,
     ) -> None:
+        """``num_slots`` > 0 makes a batched replica: every rank keeps its KV in a pool of that many slots of
+        ``slot_capacity`` positions (0: the target's context), and rank 0 verifies the drafts of its running
+        requests together, one forward per step, waiting at most ``batch_wait_s`` for a step to fill."""
         self.compute = ComputeThread(num_threads)
         self.rank, self.world_size = rank, world_size
         self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
@@ -157,6 +311,11 @@ class TargetShardActor:
         self._loop: Future[object] | None = None
         self._stopped = threading.Event()  # set by shutdown(): rank 0's heartbeat stops
         self._heartbeat_s = 20.0
+        self._num_slots = num_slots
+        self._slot_capacity = slot_capacity or self.target.info.max_positions
+        self._batch_wait_s = batch_wait_s
+        self._pool: ShardedPool | None = None  # batched replicas, once the model is sharded
+        self._batcher: _VerifyBatcher | None = None  # batched replicas, rank 0
 
     # -----------------------------------------------------------------------------------------
     # Set-up (called by the replica spawner on every rank)
@@ -193,6 +352,13 @@ class TargetShardActor:
             )
             self.all_reduce = DeterministicAllReduce()
             self.compute.run(shard_model, self.target.model, self.rank, self.world_size, self.all_reduce)
+        if self._num_slots:
+            pool = self.compute.run(
+                KVPool, self.target.model, self._num_slots, self._slot_capacity, max(MAX_GAMMA + 1, BATCH_SCRATCH)
+            )
+            self._pool = ShardedPool(self.target, pool, self._commands)
+            if self.rank == 0:
+                self._batcher = _VerifyBatcher(self, self._batch_wait_s)
         if self.rank > 0:
             self._loop = self.compute.start(self._follow)  # the compute thread follows rank 0 from now on
         elif self.world_size > 1:
@@ -218,7 +384,9 @@ class TargetShardActor:
         """
         self._require_rank0()
         if self._server is None:
-            self._server = VerifierServer(self, host=host, port=port, run_in=self.compute.run)
+            # batched: each stream's handler thread waits for its step (the batcher runs steps on the compute thread)
+            run_in = None if self._batcher is not None else self.compute.run
+            self._server = VerifierServer(self, host=host, port=port, run_in=run_in, max_workers=self._num_slots + 16)
             self._server.start()
         address = self._server.address
         if host == "0.0.0.0":
@@ -258,7 +426,11 @@ class TargetShardActor:
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already running")
-            sequence = self._new_sequence()
+            sequence: ShardedSequence | PooledSequence
+            if self._pool is not None:
+                sequence = PooledSequence(self._pool, self._pool.allocate(len(prompt_ids) + max_new_tokens))
+            else:
+                sequence = self._new_sequence()
             generators = make_generators(params.seed, self.target.device)
             verifier = TargetVerifier(
                 sequence,
@@ -270,14 +442,24 @@ class TargetShardActor:
                 self.target.device,
                 feature_layers,
             )
-            features = verifier.prefill()
+            try:
+                features = verifier.prefill()
+            except BaseException:
+                self._release(sequence)
+                raise
             self._requests[request_id] = _Request(sequence, verifier)
             return features.cpu() if features is not None else None
 
-    @on_compute_thread  # the gRPC server already calls it there (run_in): then it runs in place
     def verify(self, request_id: str, cycle: int, proposal: Proposal) -> CycleOutcome:
         """One cycle (called by the gRPC verifier, which encodes the outcome): forward on every rank, verify,
-        commit, roll back (a chain) or compact to the accepted path (a tree)."""
+        commit, roll back (a chain) or compact to the accepted path (a tree). A batched replica verifies it in
+        the next step with the other running requests' drafts."""
+        if self._batcher is not None:
+            return self._batcher.verify(request_id, proposal)
+        return self._verify_alone(request_id, cycle, proposal)
+
+    @on_compute_thread  # the gRPC server already calls it there (run_in): then it runs in place
+    def _verify_alone(self, request_id: str, cycle: int, proposal: Proposal) -> CycleOutcome:
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
@@ -288,23 +470,67 @@ class TargetShardActor:
             outcome = request.verifier.verify(proposal)
             return dataclasses.replace(outcome, allreduce_seconds=self._allreduce_seconds() - before)
 
+    def expected_drafts(self) -> int:
+        """Running requests whose next draft a batched step waits for (admitted, not finished)."""
+        with self._lock:
+            return sum(request.verifier.finish is None for request in self._requests.values())
+
+    def verify_step(self, drafts: dict[str, Proposal]) -> dict[str, CycleOutcome | BaseException]:
+        """Rank 0 of a batched replica, on the compute thread: one batched step over these requests' drafts (an
+        unknown or finished request gets its error, the others their outcomes)."""
+        results: dict[str, CycleOutcome | BaseException] = {}
+        items = []
+        with self._lock:
+            for request_id, proposal in drafts.items():
+                request = self._requests.get(request_id)
+                if request is None:
+                    results[request_id] = UnknownRequest(f"request {request_id!r} is not running on this replica")
+                elif request.verifier.finish is not None:
+                    results[request_id] = UnknownRequest(
+                        f"request {request_id!r} already finished ({request.verifier.finish})"
+                    )
+                else:
+                    items.append((request_id, request, proposal))
+            if not items:
+                return results
+            assert self._pool is not None
+            before = self._allreduce_seconds()
+            step = verify_batch(
+                self._pool, [(request.verifier, proposal, request.slot) for _, request, proposal in items]
+            )
+            allreduce = self._allreduce_seconds() - before
+            for (request_id, _, _), outcome in zip(items, step.outcomes, strict=True):
+                results[request_id] = dataclasses.replace(
+                    outcome, allreduce_seconds=allreduce, batch_size=len(items), step_positions=step.positions
+                )
+        return results
+
     @on_compute_thread
     def finish_request(self, request_id: str) -> None:
         """Forget a request and free its KV on every rank (unknown ids are ignored)."""
         with self._lock:
             request = self._requests.pop(request_id, None)
             if request is not None:
-                sequence = request.sequence.sequence_id
-                self._commands.send(OP_FREE, sequence)
-                self._caches.pop(sequence, None)
+                self._release(request.sequence)
+        if self._batcher is not None:
+            self._batcher.wake()
+
+    def _release(self, sequence: ShardedSequence | PooledSequence) -> None:
+        if isinstance(sequence, PooledSequence):
+            assert self._pool is not None
+            self._pool.free(sequence.slot)
+        else:
+            self._commands.send(OP_FREE, sequence.sequence_id)
+            self._caches.pop(sequence.sequence_id, None)
 
     def committed(self, request_id: str) -> list[int]:
         with self._lock:
             return list(self._requests[request_id].verifier.committed)
 
     def sequence_id(self, request_id: str) -> int:
+        """Where a request's KV lives on every rank: its sequence id, or its pool slot (batched replicas)."""
         with self._lock:
-            return self._requests[request_id].sequence.sequence_id
+            return self._requests[request_id].slot
 
     def active_requests(self) -> list[str]:
         with self._lock:
@@ -317,10 +543,19 @@ class TargetShardActor:
         """This rank's cached keys and values of one sequence, per layer."""
         # Ranks > 0: the compute thread is busy following rank 0, so copy here, without a new OpenMP team.
         with self._lock, single_threaded():
+            if self._pool is not None:
+                return self._pool.pool.snapshot(sequence_id)
             return self._caches[sequence_id].snapshot()
+
+    def free_slots(self) -> int:
+        """Batched replicas: KV slots free on this rank (every rank mirrors rank 0)."""
+        with self._lock:
+            return self._pool.pool.free_slots if self._pool is not None else 0
 
     def shutdown(self) -> None:
         self._stopped.set()
+        if self._batcher is not None:
+            self._batcher.stop()
         if self._server is not None:
             self._server.stop(grace=0.5)
             self._server = None
@@ -357,7 +592,9 @@ class TargetShardActor:
                 if op == OP_HEARTBEAT:
                     continue
                 with self._lock:
-                    if op == OP_NEW:
+                    if self._pool is not None:  # a batched replica: sequences are slots of the pool
+                        self._follow_pool(self._pool.pool, op, sequence, a, b)
+                    elif op == OP_NEW:
                         self._caches[sequence] = self.target.new_cache()
                     elif op == OP_FREE:
                         self._caches.pop(sequence, None)
@@ -380,6 +617,28 @@ class TargetShardActor:
                         raise RuntimeError(f"unknown tensor-parallel command {op}")
         except Exception:  # the replica cannot continue; rank 0's next collective times out with an error
             logger.exception("tensor-parallel rank %d stopped following rank 0", self.rank)
+
+    def _follow_pool(self, pool: KVPool, op: int, slot: int, a: int, b: int) -> None:
+        """Ranks > 0 of a batched replica: one of rank 0's commands on this rank's share of the pool."""
+        import torch.distributed as dist
+
+        if op == OP_NEW:
+            if pool.allocate(a) != slot:
+                raise RuntimeError(f"this rank's KV pool gave another slot than rank 0's ({slot})")
+        elif op == OP_FREE:
+            pool.free(slot)
+        elif op == OP_ROLLBACK:
+            pool.rollback(slot, a)
+        elif op == OP_COMPACT:
+            keep = torch.empty(a, dtype=torch.long)
+            dist.broadcast(keep, src=0)
+            pool.compact(slot, keep.tolist())
+        elif op == OP_FORWARD_BATCH:
+            payload = torch.empty(a, dtype=torch.long)
+            dist.broadcast(payload, src=0)
+            self.target.forward_batch(pool, unpack_blocks(payload, slot), last_only=bool(b))
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {op} for a batched replica")
 
     def _allreduce_seconds(self) -> float:
         return self.all_reduce.seconds if self.all_reduce is not None else 0.0

@@ -132,8 +132,16 @@ class ReplicaConfig(BaseModel):
     max_seq_len: int = Field(
         0,
         ge=0,
-        description="in-process batched replicas: tokens (prompt + max_tokens) one request may hold, the length of "
-        "each of the max_num_seqs KV slots preallocated; 0 = the target's context; longer requests are refused (400)",
+        description="batched replicas: tokens (prompt + max_tokens) one request may hold, the length of each of the "
+        "max_num_seqs KV slots preallocated (on every shard); 0 = the target's context; longer requests are refused",
+    )
+    batch_wait_ms: float = Field(
+        20.0,
+        ge=0,
+        le=10_000,
+        description="batched replicas on the distributed runtime: how long rank 0 waits, after a step's first draft "
+        "arrives, for every running request's draft before verifying those it has (a slow drafter never holds the "
+        "others up for longer)",
     )
     max_queue: int = Field(
         16,

@@ -49,6 +49,9 @@ class KVPool:
             )
         config = model.config
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shard = getattr(model, "tensor_parallel", None)  # a tensor-parallel rank holds its share of the KV heads
+        if shard is not None:
+            heads = shard.num_kv_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         parameter = next(model.parameters())
         shape = (num_slots, heads, slot_capacity + scratch, head_dim)

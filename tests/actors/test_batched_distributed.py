@@ -1,0 +1,132 @@
+"""Batched distributed replicas: rank 0 verifies its running requests' drafts together, the drafter runs their loops.
+
+Requests run concurrently through one :class:`~specserve.actors.coordinator.Coordinator` of a replica with
+``max_num_seqs = 4`` — TP 1 and TP 2, a draft model co-located or on a separate drafter, with and without
+overlap. Every request's output equals the single-process engine's on that request alone (greedy: also
+transformers'; seeded sampling without overlap: the same tokens), the requests really shared steps, and
+every KV slot is free afterwards on every rank. Float64 tiny models on a real local Ray cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import TinyPair
+from replicas import Case, config_for, greedy_reference
+
+from specserve.actors.coordinator import Coordinator
+from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.sampling import SamplingParams
+from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.drafters.registry import build_drafter_set
+
+pytestmark = pytest.mark.timeout(300)
+
+SLOTS = 4
+CASES = {
+    "llama-tp2-model-separate-overlap": Case("llama", 2, "model", "separate", True),
+    "qwen2-tp1-model-colocated": Case("qwen2", 1, "model", "colocated", False),
+}
+
+
+@dataclass
+class Running:
+    case: Case
+    pair: TinyPair
+    coordinator: Coordinator
+    engine: SpeculativeEngine
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def running(
+    request: pytest.FixtureRequest, ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
+) -> Iterator[Running]:
+    case = CASES[request.param]
+    pair = tiny_pairs[case.family]
+    config = config_for(case, saved_pairs[case.family], max_num_seqs=SLOTS, batch_wait_ms=200)
+    coordinator = Coordinator.spawn(config)
+    try:
+        yield Running(
+            case, pair, coordinator, SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
+        )
+    finally:
+        coordinator.shutdown()
+
+
+def concurrently(calls: list[Callable[[], GenerationResult]]) -> list[GenerationResult]:
+    """Every call at once, on threads of its own (a replica's callers, as a Serve replica makes them)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+def free_slots(running: Running) -> list[int]:
+    import ray
+
+    return list(ray.get([shard.free_slots.remote() for shard in running.coordinator.replica.shards]))
+
+
+def test_concurrent_requests_share_steps_and_each_equals_itself_alone(running: Running) -> None:
+    prompts = [running.pair.prompts[i] for i in range(SLOTS)]
+    tree = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))
+    configs = [
+        GenerationConfig(max_new_tokens=20, gamma=3),
+        GenerationConfig(max_new_tokens=16, gamma=1),
+        GenerationConfig(max_new_tokens=20, tree=tree),
+        GenerationConfig(max_new_tokens=12, gamma=3, drafter="ngram"),
+    ]
+    results = concurrently(
+        [
+            lambda p=p, c=c: running.coordinator.generate(p, SamplingParams(), c)
+            for p, c in zip(prompts, configs, strict=True)
+        ]
+    )
+    shared = 0
+    for prompt, config, got in zip(prompts, configs, results, strict=True):
+        want = running.engine.generate(prompt, SamplingParams(), config)
+        assert got.output_ids == want.output_ids == greedy_reference(running.pair, prompt, config.max_new_tokens)
+        assert got.text == want.text and got.finish_reason == want.finish_reason
+        shared += sum(o.batch_size > 1 for o in got.stats.observations)
+    assert shared > 0, "no step verified more than one request"
+    assert free_slots(running) == [SLOTS] * running.case.tp
+
+
+def test_concurrent_seeded_sampling(running: Running) -> None:
+    """Without overlap, each seeded request emits exactly what it emits alone in the engine; with overlap the
+    drafter's draws differ from the engine's, so there each must reproduce itself, batched with others."""
+    prompts = [running.pair.prompts[i] for i in range(SLOTS)]
+    params = [SamplingParams(temperature=1.0, top_k=20, seed=seed) for seed in range(SLOTS)]
+    config = GenerationConfig(max_new_tokens=16, gamma=3)
+    first = concurrently(
+        [lambda p=p, s=s: running.coordinator.generate(p, s, config) for p, s in zip(prompts, params, strict=True)]
+    )
+    if running.case.overlap:
+        again = concurrently(
+            [lambda p=p, s=s: running.coordinator.generate(p, s, config) for p, s in zip(prompts, params, strict=True)]
+        )
+        assert [r.output_ids for r in first] == [r.output_ids for r in again]
+    else:
+        for prompt, sampling, got in zip(prompts, params, first, strict=True):
+            assert got.output_ids == running.engine.generate(prompt, sampling, config).output_ids
+
+
+def test_an_abandoned_stream_leaves_the_batch_and_frees_its_slot(running: Running) -> None:
+    import ray
+
+    stream = running.coordinator.stream(running.pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=40))
+    next(stream)
+    other = running.coordinator.generate(running.pair.prompts[1], SamplingParams(), GenerationConfig(max_new_tokens=8))
+    assert other.output_ids == greedy_reference(running.pair, running.pair.prompts[1], 8)
+    stream.close()
+    rank0 = running.coordinator.replica.rank0
+    for _ in range(50):
+        if not ray.get(rank0.active_requests.remote()):
+            break
+        time.sleep(0.1)
+    assert ray.get(rank0.active_requests.remote()) == []
+    assert free_slots(running) == [SLOTS] * running.case.tp
