@@ -20,7 +20,7 @@ emits the same tokens through either. Knows nothing of the target's model, the w
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -37,7 +37,7 @@ from specserve.core.draft import (
 )
 from specserve.core.model import KVCache
 from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import Budget, CycleObservation, Schedule
+from specserve.core.schedule import BatchPlanned, Budget, CycleObservation, Schedule
 from specserve.core.target import CycleOutcome
 
 
@@ -172,44 +172,77 @@ class DraftSide:
         self.add_features(root, outcome.features)
 
 
-def align_chains(depths: Sequence[int]) -> list[int]:
-    """Chain lengths for one batched step: every chain that drafts at all gets the same length, the upper median of
-    what the drafting requests planned.
+def choose_width(
+    plans: Sequence[int],
+    expected: Sequence[Callable[[int], float]],
+    step_seconds: Callable[[int], float],
+    batch_size: int,
+    min_width: int = 1,
+) -> int:
+    """The block width (draft tokens + 1) of a batched step that maximises its expected committed tokens per second.
 
-    The target's forward pads every row to the widest block, so a chain shorter than the widest leaves
-    positions computed for nothing, and one longer than the others makes every row pay for its positions.
-    Each request's plan prices its block as if every request drafted alike
-    (:mod:`specserve.policies.step_costs`); the median of the plans is the batch's consensus, robust to a few
-    requests whose noisy estimates ask for more (the widest plan would ratchet every row up) or less.
-    ``depths``: per request, its planned chain's length, or minus a tree's node count (trees count towards the
-    median but keep their shape); a chain of 0 (plain decoding, or a request switched off) stays 0.
+    ``plans``: the chain each flexible request planned (0 = plain decoding); ``expected[i](g)``: E[tokens] request
+    i commits with a chain of g; ``step_seconds(n)``: a step computing n positions; the step has ``batch_size``
+    rows, and other requests' blocks (fixed chains, trees, prefill-free rows) need ``min_width``. At width W
+    request i drafts min(plan_i, W − 1), every row pays for W positions, and each of the ``batch_size −
+    len(plans)`` other rows is counted as one token whatever W is (their own budgets are not ours to change).
+    Ties go to the narrower width.
     """
-    drafting = sorted(abs(d) for d in depths if d != 0)
-    if not drafting:
-        return list(depths)
-    width = drafting[len(drafting) // 2]
-    return [width if d > 0 else d for d in depths]
+    widest = max([0, *plans]) + 1
+    if widest <= min_width:
+        return min_width
+    best_width, best_rate = min_width, -1.0
+    for width in range(min_width, widest + 1):
+        tokens = batch_size - len(plans) + sum(e(min(plan, width - 1)) for plan, e in zip(plans, expected, strict=True))
+        rate = tokens / max(step_seconds(batch_size * width), 1e-9)
+        if rate > best_rate * (1 + 1e-9):
+            best_width, best_rate = width, rate
+    return best_width
+
+
+def _fit_to_width(sides: Sequence[DraftSide]) -> None:
+    """Cut the planned chains of goodput-aware schedules to the width that pays best for the whole step."""
+    flexible = [
+        side
+        for side in sides
+        if side.chain_limit is not None and isinstance(side.schedule, BatchPlanned) and side.schedule.aligns_in_batch
+    ]
+    if not flexible:
+        return
+    others = [side for side in sides if side not in flexible]
+    min_width = 1 + max(
+        [0, *(side.chain_limit if side.chain_limit is not None else side.budget.nodes for side in others)]
+    )
+    schedules = [side.schedule for side in flexible]
+    plans = [side.chain_limit or 0 for side in flexible]
+    width = choose_width(
+        plans,
+        [schedule.expected_tokens for schedule in schedules],  # type: ignore[attr-defined]
+        schedules[0].step_seconds,  # type: ignore[attr-defined]
+        len(sides),
+        min_width,
+    )
+    for side, plan in zip(flexible, plans, strict=True):
+        if plan > width - 1:
+            side.budget = Budget(width - 1)
 
 
 def propose_batch(sides: Sequence[DraftSide]) -> list[Proposal]:
     """Every side's next proposal for one batched step of ``len(sides)`` requests.
 
-    Each schedule first plans its budget knowing the batch size; the drafting chains of schedules that allow it
-    (``aligns_in_batch``: the goodput-aware adaptive policy; a fixed γ stays fixed) are aligned to one length
-    (:func:`align_chains`, each still cut to its request's remaining tokens); then the chains of drafters that share a
-    :class:`~specserve.core.draft.ChainBatcher` (a draft model over one KV pool) are drafted together, each
-    request charged an equal share of the group's time, and every other proposal (trees, n-gram, none) is drafted
-    on its own. Every request's drafter sees the calls it would see alone, so the proposals are the same.
+    Each schedule first plans its budget knowing the batch size; the chains of schedules that allow it
+    (:class:`~specserve.core.schedule.BatchPlanned`: the goodput-aware adaptive policy; a fixed γ stays fixed) are
+    cut to the step width that pays best for the whole batch (:func:`choose_width`); then the chains of drafters
+    that share a :class:`~specserve.core.draft.ChainBatcher` (a draft model over one KV pool) are drafted
+    together, each request charged an equal share of the group's time, and every other proposal (trees, n-gram,
+    none) is drafted on its own. Every request's drafter sees the calls it would see alone, so the proposals are
+    the same.
     """
     batch = len(sides)
     for side in sides:
         side.plan(batch)
-    flexible = [side for side in sides if getattr(side.schedule, "aligns_in_batch", False)]
-    planned = [side.chain_limit if side.chain_limit is not None else -side.budget.nodes for side in flexible]
-    widths = align_chains(planned)
-    for side, width in zip(flexible, widths, strict=True):
-        if side.chain_limit is not None and width != side.chain_limit:
-            side.budget = Budget(width)
+    if batch > 1:
+        _fit_to_width(sides)
     proposals: list[Proposal | None] = [None] * batch
     groups: dict[int, list[int]] = {}
     for i, side in enumerate(sides):

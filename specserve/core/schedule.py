@@ -93,11 +93,31 @@ class Schedule(Protocol):
     def observe(self, observation: CycleObservation) -> None: ...
 
 
+@runtime_checkable
+class BatchPlanned(Protocol):
+    """A schedule whose chains a batched engine may shorten to the step's width (``aligns_in_batch`` true).
+
+    The target's forward pads every row of a step to its widest block, so the width is the batch's decision,
+    not one request's: the engine picks the width that maximises the step's expected committed tokens per
+    second (:func:`specserve.core.draft_side.choose_width`) from what each such schedule expects of a chain of
+    each length and what a step of so many positions costs, and cuts longer chains to it.
+    """
+
+    aligns_in_batch: bool
+
+    def expected_tokens(self, gamma: int) -> float:
+        """E[tokens committed] by a chain of ``gamma`` drafts (1 for plain decoding) under the current estimates."""
+        ...
+
+    def step_seconds(self, positions: int) -> float:
+        """Predicted seconds of a batched step whose forward computes ``positions`` positions."""
+        ...
+
+
 class FixedSchedule:
     """The same budget every cycle (the request's ``gamma`` or ``tree``)."""
 
-    # A schedule may set ``aligns_in_batch = True`` to let a batched engine give its chain the length the batch's
-    # other such chains agree on (specserve.core.draft_side.align_chains); a fixed budget is never changed.
+    # A fixed budget is never changed by a batched engine (see BatchPlanned).
     aligns_in_batch = False
 
     def __init__(self, budget: Budget) -> None:

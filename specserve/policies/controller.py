@@ -7,7 +7,11 @@ replica's :class:`~specserve.policies.estimators.ReplicaPrior` when given one), 
 to that prior, keeps the decision counters the policy reads (previous budget, cycles since a change,
 cycles off), and records a JSON-ready :attr:`history`. In a batched engine it is also told how many requests
 the next step verifies, and reads its share of such a step off the replica's
-:class:`~specserve.policies.step_costs.StepCostEstimator`, which every cycle's observation feeds.
+:class:`~specserve.policies.step_costs.StepCostEstimator`, which every cycle's observation feeds; it tells
+the engine what it expects of a chain of each length, so that the engine can choose the step's width
+(:class:`~specserve.core.schedule.BatchPlanned`). A probe the engine cut (one request's probe would widen
+every row of the step) stays due and is asked again each cycle, so probes go through when enough requests
+probe together.
 
 A policy that sets ``calibrates_plain`` (the adaptive one) gets one plain-decoding cycle first when
 neither the request nor the replica has measured T_verify(1): plain decoding is what every γ is compared
@@ -36,7 +40,7 @@ from specserve.policies.estimators import (
     Estimators,
     ReplicaPrior,
 )
-from specserve.policies.rates import budget_depth
+from specserve.policies.rates import budget_depth, expected_tokens
 from specserve.policies.step_costs import StepCostEstimator
 
 DEFAULT_MAX_GAMMA_CAP = 16
@@ -87,6 +91,20 @@ class SpeculationController:
         self._batch_off = 0  # while off: the smallest batch size at which the policy chose not to draft
         # its budgets price a batched step as if every request drafted alike: a batched engine may align them
         self.aligns_in_batch = policy.name == "adaptive"
+        self._state: PolicyState | None = None  # what the last decision was made from
+        # a probe a batched step cut to nothing (it would have widened every row for one request): asked again
+        # each cycle until it goes through, which it does once enough requests probe in the same step
+        self._deferred_probe: Budget | None = None
+
+    # What a batched engine asks to choose a step's width (specserve.core.schedule.BatchPlanned)
+
+    def expected_tokens(self, gamma: int) -> float:
+        """E[tokens committed] by a chain of ``gamma`` drafts under the estimates of the last decision."""
+        state = self._state if self._state is not None else self.snapshot()
+        return expected_tokens(state, Budget(gamma))
+
+    def step_seconds(self, positions: int) -> float:
+        return self.step_costs.t_step(positions)
 
     def snapshot(self, batch_size: int = 1) -> PolicyState:
         """The state the next decision will be made from, in a step that verifies ``batch_size`` requests: beyond
@@ -118,8 +136,11 @@ class SpeculationController:
             if not self.estimators.plain_measured:
                 self.history.append(self._entry(Budget(0), Budget(0), remaining, probe=False, calibration=True))
                 return Budget(0)
-        state = self.snapshot(batch_size)
+        state = self._state = self.snapshot(batch_size)
         chosen = clip_budget(self.policy.decide(state), self.max_gamma_cap)
+        if self._deferred_probe is not None and chosen.nodes == 0:
+            chosen = self._deferred_probe
+        self._deferred_probe = None
         previous = self._chosen
         probe = chosen.nodes > 0 and self._cycles_off > 0 and previous is not None and previous.nodes == 0
         if chosen.nodes == 0 or probe:
@@ -157,6 +178,11 @@ class SpeculationController:
         if self.replica_prior is not None:
             self.replica_prior.observe(obs)
         self.step_costs.observe(obs.positions, obs.verify_seconds + obs.wire_seconds)
+        decision = self.history[-1] if self.history and "accepted" not in self.history[-1] else None
+        if decision is not None and decision["probe"] and obs.budget.nodes == 0 and self._chosen is not None:
+            # the batch cut this probe: nothing was learned, so it stays due (and the request stays off)
+            self._deferred_probe, self._chosen = self._chosen, Budget(0)
+            decision["deferred"] = True
         record = {
             "drafted": obs.drafted,
             "depth": obs.depth,
