@@ -64,6 +64,7 @@ OP_FORWARD_TREE = 6  # a = number of nodes; then [root, tokens..., parents...] (
 OP_COMPACT = 7  # a = number of positions to keep; then the positions
 OP_HEARTBEAT = 8  # nothing to do: keeps an idle replica's followers inside the collectives' timeout
 OP_FORWARD_BATCH = 9  # sequence = number of blocks, a = payload length (broadcast next), b = last_only
+OP_MOVE = 10  # sequence = source slot, a = target slot (packing a batched replica's pool)
 HEADER_SIZE = 4
 BATCH_SCRATCH = 256  # padding columns of a batched replica's pool: the widest block a step may add (a prefill is
 # one row: it never pads others)
@@ -200,6 +201,10 @@ class ShardedPool:
     def compact(self, slot: int, keep: Sequence[int]) -> None:
         self.commands.send(OP_COMPACT, slot, len(keep), 0, torch.tensor(list(keep), dtype=torch.long))
         self.pool.compact(slot, keep)
+
+    def move(self, source: int, target: int) -> None:
+        self.commands.send(OP_MOVE, source, target)
+        self.pool.move(source, target)
 
 
 class _Request:
@@ -494,6 +499,8 @@ class TargetShardActor:
             if not items:
                 return results
             assert self._pool is not None
+            self._pack()
+            items.sort(key=lambda item: item[1].slot)  # consecutive slots: the step reads the pool without copying
             before = self._allreduce_seconds()
             step = verify_batch(
                 self._pool, [(request.verifier, proposal, request.slot) for _, request, proposal in items]
@@ -514,6 +521,21 @@ class TargetShardActor:
                 self._release(request.sequence)
         if self._batcher is not None:
             self._batcher.wake()
+
+    def _pack(self) -> None:
+        """Move running requests down into slots freed by finished ones (on every rank), so that a step's rows are
+        consecutive slots."""
+        assert self._pool is not None
+        by_slot = {
+            request.sequence.slot: request.sequence
+            for request in self._requests.values()
+            if isinstance(request.sequence, PooledSequence)
+        }
+        for source, target in self._pool.pool.packing():
+            self._pool.move(source, target)
+            sequence = by_slot.pop(source)
+            sequence.slot = target
+            by_slot[target] = sequence
 
     def _release(self, sequence: ShardedSequence | PooledSequence) -> None:
         if isinstance(sequence, PooledSequence):
@@ -633,6 +655,8 @@ class TargetShardActor:
             keep = torch.empty(a, dtype=torch.long)
             dist.broadcast(keep, src=0)
             pool.compact(slot, keep.tolist())
+        elif op == OP_MOVE:
+            pool.move(slot, a)
         elif op == OP_FORWARD_BATCH:
             payload = torch.empty(a, dtype=torch.long)
             dist.broadcast(payload, src=0)

@@ -8,13 +8,18 @@ drafter loop with γ = 0), the deployment's draft model, and the n-gram drafter,
 request through the ``speculation`` object — so the comparison is like for like. On a small
 shared machine the speed drifts by tens of percent over minutes, so the levels run in
 ``rounds`` (short blocks) with the order of the modes reversed every other round, each mode's
-numbers pool its rounds, and measuring starts after a warm-up.
+numbers pool its rounds, and measuring starts after a warm-up. A run may measure several deployments
+one after another (:class:`ReplicaSetup`; ``--batched N``: the one-at-a-time replica with speculation off,
+then a replica batching N requests with speculation off, each fixed γ and the adaptive policy), each
+with its own modes; the first mode of the first deployment is the baseline of the comparison.
 
 Per request: **TTFT** = send → first event carrying text; **ITL** = (last token time − first
 token time) / (completion tokens − 1), i.e. the mean gap per token after the first (what
 vLLM's benchmark calls TPOT). Speculation delivers tokens in bursts, so the raw gap between
 events is not a per-token latency and is not reported. Per level: **throughput** = completion
-tokens of all requests / wall time of the level.
+tokens of all requests / wall time of the level; **mean γ** and **mean batch** = per request, the mean
+budget it drafted with and the mean number of requests verified with it per cycle (from the response's
+``speculation`` summary), averaged over the level's requests.
 
 :func:`run_load` drives a URL (any running application); :func:`run` starts the application
 itself (:func:`~specserve.serve.launch.serving`) and writes JSON, Markdown and a plot. Does not
@@ -29,7 +34,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +56,15 @@ DEFAULT_MODES: tuple[tuple[str, dict[str, Any]], ...] = (
 
 
 @dataclass(frozen=True)
+class ReplicaSetup:
+    """One deployment a run measures: its replica settings (``ServeConfig`` fields) and the modes sent to it."""
+
+    label: str  # prefixes its modes' labels ("" for a run of one deployment)
+    settings: dict[str, Any] = field(default_factory=dict)  # e.g. {"max_num_seqs": 32}
+    modes: tuple[tuple[str, dict[str, Any]], ...] = DEFAULT_MODES  # (label, speculation object)
+
+
+@dataclass(frozen=True)
 class LoadConfig:
     target: str = str(defaults.DEFAULT_TARGET)
     draft: str = str(defaults.DEFAULT_DRAFT)
@@ -61,6 +75,8 @@ class LoadConfig:
     num_prompts: int = 8  # every level cycles over the same prompts, so levels compare like with like
     level_time_limit_s: float = 300.0  # no request starts after this; the level's numbers cover what ran
     modes: tuple[tuple[str, dict[str, Any]], ...] = DEFAULT_MODES  # (label, speculation object); first = baseline
+    # deployments measured one after another (each runs its own modes); the first mode of the first is the baseline
+    replicas: tuple[ReplicaSetup, ...] = ()  # () = one deployment with default settings running `modes`
     rounds: int = 4
     warmup_s: float = 30.0  # warm-up requests (every mode) for this long before measuring
     port: int = 8123
@@ -74,6 +90,8 @@ class RequestTiming:
     last: float | None = None  # last event with text
     tokens: int = 0  # completion tokens (from usage)
     mean_accepted_length: float | None = None
+    mean_budget: float | None = None  # mean γ (or tree nodes) the request drafted with, per cycle
+    mean_batch_size: float | None = None  # mean requests verified with it, per cycle
     error: str | None = None
 
     @property
@@ -113,7 +131,11 @@ def stream_completion(
                     timing.last = now
                 if "usage" in event:
                     timing.tokens = int(event["usage"]["completion_tokens"])
-                    timing.mean_accepted_length = event.get("speculation", {}).get("mean_accepted_length")
+                    speculation = event.get("speculation", {})
+                    timing.mean_accepted_length = speculation.get("mean_accepted_length")
+                    budgets, batches = speculation.get("budgets") or [], speculation.get("batch_sizes") or []
+                    timing.mean_budget = float(np.mean(budgets)) if budgets else None
+                    timing.mean_batch_size = float(np.mean(batches)) if batches else None
     except requests.RequestException as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     return timing
@@ -128,6 +150,8 @@ def summarise_level(timings: list[RequestTiming], wall_s: float) -> dict[str, An
     ttft = [t.ttft for t in ok if t.ttft is not None]
     itl = [t.itl for t in ok if t.itl is not None]
     accepted = [t.mean_accepted_length for t in ok if t.mean_accepted_length is not None]
+    budgets = [t.mean_budget for t in ok if t.mean_budget is not None]
+    batches = [t.mean_batch_size for t in ok if t.mean_batch_size is not None]
     tokens = sum(t.tokens for t in ok)
     return {
         "requests": len(timings),
@@ -140,6 +164,8 @@ def summarise_level(timings: list[RequestTiming], wall_s: float) -> dict[str, An
         "itl_p50_s": percentile(itl, 50),
         "itl_p99_s": percentile(itl, 99),
         "mean_accepted_length": float(np.mean(accepted)) if accepted else None,
+        "mean_gamma": float(np.mean(budgets)) if budgets else None,
+        "mean_batch_size": float(np.mean(batches)) if batches else None,
     }
 
 
@@ -252,28 +278,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def run(cfg: LoadConfig) -> dict[str, Any]:
     from specserve.benchmarks.prompts import heldout_prompts
-    from specserve.serve.config import ServeConfig
-    from specserve.serve.deploy_file import ServeFile
-    from specserve.serve.launch import serving
 
     prompts = heldout_prompts(cfg.num_prompts)
-    config = ServeConfig(
-        model_name="bench",
-        target=cfg.target,
-        draft=cfg.draft,
-        default_max_tokens=cfg.max_tokens,
-        max_ongoing_requests=max(cfg.concurrency),
-    )
-    with serving(ServeFile(config=config, port=cfg.port)) as where:
-        url = where["url"].removesuffix("/v1")
-        # Warm-up: the first requests pay for lazy initialisation, and a freshly started Ray keeps the cores
-        # busy for a while (workers starting, agents settling), which would tax whichever level runs first.
-        warm_until = time.perf_counter() + cfg.warmup_s
-        while time.perf_counter() < warm_until:
-            for _, speculation in cfg.modes:
-                stream_completion(url, request_bodies("bench", prompts, 1, cfg, speculation)[0])
-        rows = run_load(url, "bench", prompts, cfg)
-    baseline = cfg.modes[0][0]
+    setups = cfg.replicas or (ReplicaSetup("", {}, cfg.modes),)
+    rows: list[dict[str, Any]] = []
+    for setup in setups:
+        modes = tuple((f"{setup.label} {label}".strip(), body) for label, body in setup.modes)
+        rows += _run_deployment(replace(cfg, modes=modes), setup.settings, prompts)
+    baseline = rows[0]["mode"]
     report = {
         "config": {**asdict(cfg), "out_dir": str(cfg.out_dir)},
         "rows": rows,
@@ -284,6 +296,33 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
     (cfg.out_dir / "serve_load.md").write_text(markdown(report))
     plot(rows, cfg.out_dir / "serve_load.png")
     return report
+
+
+def _run_deployment(cfg: LoadConfig, settings: dict[str, Any], prompts: list[str]) -> list[dict[str, Any]]:
+    """Deploy the application with ``settings``, warm it up, and run every level of ``cfg.modes`` against it."""
+    from specserve.serve.config import ServeConfig
+    from specserve.serve.deploy_file import ServeFile
+    from specserve.serve.launch import serving
+
+    clients = max(cfg.concurrency)
+    config = ServeConfig(
+        model_name="bench",
+        target=cfg.target,
+        draft=cfg.draft,
+        default_max_tokens=cfg.max_tokens,
+        max_ongoing_requests=max(clients, settings.get("max_num_seqs", 1)),
+        max_queue=clients,  # a closed loop never has more requests than clients: nothing is refused
+        **settings,
+    )
+    with serving(ServeFile(config=config, port=cfg.port)) as where:
+        url = where["url"].removesuffix("/v1")
+        # Warm-up: the first requests pay for lazy initialisation, and a freshly started Ray keeps the cores
+        # busy for a while (workers starting, agents settling), which would tax whichever level runs first.
+        warm_until = time.perf_counter() + cfg.warmup_s
+        while time.perf_counter() < warm_until:
+            for _, speculation in cfg.modes:
+                stream_completion(url, request_bodies("bench", prompts, 1, cfg, speculation)[0])
+        return run_load(url, "bench", prompts, cfg)
 
 
 def _ms(value: float | None) -> str:
@@ -297,19 +336,23 @@ def _x(value: float | None) -> str:
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "| concurrency | mode | requests | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        "| mean acc. len | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mean acc. len | mean γ | mean batch | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        acc = "–" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        acc, gamma, batch = (
+            "–" if r.get(key) is None else f"{r[key]:.2f}"
+            for key in ("mean_accepted_length", "mean_gamma", "mean_batch_size")
+        )
         lines.append(
             f"| {r['concurrency']} | {r['mode']} | {r['requests']} "
             f"| {r['throughput_tok_s']:.1f} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} "
-            f"| {_ms(r['itl_p50_s'])} | {_ms(r['itl_p99_s'])} | {acc} | {r['errors']} |"
+            f"| {_ms(r['itl_p50_s'])} | {_ms(r['itl_p99_s'])} | {acc} | {gamma} | {batch} | {r['errors']} |"
         )
+    base = report["rows"][0]["mode"] if report["rows"] else "off"
     lines += [
         "",
-        "| concurrency | mode | throughput ÷ off | ITL p50: off ÷ mode | TTFT p50: off ÷ mode |",
+        f"| concurrency | mode | throughput ÷ {base} | ITL p50: {base} ÷ mode | TTFT p50: {base} ÷ mode |",
         "|---|---|---|---|---|",
     ]
     for c in report["comparison"]:
@@ -366,6 +409,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
     parser.add_argument("--requests", default="4,8,16", help="requests per round and mode, one per concurrency level")
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per level; no request starts after")
+    parser.add_argument(
+        "--batched",
+        type=int,
+        default=0,
+        help="N > 0: measure two deployments, the one-at-a-time replica (speculation off) and a batched one with "
+        "max_num_seqs N (off, each of --gammas, and the adaptive policy); 0: one deployment, the modes above",
+    )
+    parser.add_argument("--gammas", default="1,2,3,4", help="with --batched: the fixed γ modes of the batched replica")
     parser.add_argument("--port", type=int, default=8123, help="HTTP port on 127.0.0.1")
     parser.add_argument("--out", default="bench/results")
 
@@ -385,6 +436,23 @@ def run_command(args: argparse.Namespace) -> int:
     ]
     if args.ngram_gamma:
         modes.append((f"n-gram γ{args.ngram_gamma}", {"drafter": "ngram", "gamma": args.ngram_gamma}))
+    replicas: tuple[ReplicaSetup, ...] = ()
+    if args.batched < 0:
+        raise UserError("--batched must be >= 0 (0 = no batched deployment)")
+    if args.batched:
+        gammas = number_list(args.gammas, int, "--gammas")
+        if any(not 1 <= g <= MAX_GAMMA for g in gammas):
+            raise UserError(f"--gammas must lie between 1 and {MAX_GAMMA}")
+        off: tuple[str, dict[str, Any]] = ("off", {"enabled": False})
+        batched_modes = (
+            off,
+            *((f"γ{g}", {"drafter": "default", "gamma": g}) for g in gammas),
+            ("adaptive", {"drafter": "default", "gamma": args.gamma, "policy": "adaptive"}),
+        )
+        replicas = (
+            ReplicaSetup("one-at-a-time", {"max_num_seqs": 1}, (off,)),
+            ReplicaSetup("batched", {"max_num_seqs": args.batched}, batched_modes),
+        )
     report = run(
         LoadConfig(
             target=args.target,
@@ -398,6 +466,7 @@ def run_command(args: argparse.Namespace) -> int:
             level_time_limit_s=args.time_limit,
             port=args.port,
             out_dir=Path(args.out),
+            replicas=replicas,
         )
     )
     print(markdown(report))

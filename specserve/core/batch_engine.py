@@ -70,6 +70,7 @@ class _Request:
     submitted: float
     slot: int = -1
     verifier: TargetVerifier | None = None
+    sequence: PooledSequence | None = None
     side: DraftSide | None = None
     out: RequestOutput | None = None
 
@@ -166,9 +167,11 @@ class BatchedEngine(GenerationFrontend):
     def step(self) -> list[tuple[int, StreamChunk]]:
         """Admit and prefill (a chunk), then draft, verify every prefilled request in one forward, commit; each
         request's new chunk."""
+        self._pack()
         self._admit()
         self._prefill()
         running = [r for r in self._running.values() if r.verifier is not None and not r.verifier.unprefilled]
+        running.sort(key=lambda r: r.slot)  # consecutive slots: the step reads the pool without copying it
         if not running:
             return []
         parts = [request.parts() for request in running]
@@ -191,6 +194,19 @@ class BatchedEngine(GenerationFrontend):
             if out.finish is not None:
                 self.cancel(request.request_id)
         return chunks
+
+    def _pack(self) -> None:
+        """Move running requests down into slots freed by finished ones, so that the running requests hold the
+        lowest slots and a step's rows are consecutive (a copy of a few requests' KV now and then instead of a
+        gather of every request's KV in every layer at every step)."""
+        by_slot = {request.slot: request for request in self._running.values()}
+        for source, target in self.pool.packing():
+            self.ops.move(source, target)
+            request = by_slot.pop(source)
+            request.slot = target
+            if request.sequence is not None:
+                request.sequence.slot = target
+            by_slot[target] = request
 
     def _admit(self) -> None:
         while self._waiting and self.pool.free_slots:
@@ -239,7 +255,7 @@ class BatchedEngine(GenerationFrontend):
             device,
             config.drafter,
         )
-        sequence = PooledSequence(self.ops, request.slot)
+        sequence = request.sequence = PooledSequence(self.ops, request.slot)
         verifier = TargetVerifier(
             sequence,
             request.prompt_ids,

@@ -51,6 +51,9 @@ class LocalPool:
     def compact(self, slot: int, keep: Sequence[int]) -> None:
         self.pool.compact(slot, keep)
 
+    def move(self, source: int, target: int) -> None:
+        self.pool.move(source, target)
+
 
 @dataclass(frozen=True)
 class StepResult:

@@ -118,6 +118,30 @@ class KVPool:
                 row[:, unchanged : unchanged + len(moved)] = row.index_select(1, index)
         self._lengths[slot] = len(keep)
 
+    @torch.inference_mode()
+    def move(self, source: int, target: int) -> None:
+        """Move the sequence of slot ``source`` to the free slot ``target`` (its cached positions are copied)."""
+        length = self.length(source)
+        if target not in self._free:
+            raise ValueError(f"slot {target} is not free")
+        for tensor in (*self.keys, *self.values):
+            tensor[target, :, :length] = tensor[source, :, :length]
+        self._free.remove(target)
+        self._lengths[target] = length
+        self.free(source)
+
+    def packing(self) -> list[tuple[int, int]]:
+        """The moves (source, target) that put the allocated slots at ``0 .. n − 1``: each takes the highest allocated
+        slot to the lowest free one below it. A step whose rows are consecutive slots reads the pool without copying
+        it (:meth:`PoolView.read`), so callers pack between steps; :meth:`move` carries them out."""
+        free, moves = sorted(self._free), []
+        used = sorted(set(range(self.num_slots)) - set(free))
+        while free and used and free[0] < used[-1]:
+            moves.append((used.pop(), free.pop(0)))
+            used.append(moves[-1][1])
+            used.sort()
+        return moves
+
     def snapshot(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of the slot's cached keys and values, per layer (``[1, heads, length, head_dim]`` each)."""
         length = self.length(slot)

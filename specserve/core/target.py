@@ -121,6 +121,10 @@ class PoolOps(Protocol):
 
     def compact(self, slot: int, keep: Sequence[int]) -> None: ...
 
+    def move(self, source: int, target: int) -> None:
+        """Move the sequence of slot ``source`` to the free slot ``target`` (packing the pool between steps)."""
+        ...
+
 
 class PooledSequence:
     """A sequence whose KV lives in one slot of a :class:`~specserve.core.kv_pool.KVPool` (batched serving).

@@ -48,6 +48,7 @@ def speculation_summary(stats: RequestStats, params: SamplingParams) -> dict[str
         "acceptance_by_position": stats.acceptance_by_position,
         "tree_shapes": [[nodes, depth] for nodes, depth in stats.tree_shapes],  # per cycle; empty for chains
         "budgets": list(stats.budgets),  # the budget the policy chose per cycle (γ, or tree nodes)
+        "batch_sizes": [o.batch_size for o in stats.observations],  # requests verified together, per cycle
         "sampling": params.mode,
         "lossy": params.lossy_acceptance,  # true: typical acceptance ran; the output is not the target's law
     }

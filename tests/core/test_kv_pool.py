@@ -185,3 +185,22 @@ def test_kv_cache_and_pool_agree_on_compaction_rules(pair: TinyPair) -> None:
             pool.compact(slot, keep)
         with pytest.raises(ValueError, match="strictly increasing"):
             cache.compact(keep)
+
+
+def test_packing_moves_sequences_down_into_freed_slots(pair: TinyPair) -> None:
+    target = pair.target
+    pool = KVPool(target.model, num_slots=6, slot_capacity=32, scratch=8)
+    slots = [pool.allocate(32) for _ in range(6)]
+    texts = [random_tokens(3 + i, 20 + i) for i in range(6)]
+    target.forward_batch(pool, [BatchBlock.chain(slot, text) for slot, text in zip(slots, texts, strict=True)])
+    for slot in (slots[1], slots[2], slots[4]):
+        pool.free(slot)
+    moves = pool.packing()
+    assert moves == [(5, 1), (3, 2)]  # the highest allocated slot to the lowest free one, until 0..n-1 are used
+    for source, dest in moves:
+        pool.move(source, dest)
+    assert pool.free_slots == 3 and pool.packing() == []
+    for slot, text in ((0, texts[0]), (1, texts[5]), (2, texts[3])):
+        assert_same_kv(pool, slot, target, text)
+    with pytest.raises(ValueError, match="not free"):
+        pool.move(0, 1)

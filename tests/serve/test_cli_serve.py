@@ -1,5 +1,5 @@
-"""``specserve serve --config FILE``: a real process that starts its own Ray and Serve on 127.0.0.1, answers, and
-stops cleanly on Ctrl-C (SIGINT) with exit status 0."""
+"""``specserve serve --config FILE --max-num-seqs 4``: a real process that starts its own Ray and Serve on 127.0.0.1,
+answers from a batched replica, and stops cleanly on Ctrl-C (SIGINT) with exit status 0; a bad flag is refused."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path: Path, saved_pairs: 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env |= {"SPECSERVE_CLUSTER_DIR": str(tmp_path / "no-cluster"), "RAY_USAGE_STATS_ENABLED": "0"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "specserve.cli", "serve", "--config", str(path), "--max-num-seqs", "4"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -86,3 +86,15 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path: Path, saved_pairs: 
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def test_a_bad_batch_size_is_refused_before_anything_starts() -> None:
+    import argparse
+
+    from specserve.core.errors import UserError
+    from specserve.serve.command import add_arguments, run_command
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(UserError, match="--max-num-seqs must be >= 1"):
+        run_command(parser.parse_args(["--max-num-seqs", "0"]))
