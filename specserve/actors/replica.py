@@ -117,6 +117,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
                     num_slots=slots,
                     slot_capacity=config.max_seq_len,
                     batch_wait_s=config.batch_wait_ms / 1000,
+                    prefill_tokens=config.max_batch_tokens,
                 )
             )
         actors.extend(shards)

@@ -298,10 +298,12 @@ class TargetShardActor:
         num_slots: int = 0,
         slot_capacity: int = 0,
         batch_wait_s: float = 0.02,
+        prefill_tokens: int = 256,
     ) -> None:
         """``num_slots`` > 0 makes a batched replica: every rank keeps its KV in a pool of that many slots of
         ``slot_capacity`` positions (0: the target's context), and rank 0 verifies the drafts of its running
-        requests together, one forward per step, waiting at most ``batch_wait_s`` for a step to fill."""
+        requests together, one forward per step, waiting at most ``batch_wait_s`` for a step to fill, and prefills
+        newcomers ``prefill_tokens`` tokens at a time between steps."""
         self.compute = ComputeThread(num_threads)
         self.rank, self.world_size = rank, world_size
         self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
@@ -320,6 +322,8 @@ class TargetShardActor:
         self._slot_capacity = slot_capacity or self.target.info.max_positions
         self._batch_wait_s = batch_wait_s
         self._pool: ShardedPool | None = None  # batched replicas, once the model is sharded
+        self._prefill_tokens = prefill_tokens
+        self._prefilling: dict[str, _Request] = {}  # rank 0: admitted, prompt not yet cached
         self._batcher: _VerifyBatcher | None = None  # batched replicas, rank 0
 
     # -----------------------------------------------------------------------------------------
@@ -415,7 +419,6 @@ class TargetShardActor:
     def vocab_size(self) -> int:
         return self.target.info.vocab_size
 
-    @on_compute_thread
     def start_request(
         self,
         request_id: str,
@@ -426,10 +429,43 @@ class TargetShardActor:
         feature_layers: Sequence[int] = (),
     ) -> torch.Tensor | None:
         """Admit a request and prefill its prompt on every rank. With ``feature_layers`` (a hidden-state
-        drafter's), return the prompt's features, and every verdict carries its cycle's."""
+        drafter's), return the prompt's features, and every verdict carries its cycle's.
+
+        A batched replica prefills in chunks of at most ``prefill_tokens`` tokens, each its own turn on the
+        compute thread, so the running requests' steps go on between them: a long prompt delays them by one
+        chunk at a time."""
         self._require_rank0()
+        request = self.compute.run(
+            self._admit, request_id, prompt_ids, params, max_new_tokens, eos_token_ids, feature_layers
+        )
+        chunks: list[torch.Tensor] = []
+        try:
+            if self._pool is None:
+                features = self.compute.run(request.verifier.prefill)
+                chunks += [features] if features is not None else []
+            while self._pool is not None and request.verifier.unprefilled:
+                features = self.compute.run(self._prefill_chunk, request)
+                chunks += [features] if features is not None else []
+        except BaseException:
+            self.compute.run(self._abandon, request_id)
+            raise
+        self.compute.run(self._register, request_id)
+        if not feature_layers:
+            return None
+        return torch.cat(chunks).cpu() if chunks else torch.empty(0, 0)
+
+    def _admit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int],
+        feature_layers: Sequence[int],
+    ) -> _Request:
+        """On the compute thread: the request's KV (a pool slot, or a sequence on every rank) and verifier."""
         with self._lock:
-            if request_id in self._requests:
+            if request_id in self._requests or request_id in self._prefilling:
                 raise ValueError(f"request {request_id!r} is already running")
             sequence: ShardedSequence | PooledSequence
             if self._pool is not None:
@@ -447,13 +483,28 @@ class TargetShardActor:
                 self.target.device,
                 feature_layers,
             )
-            try:
-                features = verifier.prefill()
-            except BaseException:
-                self._release(sequence)
-                raise
-            self._requests[request_id] = _Request(sequence, verifier)
-            return features.cpu() if features is not None else None
+            request = self._prefilling[request_id] = _Request(sequence, verifier)
+            return request
+
+    def _prefill_chunk(self, request: _Request) -> torch.Tensor | None:
+        """On the compute thread: the next chunk of a batched replica's prefill (its features, if it captures)."""
+        assert self._pool is not None
+        with self._lock:
+            capture = request.verifier.new_capture()
+            block = request.verifier.prefill_block(request.slot, self._prefill_tokens)
+            self._pool.forward_batch([block], last_only=True, capture=[capture])
+            return capture.take() if capture is not None else None
+
+    def _register(self, request_id: str) -> None:
+        """On the compute thread: a prefilled request joins the steps."""
+        with self._lock:
+            self._requests[request_id] = self._prefilling.pop(request_id)
+
+    def _abandon(self, request_id: str) -> None:
+        with self._lock:
+            request = self._prefilling.pop(request_id, None)
+            if request is not None:
+                self._release(request.sequence)
 
     def verify(self, request_id: str, cycle: int, proposal: Proposal) -> CycleOutcome:
         """One cycle (called by the gRPC verifier, which encodes the outcome): forward on every rank, verify,
@@ -528,7 +579,7 @@ class TargetShardActor:
         assert self._pool is not None
         by_slot = {
             request.sequence.slot: request.sequence
-            for request in self._requests.values()
+            for request in (*self._requests.values(), *self._prefilling.values())
             if isinstance(request.sequence, PooledSequence)
         }
         for source, target in self._pool.pool.packing():

@@ -126,8 +126,9 @@ class ReplicaConfig(BaseModel):
     max_batch_tokens: int = Field(
         256,
         ge=1,
-        description="in-process batched replicas: prompt tokens one step may prefill over all newcomers (chunked "
-        "prefill: a long prompt delays the running requests by at most one such chunk per step)",
+        description="batched replicas: prompt tokens prefilled per step over all newcomers, in process, or per "
+        "chunk between steps on the distributed runtime (chunked prefill: a long prompt delays the running requests "
+        "by at most one such chunk per step)",
     )
     max_seq_len: int = Field(
         0,

@@ -65,6 +65,7 @@ class DraftSide:
         self.remaining = max_new_tokens  # tokens the request may still emit
         self.budget = budget  # the last proposal's budget
         self.draft_seconds = 0.0  # time the last proposal took (drafting on the critical path)
+        self._since_draft = -1  # cycles since the last one that drafted (-1: none yet)
         self._reader = drafter if isinstance(drafter, FeatureDrafter) else None
 
     @property
@@ -147,11 +148,13 @@ class DraftSide:
         """Record the verdict on ``proposal`` (verified among ``batch_size`` requests, in a forward of
         ``step_positions`` positions — by default the outcome's own); unless the request ended (``outcome.finish``,
         or ``stopped`` by a stop string), tell the drafter what was committed and hand it the cycle's features."""
+        drafted = proposal.size > 0
         observation = CycleObservation(
             self.budget,
             proposal.size,
             proposal.depth,
             outcome.verdict.num_accepted,
+            resumed=drafted and not 0 <= self._since_draft <= 1,
             draft_seconds=self.draft_seconds,
             verify_seconds=outcome.verify_seconds,
             wire_seconds=wire_seconds,
@@ -159,6 +162,7 @@ class DraftSide:
             step_positions=outcome.step_positions if step_positions is None else step_positions,
         )
         self.schedule.observe(observation)
+        self._since_draft = 0 if drafted else (self._since_draft + 1 if self._since_draft >= 0 else -1)
         root = self.committed - 1  # the position of the verified block's first token
         self.committed += len(outcome.new_tokens)
         self.remaining -= len(outcome.new_tokens)

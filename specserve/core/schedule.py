@@ -64,6 +64,9 @@ class CycleObservation:
     batch_size: int = 1  # requests verified together in this cycle's target forward
     # positions that forward computed, padding included (batch rows x the widest block); 0 = drafted + 1 (alone)
     step_positions: int = 0
+    # the first draft of the request, or the first after cycles without one: the drafter first caught up on the
+    # text it had not seen (a draft model's prompt), a one-time cost that draft_seconds includes
+    resumed: bool = False
 
     @property
     def positions(self) -> int:

@@ -402,7 +402,8 @@ class CostEstimator:
     def observe(self, obs: CycleObservation) -> None:
         if obs.batch_size == 1:  # a batched step's time is the whole batch's (specserve.policies.step_costs)
             self.observe_verify(obs.drafted + 1, obs.verify_seconds + obs.wire_seconds)
-        if obs.budget.nodes > 0:  # drafting was attempted, even if the drafter came back empty
+        # drafting was attempted, even if the drafter came back empty; a resumed drafter's catch-up is not per-cycle
+        if obs.budget.nodes > 0 and not obs.resumed:
             self.observe_draft(obs.depth, obs.draft_seconds)
 
     def observe_verify(self, k: int, seconds: float) -> None:

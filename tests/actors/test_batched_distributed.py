@@ -4,7 +4,7 @@ Requests run concurrently through one :class:`~specserve.actors.coordinator.Coor
 ``max_num_seqs = 4`` — TP 1 and TP 2, a draft model co-located or on a separate drafter, with and without
 overlap. Every request's output equals the single-process engine's on that request alone (greedy: also
 transformers'; seeded sampling without overlap: the same tokens), the requests really shared steps, and
-every KV slot is free afterwards on every rank. Float64 tiny models on a real local Ray cluster.
+every KV slot is free afterwards on every rank. Prompts are prefilled 8 tokens at a time, between steps. Float64 tiny models on a real local Ray cluster.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def running(
 ) -> Iterator[Running]:
     case = CASES[request.param]
     pair = tiny_pairs[case.family]
-    config = config_for(case, saved_pairs[case.family], max_num_seqs=SLOTS, batch_wait_ms=200)
+    config = config_for(case, saved_pairs[case.family], max_num_seqs=SLOTS, batch_wait_ms=200, max_batch_tokens=8)
     coordinator = Coordinator.spawn(config)
     try:
         yield Running(
