@@ -193,7 +193,11 @@ class ChainBatcher(Protocol):
     def propose_chains(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[Draft]:
         """What ``[d.propose(b) for d, b in zip(drafters, budgets)]`` returns — the same tokens, the same q, the
         same draws from each request's own generator, in that order — in fewer forwards. Every drafter given
-        is a :class:`BatchedDrafter` whose ``batcher`` is this one; a budget may be 0 (an empty draft)."""
+        is a :class:`BatchedDrafter` whose ``batcher`` is this one; a budget may be 0 (an empty draft).
+
+        A batcher may also set ``catch_up_seconds`` (per drafter of the call, in order): the seconds spent
+        catching that drafter alone up on text it had not seen (a newcomer's prompt), which the caller charges to
+        it rather than sharing among the batch."""
         ...
 
 

@@ -261,8 +261,10 @@ def propose_batch(sides: Sequence[DraftSide]) -> list[Proposal]:
         batcher = drafters[0].batcher  # type: ignore[attr-defined]
         start = time.perf_counter()
         drafts = batcher.propose_chains(drafters, limits)
-        share = (time.perf_counter() - start) / len(members)
-        for i, draft in zip(members, drafts, strict=True):
-            proposals[i] = sides[i].take(draft, share)
+        seconds = time.perf_counter() - start
+        own = list(getattr(batcher, "catch_up_seconds", None) or [0.0] * len(members))  # long catch-ups, by drafter
+        share = max(0.0, seconds - sum(own)) / len(members)  # the shared rounds, split evenly
+        for i, draft, alone in zip(members, drafts, own, strict=True):
+            proposals[i] = sides[i].take(draft, share + alone)
     assert all(p is not None for p in proposals)
     return cast(list[Proposal], proposals)

@@ -31,6 +31,7 @@ not verify, schedule, or decide which requests draft together.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -75,6 +76,9 @@ class BatchedDraftModel:
         self.catch_up_tokens = catch_up_tokens
         scratch = min(max(catch_up_tokens, SHORT_CATCH_UP), slot_capacity)  # no block is longer than a slot
         self.pool = KVPool(draft.model, num_slots, slot_capacity, scratch=scratch)
+        # per drafter of the last propose_chains call: seconds of its own long catch-up (a newcomer's prompt)
+        self.catch_up_seconds: list[float] = []
+        self._long_seconds: dict[int, float] = {}
 
     def new_drafter(self) -> PooledDraftModelDrafter:
         """A drafter for one request (it takes a slot on ``start``; ``release`` gives the slot back)."""
@@ -83,12 +87,14 @@ class BatchedDraftModel:
     def propose_chains(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[Draft]:
         """Per drafter, what its ``propose(budget)`` alone returns (tokens, q, generator draws), in shared forwards."""
         rows = self._check(drafters, budgets)
+        self._long_seconds = {}
         sampled = [row.drafter.generator for row in rows if row.sampled]
         if len({id(generator) for generator in sampled}) < len(sampled):
             for row in rows:  # shared generators: draft request by request, so each sees its draws in order
                 self._draft([row])
         else:
             self._draft(rows)
+        self.catch_up_seconds = [self._long_seconds.get(id(row), 0.0) for row in rows]
         return [row.finish(self.output_device) for row in rows]
 
     def _check(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[_Row]:
@@ -123,9 +129,13 @@ class BatchedDraftModel:
             row.pending = self._catch_up(row)
         long = [row for row in active if row.pending.numel() > SHORT_CATCH_UP]
         while long:  # all but the last token of each long catch-up, in rows of their own
+            start = time.perf_counter()
             chunks = [row.take(min(self.catch_up_tokens, row.pending.numel() - 1)) for row in long]
             blocks = [BatchBlock.chain(row.slot, chunk) for row, chunk in zip(long, chunks, strict=True)]
             self.model.forward_batch(self.pool, blocks, last_only=True)
+            share = (time.perf_counter() - start) / len(long)
+            for row in long:  # the rows that needed it pay for it (catch_up_seconds)
+                self._long_seconds[id(row)] = self._long_seconds.get(id(row), 0.0) + share
             long = [row for row in long if row.pending.numel() > 1]
         while active:
             blocks = [BatchBlock.chain(row.slot, row.take(SHORT_CATCH_UP)) for row in active]
