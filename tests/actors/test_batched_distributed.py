@@ -4,7 +4,8 @@ Requests run concurrently through one :class:`~specserve.actors.coordinator.Coor
 ``max_num_seqs = 4`` — TP 1 and TP 2, a draft model co-located or on a separate drafter, with and without
 overlap. Every request's output equals the single-process engine's on that request alone (greedy: also
 transformers'; seeded sampling without overlap: the same tokens), the requests really shared steps, and
-every KV slot is free afterwards on every rank. Prompts are prefilled 8 tokens at a time, between steps. Float64 tiny models on a real local Ray cluster.
+every KV slot is free afterwards on every rank. Prompts are prefilled 8 tokens at a time, between steps.
+Float64 tiny models on a real local Ray cluster.
 """
 
 from __future__ import annotations
