@@ -41,7 +41,7 @@ from datetime import timedelta
 import torch
 
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
-from specserve.core.batch_step import LocalPool, verify_batch
+from specserve.core.batch_step import LocalPool, pack, verify_batch
 from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
@@ -574,19 +574,13 @@ class TargetShardActor:
             self._batcher.wake()
 
     def _pack(self) -> None:
-        """Move running requests down into slots freed by finished ones (on every rank), so that a step's rows are
-        consecutive slots."""
         assert self._pool is not None
-        by_slot = {
-            request.sequence.slot: request.sequence
+        sequences = [
+            request.sequence
             for request in (*self._requests.values(), *self._prefilling.values())
             if isinstance(request.sequence, PooledSequence)
-        }
-        for source, target in self._pool.pool.packing():
-            self._pool.move(source, target)
-            sequence = by_slot.pop(source)
-            sequence.slot = target
-            by_slot[target] = sequence
+        ]
+        pack(self._pool, self._pool.pool, sequences)
 
     def _release(self, sequence: ShardedSequence | PooledSequence) -> None:
         if isinstance(sequence, PooledSequence):

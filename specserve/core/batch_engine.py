@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specserve.core.batch_step import LocalPool, verify_batch
+from specserve.core.batch_step import LocalPool, pack, verify_batch
 from specserve.core.detokenize import TextStream
 from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft
 from specserve.core.draft_side import DraftSide, propose_batch
@@ -68,11 +68,15 @@ class _Request:
     config: GenerationConfig
     drafter: Drafter
     submitted: float
-    slot: int = -1
     verifier: TargetVerifier | None = None
     sequence: PooledSequence | None = None
     side: DraftSide | None = None
     out: RequestOutput | None = None
+
+    @property
+    def slot(self) -> int:
+        assert self.sequence is not None, "a waiting request holds no slot"
+        return self.sequence.slot
 
     def parts(self) -> tuple[TargetVerifier, DraftSide, RequestOutput]:
         """The verifier, draft side and output of a started request."""
@@ -196,17 +200,7 @@ class BatchedEngine(GenerationFrontend):
         return chunks
 
     def _pack(self) -> None:
-        """Move running requests down into slots freed by finished ones, so that the running requests hold the
-        lowest slots and a step's rows are consecutive (a copy of a few requests' KV now and then instead of a
-        gather of every request's KV in every layer at every step)."""
-        by_slot = {request.slot: request for request in self._running.values()}
-        for source, target in self.pool.packing():
-            self.ops.move(source, target)
-            request = by_slot.pop(source)
-            request.slot = target
-            if request.sequence is not None:
-                request.sequence.slot = target
-            by_slot[target] = request
+        pack(self.ops, self.pool, [r.sequence for r in self._running.values() if r.sequence is not None])
 
     def _admit(self) -> None:
         while self._waiting and self.pool.free_slots:
@@ -241,7 +235,7 @@ class BatchedEngine(GenerationFrontend):
         prefilled in chunks by the steps that follow (:meth:`_prefill`)."""
         params, config = request.params, request.config
         device = self.target.device
-        request.slot = self.pool.allocate(len(request.prompt_ids) + config.max_new_tokens)
+        slot = self.pool.allocate(len(request.prompt_ids) + config.max_new_tokens)
         stats = RequestStats()
         eos = () if config.ignore_eos else self.target.info.eos_token_ids
         generators = make_generators(params.seed, device)
@@ -255,7 +249,7 @@ class BatchedEngine(GenerationFrontend):
             device,
             config.drafter,
         )
-        sequence = request.sequence = PooledSequence(self.ops, request.slot)
+        sequence = request.sequence = PooledSequence(self.ops, slot)
         verifier = TargetVerifier(
             sequence,
             request.prompt_ids,

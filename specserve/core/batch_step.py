@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ import torch
 from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
-from specserve.core.target import CycleOutcome, PoolOps, TargetVerifier
+from specserve.core.target import CycleOutcome, PooledSequence, PoolOps, TargetVerifier
 
 
 class LocalPool:
@@ -53,6 +53,18 @@ class LocalPool:
 
     def move(self, source: int, target: int) -> None:
         self.pool.move(source, target)
+
+
+def pack(ops: PoolOps, pool: KVPool, sequences: Iterable[PooledSequence]) -> None:
+    """Move the allocated slots down to ``0 .. n − 1`` (:meth:`~specserve.core.kv_pool.KVPool.packing`, carried out
+    through ``ops``, so on every rank) and renumber the ``sequences`` that held them. A step whose rows are
+    consecutive slots reads the pool as a view: a copy of a few requests' KV now and then, between steps, instead of
+    a gather of every request's KV in every layer at every step."""
+    moved = dict(pool.packing())  # a slot moves at most once: each target is below every slot still to move
+    for source, target in moved.items():
+        ops.move(source, target)
+    for sequence in sequences:
+        sequence.slot = moved.get(sequence.slot, sequence.slot)
 
 
 @dataclass(frozen=True)

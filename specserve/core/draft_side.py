@@ -27,6 +27,7 @@ import torch
 
 from specserve.core.draft import (
     BatchedDrafter,
+    ChainBatcher,
     Draft,
     Drafter,
     FeatureDrafter,
@@ -206,27 +207,27 @@ def choose_width(
 
 def _fit_to_width(sides: Sequence[DraftSide]) -> None:
     """Cut the planned chains of goodput-aware schedules to the width that pays best for the whole step."""
-    flexible = [
-        side
+    flexible: list[tuple[DraftSide, BatchPlanned]] = [
+        (side, side.schedule)
         for side in sides
         if side.chain_limit is not None and isinstance(side.schedule, BatchPlanned) and side.schedule.aligns_in_batch
     ]
     if not flexible:
         return
-    others = [side for side in sides if side not in flexible]
+    chosen = {id(side) for side, _ in flexible}
+    others = [side for side in sides if id(side) not in chosen]
     min_width = 1 + max(
         [0, *(side.chain_limit if side.chain_limit is not None else side.budget.nodes for side in others)]
     )
-    schedules = [side.schedule for side in flexible]
-    plans = [side.chain_limit or 0 for side in flexible]
+    plans = [side.chain_limit or 0 for side, _ in flexible]
     width = choose_width(
         plans,
-        [schedule.expected_tokens for schedule in schedules],  # type: ignore[attr-defined]
-        schedules[0].step_seconds,  # type: ignore[attr-defined]
+        [schedule.expected_tokens for _, schedule in flexible],
+        flexible[0][1].step_seconds,
         len(sides),
         min_width,
     )
-    for side, plan in zip(flexible, plans, strict=True):
+    for (side, _), plan in zip(flexible, plans, strict=True):
         if plan > width - 1:
             side.budget = Budget(width - 1)
 
@@ -248,17 +249,16 @@ def propose_batch(sides: Sequence[DraftSide]) -> list[Proposal]:
     if batch > 1:
         _fit_to_width(sides)
     proposals: list[Proposal | None] = [None] * batch
-    groups: dict[int, list[int]] = {}
+    groups: dict[int, tuple[ChainBatcher, list[int]]] = {}
     for i, side in enumerate(sides):
         limit = side.chain_limit
         if limit and isinstance(side.drafter, BatchedDrafter):
-            groups.setdefault(id(side.drafter.batcher), []).append(i)
+            groups.setdefault(id(side.drafter.batcher), (side.drafter.batcher, []))[1].append(i)
         else:
             proposals[i] = side.draft()
-    for members in groups.values():
+    for batcher, members in groups.values():
         drafters = [sides[i].drafter for i in members]
         limits = [sides[i].chain_limit or 0 for i in members]
-        batcher = drafters[0].batcher  # type: ignore[attr-defined]
         start = time.perf_counter()
         drafts = batcher.propose_chains(drafters, limits)
         seconds = time.perf_counter() - start

@@ -254,6 +254,11 @@ class EagleDrafter(TreeModelDrafter):
             return cls.for_target(head, loaded, output_device=target.device)
         return cls.for_target(head, target)
 
+    def fresh(self) -> EagleDrafter:
+        """A drafter for another request over the same head, embeddings and LM head (shared, not copied), with
+        none of this one's per-request state."""
+        return type(self)(self.head, self.embeddings, self.lm_head, self._output_device)
+
     # -----------------------------------------------------------------------------------------
     # The drafter contract
 

@@ -247,11 +247,19 @@ class LayerSkipDrafter(DraftModelDrafter):
 
     name = "layerskip"
 
-    def __init__(self, target: CausalLM, layers: int, exit_head: ExitHead | None = None) -> None:
-        super().__init__(early_exit_model(target, layers, exit_head), target)
+    def __init__(
+        self, target: CausalLM, layers: int, exit_head: ExitHead | None = None, *, view: CausalLM | None = None
+    ) -> None:
+        super().__init__(view if view is not None else early_exit_model(target, layers, exit_head), target)
+        self.target = target
         self.layers = layers
         self.exit_head = exit_head
         self._shared: KVCache | None = None  # this request's view of the target cache's first layers
+
+    def fresh(self) -> LayerSkipDrafter:
+        """A drafter for another request over the same early-exit view of the target (its layers and exit head
+        shared, not copied), with none of this one's per-request state."""
+        return type(self)(self.target, self.layers, self.exit_head, view=self.model)
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         super().start(prompt_ids, params, generator)

@@ -258,10 +258,19 @@ class MedusaDrafter:
 
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, lm_head: torch.nn.Module, output_device: torch.device | str) -> None:
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        lm_head: torch.nn.Module,
+        output_device: torch.device | str,
+        *,
+        copy_heads: bool = True,
+    ) -> None:
         weight = check_lm_head(heads.config, lm_head)
         self.config = heads.config
-        self.heads = copy.deepcopy(heads).to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        if copy_heads:
+            heads = copy.deepcopy(heads).to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        self.heads = heads
         self.lm_head = lm_head
         self.feature_layers = heads.config.feature_layers
         self._output_device = torch.device(output_device)
@@ -296,6 +305,11 @@ class MedusaDrafter:
         model = CausalLM.load(target.info.path, dtype=dtype, device=device)
         check_target(heads.config, model)
         return cls(heads, lm_head_of(model), target.device)
+
+    def fresh(self) -> MedusaDrafter:
+        """A drafter for another request over the same heads and LM head (shared, not copied), with none of this
+        one's per-request state."""
+        return type(self)(self.heads, self.lm_head, self._output_device, copy_heads=False)
 
     # Drafter ---------------------------------------------------------------------------------
 

@@ -128,8 +128,9 @@ def request_drafters(
     """For the batched engine: ``new_drafter(name)`` gives each request a drafter of its own (``name`` one of
     :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
     requests' drafters (each keeps its own cache); ``ngram`` and ``none`` are cheap to build per request.
-    Drafters that read the target's features or KV (EAGLE, Medusa, layer-skip) are built per request too;
-    the engine says whether it can run them.
+    Drafters that read the target's features or KV (EAGLE, Medusa, layer-skip) load their weights (and, given
+    only the target's description, a copy of the target) once, now; each request gets a fresh drafter over them.
+    The engine says whether it can run them.
 
     With ``num_slots`` (and ``slot_capacity``, by default the target's ``max_positions``) a configured draft
     model drafts for all requests in shared forwards: ``default`` drafters are
@@ -149,11 +150,18 @@ def request_drafters(
     if num_slots is not None and isinstance(configured, CausalLM):
         capacity = target.info.max_positions if slot_capacity is None else slot_capacity
         batcher = BatchedDraftModel(configured, target, num_slots, capacity)
+    prototype: EagleDrafter | MedusaDrafter | LayerSkipDrafter | None = None
+    if isinstance(spec, str) and spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX)):
+        built = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
+        assert isinstance(built, EagleDrafter | MedusaDrafter | LayerSkipDrafter)
+        prototype = built  # never drafts itself: each request gets prototype.fresh()
 
     def new_drafter(name: str) -> Drafter:
         check_drafter_name(name)
         if name == REQUEST_DRAFTERS[0] and batcher is not None:
             return batcher.new_drafter()
+        if name == REQUEST_DRAFTERS[0] and prototype is not None:
+            return prototype.fresh()
         chosen = configured if name == REQUEST_DRAFTERS[0] else name
         return build_drafter(chosen, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
 

@@ -275,15 +275,23 @@ def build_drafter(pair: TinyPair, kind: str) -> Drafter:
 
 class ChosenDrafters:
     """``new_drafter`` for a batch whose requests draft with different drafters: a request's ``default`` drafter
-    is of the kind chosen (``kind``) before it was submitted."""
+    is of the kind chosen (``kind``) before it was submitted. EAGLE, Medusa and layer-skip requests share one
+    set of weights (``fresh`` drafters of one prototype per kind), as the serving registry gives them."""
 
     def __init__(self, pair: TinyPair) -> None:
         self.pair = pair
         self.kind = "model"
+        self.prototypes: dict[str, EagleDrafter | MedusaDrafter | LayerSkipDrafter] = {}
 
     def __call__(self, name: str) -> Drafter:
         assert name == "default"
-        return build_drafter(self.pair, self.kind)
+        if self.kind not in ("eagle", "medusa", "layerskip"):
+            return build_drafter(self.pair, self.kind)
+        if self.kind not in self.prototypes:
+            prototype = build_drafter(self.pair, self.kind)
+            assert isinstance(prototype, EagleDrafter | MedusaDrafter | LayerSkipDrafter)
+            self.prototypes[self.kind] = prototype
+        return self.prototypes[self.kind].fresh()
 
 
 @pytest.mark.timeout(300)

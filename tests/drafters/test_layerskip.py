@@ -252,6 +252,35 @@ def test_the_registry_loads_an_exit_head_directory(tmp_path: Path, saved_pairs: 
     assert remote.model.model.model.layers[0] is not saved.model.model.layers[0]
 
 
+def test_per_request_drafters_share_the_weights_loaded_once(
+    tmp_path: Path, saved_pairs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batched engine's per-request layer-skip drafters (a drafter process: the target's description only)
+    load the target copy and the exit head once, and share them; each request's state is its own."""
+    from specserve.drafters.registry import request_drafters
+
+    saved = CausalLM.load(saved_pairs["qwen2"] / "target", dtype="float64")
+    directory = save_exit_head(tmp_path / "head", random_exit_head(), saved, 1)
+    loads = []
+    load = CausalLM.load
+    monkeypatch.setattr(CausalLM, "load", lambda *a, **k: loads.append(a) or load(*a, **k))
+    new_drafter = request_drafters("layerskip:" + str(directory), saved.describe(), dtype="float64")
+    drafters = [new_drafter("default") for _ in range(3)]
+    assert len(loads) == 1
+    first, *others = drafters
+    assert isinstance(first, LayerSkipDrafter) and first.exit_head is not None
+    for other in others:
+        assert isinstance(other, LayerSkipDrafter)
+        assert other.model is first.model and other.exit_head is first.exit_head
+    # the same request drafted by a shared-weight drafter beside another one drafts as it would alone
+    first.start([5, 6, 7, 8], SamplingParams(), torch.Generator().manual_seed(0))
+    others[0].start([9, 10, 11], SamplingParams(), torch.Generator().manual_seed(0))
+    alone = new_drafter("default")
+    alone.start([5, 6, 7, 8], SamplingParams(), torch.Generator().manual_seed(0))
+    others[0].propose(3)
+    assert first.propose(3).tokens.tolist() == alone.propose(3).tokens.tolist()
+
+
 def test_training_an_exit_head_brings_the_view_closer_to_the_target(tmp_path: Path) -> None:
     from specserve.training.exit_head import ExitHeadRecipe, exit_head_loss, new_exit_head, train_exit_head_on
 
