@@ -177,36 +177,64 @@ class DraftSide:
         self.add_features(root, outcome.features)
 
 
-def choose_width(
+def choose_chains(
     plans: Sequence[int],
+    caps: Sequence[int],
     expected: Sequence[Callable[[int], float]],
+    draft_seconds: Sequence[Callable[[int], float]],
     step_seconds: Callable[[int], float],
     batch_size: int,
     min_width: int = 1,
-) -> int:
-    """The block width (draft tokens + 1) of a batched step that maximises its expected committed tokens per second.
+) -> list[int]:
+    """The chain each flexible request drafts in a batched step, chosen for the step's expected committed tokens
+    per second.
 
-    ``plans``: the chain each flexible request planned (0 = plain decoding); ``expected[i](g)``: E[tokens] request
-    i commits with a chain of g; ``step_seconds(n)``: a step computing n positions; the step has ``batch_size``
-    rows, and other requests' blocks (fixed chains, trees, prefill-free rows) need ``min_width``. At width W
-    request i drafts min(plan_i, W − 1), every row pays for W positions, and each of the ``batch_size −
-    len(plans)`` other rows is counted as one token whatever W is (their own budgets are not ours to change).
-    Ties go to the narrower width.
+    ``plans[i]``: the chain request i's schedule planned (0 = plain decoding), ``caps[i]`` the longest it may draft;
+    ``expected[i](g)`` and ``draft_seconds[i](g)``: what a chain of g commits and costs it; ``step_seconds(n)``: a
+    step computing n positions. The step has ``batch_size`` rows; the others' blocks (fixed chains, trees) need
+    ``min_width`` and count one token each, whatever the width. Every row is padded to the step's width W (draft
+    tokens + 1), so W is the batch's decision. For each W from ``min_width`` to the widest plan + 1:
+
+    * **cut** — request i drafts min(plan_i, W − 1); its schedule already weighed what drafting its plan costs;
+    * **fill** — its row costs W positions either way, so a request that planned less (plain decoding included)
+      drafts up to min(cap_i, W − 1) when the tokens that adds pay for the drafting it adds, at the rate the step
+      makes with its drafting counted;
+
+    and W is rated (others + Σ E_i(g_i)) / (T_step(batch_size · W) + the fills' drafting). The best W wins, ties to
+    the narrower.
     """
-    widest = max([0, *plans]) + 1
-    if widest <= min_width:
-        return min_width
-    best_width, best_rate = min_width, -1.0
-    for width in range(min_width, widest + 1):
-        tokens = batch_size - len(plans) + sum(e(min(plan, width - 1)) for plan, e in zip(plans, expected, strict=True))
-        rate = tokens / max(step_seconds(batch_size * width), 1e-9)
+    tables: list[dict[int, tuple[float, float]]] = [{} for _ in plans]
+
+    def value(i: int, gamma: int) -> tuple[float, float]:  # (E[tokens], draft seconds), asked once per chain length
+        if gamma not in tables[i]:
+            tables[i][gamma] = (expected[i](gamma), draft_seconds[i](gamma) if gamma else 0.0)
+        return tables[i][gamma]
+
+    others = batch_size - len(plans)
+    best_chains, best_rate = [min(plan, min_width - 1) for plan in plans], -1.0
+    for width in range(min_width, max([min_width - 1, *plans]) + 2):
+        chains = [min(plan, width - 1) for plan in plans]
+        tokens = others + sum(value(i, g)[0] for i, g in enumerate(chains))
+        step = step_seconds(batch_size * width)
+        drafting = sum(value(i, g)[1] for i, g in enumerate(chains))
+        filled = 0.0
+        for i, cap in enumerate(caps):
+            fill = min(max(cap, plans[i]), width - 1)
+            if fill <= chains[i]:
+                continue
+            gain = value(i, fill)[0] - value(i, chains[i])[0]
+            cost = value(i, fill)[1] - value(i, chains[i])[1]
+            if gain * (step + drafting) > tokens * cost:  # more tokens per second of drafting than the step makes
+                chains[i], tokens, drafting, filled = fill, tokens + gain, drafting + cost, filled + cost
+        rate = tokens / max(step + filled, 1e-9)
         if rate > best_rate * (1 + 1e-9):
-            best_width, best_rate = width, rate
-    return best_width
+            best_chains, best_rate = chains, rate
+    return best_chains
 
 
 def _fit_to_width(sides: Sequence[DraftSide]) -> None:
-    """Cut the planned chains of goodput-aware schedules to the width that pays best for the whole step."""
+    """Cut or lengthen the planned chains of goodput-aware schedules to the width that pays best for the whole
+    step (:func:`choose_chains`)."""
     flexible: list[tuple[DraftSide, BatchPlanned]] = [
         (side, side.schedule)
         for side in sides
@@ -220,16 +248,18 @@ def _fit_to_width(sides: Sequence[DraftSide]) -> None:
         [0, *(side.chain_limit if side.chain_limit is not None else side.budget.nodes for side in others)]
     )
     plans = [side.chain_limit or 0 for side, _ in flexible]
-    width = choose_width(
+    chains = choose_chains(
         plans,
+        [max(0, min(schedule.max_chain, side.remaining - 1)) for side, schedule in flexible],
         [schedule.expected_tokens for _, schedule in flexible],
+        [schedule.draft_seconds for _, schedule in flexible],
         flexible[0][1].step_seconds,
         len(sides),
         min_width,
     )
-    for (side, _), plan in zip(flexible, plans, strict=True):
-        if plan > width - 1:
-            side.budget = Budget(width - 1)
+    for (side, _), plan, chain in zip(flexible, plans, chains, strict=True):
+        if chain != plan:
+            side.budget = Budget(chain)
 
 
 def propose_batch(sides: Sequence[DraftSide]) -> list[Proposal]:
@@ -237,11 +267,11 @@ def propose_batch(sides: Sequence[DraftSide]) -> list[Proposal]:
 
     Each schedule first plans its budget knowing the batch size; the chains of schedules that allow it
     (:class:`~specserve.core.schedule.BatchPlanned`: the goodput-aware adaptive policy; a fixed γ stays fixed) are
-    cut to the step width that pays best for the whole batch (:func:`choose_width`); then the chains of drafters
-    that share a :class:`~specserve.core.draft.ChainBatcher` (a draft model over one KV pool) are drafted
-    together, each request charged an equal share of the group's time, and every other proposal (trees, n-gram,
-    none) is drafted on its own. Every request's drafter sees the calls it would see alone, so the proposals are
-    the same.
+    cut or lengthened to the step width that pays best for the whole batch (:func:`choose_chains`); then the
+    chains of drafters that share a :class:`~specserve.core.draft.ChainBatcher` (a draft model over one KV pool) are
+    drafted together, each request charged an equal share of the group's time, and every other proposal (trees,
+    n-gram, none) is drafted on its own. Every request's drafter sees the calls it would see alone, so the proposals
+    are the same.
     """
     batch = len(sides)
     for side in sides:

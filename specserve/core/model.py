@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from specserve.core.attention import use_grouped_attention
 from specserve.core.errors import UserError
 from specserve.core.kv_pool import KVPool
 from specserve.core.tree import DraftTree
@@ -161,6 +162,7 @@ class CausalLM:
 
     def __init__(self, model: PreTrainedModel, tokenizer: Any | None = None, path: str = "<in-memory>") -> None:
         self.model = model.eval()
+        use_grouped_attention(model)  # masked verify blocks without a copy of the KV per query head
         self.tokenizer = tokenizer
         config = model.config
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None

@@ -98,18 +98,29 @@ class Schedule(Protocol):
 
 @runtime_checkable
 class BatchPlanned(Protocol):
-    """A schedule whose chains a batched engine may shorten to the step's width (``aligns_in_batch`` true).
+    """A schedule whose chains a batched engine may shorten or lengthen to the step's width (``aligns_in_batch``).
 
     The target's forward pads every row of a step to its widest block, so the width is the batch's decision,
     not one request's: the engine picks the width that maximises the step's expected committed tokens per
-    second (:func:`specserve.core.draft_side.choose_width`) from what each such schedule expects of a chain of
-    each length and what a step of so many positions costs, and cuts longer chains to it.
+    second (:func:`specserve.core.draft_side.choose_chains`) from what each such schedule expects of a chain of
+    each length, what drafting it costs and what a step of so many positions costs; it cuts longer chains to
+    the width, and lets shorter ones (plain decoding included) draft up to it where the tokens gained pay for
+    the drafting, since their rows cost the full width anyway.
     """
 
     aligns_in_batch: bool
 
+    @property
+    def max_chain(self) -> int:
+        """The longest chain the engine may give this request (its replica's cap)."""
+        ...
+
     def expected_tokens(self, gamma: int) -> float:
         """E[tokens committed] by a chain of ``gamma`` drafts (1 for plain decoding) under the current estimates."""
+        ...
+
+    def draft_seconds(self, gamma: int) -> float:
+        """Predicted drafting seconds of a chain of ``gamma`` (0 for plain decoding), this request's share."""
         ...
 
     def step_seconds(self, positions: int) -> float:

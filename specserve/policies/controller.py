@@ -8,8 +8,9 @@ to that prior, keeps the decision counters the policy reads (previous budget, cy
 cycles off), and records a JSON-ready :attr:`history`. In a batched engine it is also told how many requests
 the next step verifies, and reads its share of such a step off the replica's
 :class:`~specserve.policies.step_costs.StepCostEstimator`, which every cycle's observation feeds; it tells
-the engine what it expects of a chain of each length, so that the engine can choose the step's width
-(:class:`~specserve.core.schedule.BatchPlanned`). A probe the engine cut (one request's probe would widen
+the engine what it expects of a chain of each length and what drafting it costs, so that the engine can choose
+the step's width (:class:`~specserve.core.schedule.BatchPlanned`), which may cut or lengthen the chain it planned
+(the observation says what was drafted). A probe the engine cut (one request's probe would widen
 every row of the step) stays due and is asked again each cycle, so probes go through when enough requests
 probe together.
 
@@ -102,6 +103,15 @@ class SpeculationController:
         """E[tokens committed] by a chain of ``gamma`` drafts under the estimates of the last decision."""
         state = self._state if self._state is not None else self.snapshot()
         return expected_tokens(state, Budget(gamma))
+
+    def draft_seconds(self, gamma: int) -> float:
+        """T_draft(γ) under the estimates of the last decision (0 for plain decoding)."""
+        state = self._state if self._state is not None else self.snapshot()
+        return state.t_draft(gamma)
+
+    @property
+    def max_chain(self) -> int:
+        return self.max_gamma_cap
 
     def step_seconds(self, positions: int) -> float:
         return self.step_costs.t_step(positions)

@@ -19,7 +19,7 @@ import statistics
 import pytest
 from synthetic_streams import MS, draw_accepted
 
-from specserve.core.draft_side import choose_width
+from specserve.core.draft_side import choose_chains
 from specserve.policies import Budget, CycleObservation, ReplicaPrior, SpeculationController, build_policy
 from specserve.policies.estimators import EstimatorPrior
 from specserve.policies.rates import expected_tokens_constant
@@ -58,6 +58,7 @@ class Batch:
         self.alphas = alphas
         self.controllers = [self._controller() for _ in alphas]
         self.rng = random.Random(seed)
+        self.planned: list[list[int]] = []  # the γ each controller planned, per step (before the width)
 
     def _controller(self) -> SpeculationController:
         return SpeculationController(build_policy("adaptive", max_gamma=8), self.prior, 8, step_costs=self.steps)
@@ -68,10 +69,17 @@ class Batch:
         history = []
         for _ in range(steps):
             planned = [self.controllers[i].next_budget(1_000_000, len(active)).gamma for i in active]
-            # as the batched engine does: the width that pays best for the step, longer plans cut to it
+            self.planned.append(planned)
+            # as the batched engine does: the width that pays best for the step, plans cut or lengthened to it
             mine = [self.controllers[i] for i in active]
-            width = choose_width(planned, [c.expected_tokens for c in mine], mine[0].step_seconds, len(active))
-            gammas = [min(g, width - 1) for g in planned]
+            gammas = choose_chains(
+                planned,
+                [c.max_chain for c in mine],
+                [c.expected_tokens for c in mine],
+                [c.draft_seconds for c in mine],
+                mine[0].step_seconds,
+                len(active),
+            )
             budgets = [Budget(g) for g in gammas]
             positions = len(active) * (max(gammas) + 1)
             seconds = step_seconds(positions) * (1 + self.rng.uniform(-0.02, 0.02))

@@ -1,0 +1,79 @@
+"""Grouped-query attention over a masked block without copying the keys and values per query head.
+
+transformers' ``sdpa`` attention handles grouped-query attention (several query heads per key/value head) in
+three ways: with no mask, through SDPA's own ``enable_gqa``; for one query token, by folding the query heads
+of a group into the query dimension; otherwise — a verify block of k > 1 tokens under an explicit 4-D mask,
+which is every batched step that drafts and every tree — by ``repeat_kv``, a copy of every cached key and
+value once per query head of its group, in every layer. On the shipped target at 16 requests that copy costs
+more than the attention itself.
+
+:func:`grouped_sdpa_attention` folds the group's query heads into the query dimension for blocks of any
+length: queries ``[batch, heads, q, d]`` become ``[batch, kv_heads, group · q, d]``, the mask is repeated
+``group`` times along its query dimension (it is shared by all heads), and one SDPA call attends over the
+keys and values as cached. Every query row still attends over exactly the keys and mask row it did, so the
+result is the same attention (up to float summation order). Anything else — no grouping, no mask, one
+query token, a position bias or a non-broadcast mask — goes to transformers' own ``sdpa`` function
+unchanged.
+
+:data:`ATTENTION` is the name it is registered under (with transformers' ``sdpa`` mask builder), and
+:func:`use_grouped_attention` switches a loaded model to it. Does not change which positions attend to
+which: that is the caller's mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION = "specserve_grouped_sdpa"
+
+
+def grouped_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [batch, heads, q, d]
+    key: torch.Tensor,  # [batch, kv_heads, kv, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract; see the module docstring."""
+    group = int(getattr(module, "num_key_value_groups", 1))
+    batch, heads, q_length, head_dim = query.shape
+    if (
+        group == 1
+        or attention_mask is None
+        or q_length == 1
+        or kwargs.get("position_bias") is not None
+        or attention_mask.dim() != 4
+        or attention_mask.shape[1] != 1
+        or kwargs.get("output_attentions", False)
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    kv_heads = heads // group
+    folded = query.reshape(batch, kv_heads, group * q_length, head_dim)  # head h = kv head h // group, member h % group
+    mask = attention_mask.expand(batch, 1, q_length, attention_mask.shape[-1]).repeat(1, 1, group, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
+    )
+    out = out.reshape(batch, heads, q_length, value.shape[-1]).transpose(1, 2).contiguous()
+    return out, None
+
+
+AttentionInterface.register(ATTENTION, grouped_sdpa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+
+
+def use_grouped_attention(model: PreTrainedModel) -> None:
+    """Switch ``model`` to :func:`grouped_sdpa_attention` when it runs transformers' ``sdpa`` (other
+    implementations are left as they are)."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(ATTENTION)

@@ -1,0 +1,64 @@
+"""Grouped-query attention over masked blocks (specserve.core.attention) equals transformers' own sdpa path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specserve.core.attention import ATTENTION, grouped_sdpa_attention
+from specserve.core.model import CausalLM
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def _inputs(batch: int, kv_heads: int, groups: int, q: int, kv: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, kv_heads * groups, q, 16, generator=generator, dtype=torch.float64)
+    key = torch.randn(batch, kv_heads, kv, 16, generator=generator, dtype=torch.float64)
+    value = torch.randn(batch, kv_heads, kv, 16, generator=generator, dtype=torch.float64)
+    # per row: a prefix, a tree-like block pattern, padding queries that see one key (as forward_batch builds)
+    allowed = torch.rand(batch, 1, q, kv, generator=generator) < 0.6
+    allowed[..., 0] = True
+    mask = torch.zeros(batch, 1, q, kv, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize(("groups", "q"), [(2, 2), (2, 5), (4, 3), (3, 7)])
+def test_masked_blocks_equal_the_repeat_kv_path(groups: int, q: int) -> None:
+    module = _Module(groups)
+    query, key, value, mask = _inputs(3, 2, groups, q, 11)
+    got, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)  # repeat_kv: q > 1 with a mask
+    assert got.shape == want.shape == (3, q, 2 * groups, 16)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("groups", "q", "masked"), [(1, 4, True), (2, 1, True), (2, 4, False)])
+def test_other_cases_are_transformers_own(groups: int, q: int, masked: bool) -> None:
+    module = _Module(groups)
+    query, key, value, mask = _inputs(2, 2, groups, q, 9, seed=1)
+    given = mask if masked else None
+    got, _ = grouped_sdpa_attention(module, query, key, value, given)
+    want, _ = sdpa_attention_forward(module, query, key, value, given)
+    assert torch.equal(got, want)
+
+
+def test_a_wrapped_sdpa_model_uses_it_and_keeps_its_outputs() -> None:
+    model = build_model("llama", seed=3).double()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: a 4-D mask with several query tokens
+    before = model(input_ids=ids, attention_mask=mask).logits
+    lm = CausalLM(model)
+    assert lm.model.config._attn_implementation == ATTENTION
+    after = lm.model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(after[1, 3:], before[1, 3:], rtol=0, atol=1e-10)
