@@ -97,6 +97,7 @@ from specserve.benchmarks.arguments import (
 )
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
+from specserve.core.attention import native_attention
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine, StreamChunk
@@ -363,10 +364,22 @@ def run_hf(
     models: Models, requests: list[Request], concurrency: int, temperature: float, cfg: BatchBenchConfig
 ) -> tuple[list[RequestRecord], float]:
     """transformers' continuous batching manager in the same closed loop (the module docstring says what differs)."""
+    model = models.target.model
+    with native_attention(model):  # transformers' own attention: its continuous batching accepts no other
+        return _run_hf(model, models, requests, concurrency, temperature, cfg)
+
+
+def _run_hf(
+    model: Any,
+    models: Models,
+    requests: list[Request],
+    concurrency: int,
+    temperature: float,
+    cfg: BatchBenchConfig,
+) -> tuple[list[RequestRecord], float]:
     from transformers import ContinuousBatchingConfig
     from transformers import GenerationConfig as HFGenerationConfig
 
-    model = models.target.model
     attention = model.config._attn_implementation
     sampling: dict[str, Any] = (
         {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}

@@ -53,6 +53,7 @@ from specserve.benchmarks.arguments import (
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.timing import median_forward_seconds
+from specserve.core.attention import native_attention
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
@@ -158,7 +159,9 @@ def run_hf(
     def call(ids: list[int], max_new: int, seed: int) -> int:
         torch.manual_seed(seed)
         input_ids = torch.tensor([ids], device=target.device)
-        with torch.inference_mode():
+        assistant = generate_kwargs.get("assistant_model")
+        # transformers' generate with its own attention, the assistant's too
+        with torch.inference_mode(), native_attention(model), native_attention(assistant):
             out = model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),

@@ -15,13 +15,17 @@ result is the same attention (up to float summation order). Anything else — no
 query token, a position bias or a non-broadcast mask — goes to transformers' own ``sdpa`` function
 unchanged.
 
-:data:`ATTENTION` is the name it is registered under (with transformers' ``sdpa`` mask builder), and
-:func:`use_grouped_attention` switches a loaded model to it. Does not change which positions attend to
-which: that is the caller's mask.
+:data:`ATTENTION` is the name it is registered under (with transformers' ``sdpa`` mask builder),
+:func:`use_grouped_attention` switches a loaded model to it, and :func:`native_attention` switches it back
+for a while — for transformers' own generation loops (baselines in benchmarks, continuous batching, which
+accepts only its own implementations). Does not change which positions attend to which: that is the
+caller's mask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -76,4 +80,18 @@ def use_grouped_attention(model: PreTrainedModel) -> None:
     """Switch ``model`` to :func:`grouped_sdpa_attention` when it runs transformers' ``sdpa`` (other
     implementations are left as they are)."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(ATTENTION)
+
+
+@contextmanager
+def native_attention(model: PreTrainedModel | None) -> Iterator[None]:
+    """Within the block, ``model`` runs transformers' own ``sdpa`` again (if it ran :data:`ATTENTION`; ``None``:
+    nothing to switch)."""
+    if model is None or getattr(model.config, "_attn_implementation", None) != ATTENTION:
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
         model.set_attn_implementation(ATTENTION)

@@ -7,7 +7,7 @@ import torch
 from conftest import build_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specserve.core.attention import ATTENTION, grouped_sdpa_attention
+from specserve.core.attention import ATTENTION, grouped_sdpa_attention, native_attention
 from specserve.core.model import CausalLM
 
 
@@ -62,3 +62,12 @@ def test_a_wrapped_sdpa_model_uses_it_and_keeps_its_outputs() -> None:
     after = lm.model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(after[0], before[0], rtol=0, atol=1e-10)
     torch.testing.assert_close(after[1, 3:], before[1, 3:], rtol=0, atol=1e-10)
+
+
+def test_native_attention_switches_back_for_the_block_only() -> None:
+    lm = CausalLM(build_model("qwen2", seed=4).double())
+    with native_attention(lm.model):
+        assert lm.model.config._attn_implementation == "sdpa"
+    assert lm.model.config._attn_implementation == ATTENTION
+    with native_attention(None):  # nothing to switch
+        pass
