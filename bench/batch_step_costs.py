@@ -25,6 +25,9 @@ from specserve.benchmarks import batch as bench
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.sampling import SamplingParams
 
+MAX_NEW_TOKENS = 256  # each request's budget: the warm-up and timed steps must not finish it
+WARMUP_STEPS = 5
+
 
 def timed(owner: Any, name: str, totals: dict[str, float], key: str) -> None:
     """Wrap ``owner.name`` so that its seconds accumulate in ``totals[key]``."""
@@ -52,13 +55,13 @@ def measure(requests: int, gamma: int, steps: int, models: bench.Models, prompt_
     assert isinstance(engine, BatchedEngine)
     totals = {"forward": 0.0, "draft": 0.0}
     timed(engine.ops, "forward_batch", totals, "forward")
-    generation = mode.generation(10_000)  # never finishes while measured
+    generation = mode.generation(MAX_NEW_TOKENS)  # more than the timed steps can emit: no request finishes
     for index in range(requests):
         engine.submit(prompt_ids[index % len(prompt_ids)], SamplingParams(), generation)
     started: set[int] = set()
     while len(started) < requests:  # until every prompt is prefilled and has its first token
         started.update(request_id for request_id, chunk in engine.step() if chunk.token_ids)
-    for _ in range(5):  # every prompt prefilled: warm up the decode steps
+    for _ in range(WARMUP_STEPS):  # every prompt prefilled: warm up the decode steps
         engine.step()
     if gamma:
         batcher = engine.new_drafter("default").batcher  # type: ignore[attr-defined]
@@ -88,8 +91,11 @@ def main() -> None:
     parser.add_argument("--gammas", default="0,1,2,3,4")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
+    widest = 1 + max(int(g) for g in args.gammas.split(","))
+    if (args.steps + WARMUP_STEPS + 1) * widest > MAX_NEW_TOKENS:
+        parser.error(f"--steps {args.steps} at γ {widest - 1} could finish requests while timed; use fewer steps")
     torch.set_num_threads(args.threads)
-    models, prompt_ids = bench.load(bench.BatchBenchConfig())
+    models, prompt_ids = bench.load(bench.BatchBenchConfig(max_new_tokens=MAX_NEW_TOKENS))
     rows = [
         measure(int(b), int(g), args.steps, models, prompt_ids)
         for b in args.requests.split(",")
