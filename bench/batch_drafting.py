@@ -47,7 +47,7 @@ def main() -> None:
     join = steps // 2
     capacity = max(len(p) for p in prompts) + steps * (args.gamma + 1) + args.gamma
 
-    batcher = BatchedDraftModel(draft, None, num_slots=args.requests, slot_capacity=capacity)
+    batcher = BatchedDraftModel(draft, None, max_num_seqs=args.requests, max_seq_len=capacity)
     pooled = [batcher.new_drafter() for _ in prompts]
     alone = [DraftModelDrafter(draft) for _ in prompts]
     for i, prompt in enumerate(prompts):

@@ -55,8 +55,8 @@ def main() -> None:
             engine = BatchedEngine(
                 target,
                 lambda name, make=new_drafter: make(),
-                num_slots=count,
-                slot_capacity=512,
+                max_num_seqs=count,
+                max_seq_len=512,
                 prefill_tokens=args.prefill_tokens,
             )
             start = time.perf_counter()

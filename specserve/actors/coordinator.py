@@ -90,7 +90,15 @@ class Coordinator(GenerationFrontend):
         text = TextStream(self.prompts.decode, config.stop)
         start = time.perf_counter()
         layers = replica.feature_layers if config.drafter == "default" else ()  # hidden-state drafters' features
-        started = replica.rank0.start_request.remote(request_id, prompt_ids, params, config.max_new_tokens, eos, layers)
+        started = replica.rank0.start_request.remote(
+            request_id,
+            prompt_ids,
+            params,
+            config.max_new_tokens,
+            eos,
+            layers,
+            config.budget.nodes if config.tree else 0,
+        )
         job = DraftJob(
             request_id=request_id,
             prompt_ids=tuple(prompt_ids),

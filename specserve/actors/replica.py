@@ -1,13 +1,12 @@
 """Spawning one target replica: its placement groups, its tensor-parallel shard actors and its drafter.
 
-What a replica is — every setting — is :class:`~specserve.cluster.replica_config.ReplicaConfig`
-(re-exported here); the placement math is :mod:`specserve.cluster.placement` (pure); this module turns a plan into
-Ray objects: a ``STRICT_PACK`` group with one bundle per TP rank on the "large" resource (plus
-the drafter's bundle when co-located), or a separate group on the "cheap" resource for the
-drafter. The shard actors join one ``torch.distributed`` group — every rank's
-``init_tensor_parallel`` is submitted before any is awaited, since each blocks until all have
-joined — and rank 0 starts the gRPC verifier the drafter streams to. A batched replica
-(``max_num_seqs`` > 1) gives every rank a KV pool of that many slots and the drafter as many
+What a replica is — every setting — is :class:`~specserve.cluster.replica_config.ReplicaConfig` (re-exported here); the
+placement math is :mod:`specserve.cluster.placement` (pure); this module turns a plan into Ray objects: a
+``STRICT_PACK`` group with one bundle per TP rank on the "large" resource (plus the drafter's bundle when co-located),
+or a separate group on the "cheap" resource for the drafter. The shard actors join one ``torch.distributed`` group —
+every rank's ``init_tensor_parallel`` is submitted before any is awaited, since each blocks until all have joined — and
+rank 0 starts the gRPC verifier the drafter streams to. A batched replica (``max_num_seqs`` > 1) gives every rank a KV
+pool of ``kv_pool_tokens`` positions (by default room for that many requests of ``max_seq_len``) and the drafter as many
 concurrent request loops; rank 0 then verifies its running requests' drafts together.
 
 Needs a connected Ray (``ray.init``) whose nodes declare the custom resources the spec names;
@@ -92,7 +91,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
 
         # a batched replica (max_num_seqs > 1): KV pools on every rank, rank 0 verifies its requests' drafts
         # together, and the drafter runs that many requests' loops at once
-        slots = config.max_num_seqs if config.max_num_seqs > 1 else 0
+        batched = config.max_num_seqs if config.max_num_seqs > 1 else 0
         concurrency = 4 + config.max_num_seqs
         shard_cls: Any = ray.remote(TargetShardActor)
         drafter_cls: Any = ray.remote(DrafterActor)
@@ -114,10 +113,11 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
                     dtype=config.dtype,
                     device=config.device,
                     num_threads=config.threads_per_shard,
-                    num_slots=slots,
-                    slot_capacity=config.max_seq_len,
+                    max_num_seqs=batched,
+                    max_seq_len=config.max_seq_len,
                     batch_wait_s=config.batch_wait_ms / 1000,
                     prefill_tokens=config.max_batch_tokens,
+                    kv_pool_tokens=config.kv_pool_tokens,
                 )
             )
         actors.extend(shards)

@@ -41,12 +41,11 @@ from datetime import timedelta
 import torch
 
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
-from specserve.core.batch_step import LocalPool, pack, verify_batch
+from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.schedule import MAX_GAMMA
 from specserve.core.target import CycleOutcome, PooledSequence, TargetVerifier
 from specserve.core.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
 from specserve.core.tree import DraftTree
@@ -64,10 +63,8 @@ OP_FORWARD_TREE = 6  # a = number of nodes; then [root, tokens..., parents...] (
 OP_COMPACT = 7  # a = number of positions to keep; then the positions
 OP_HEARTBEAT = 8  # nothing to do: keeps an idle replica's followers inside the collectives' timeout
 OP_FORWARD_BATCH = 9  # sequence = number of blocks, a = payload length (broadcast next), b = last_only
-OP_MOVE = 10  # sequence = source slot, a = target slot (packing a batched replica's pool)
 HEADER_SIZE = 4
-BATCH_SCRATCH = 256  # padding columns of a batched replica's pool: the widest block a step may add (a prefill is
-# one row: it never pads others)
+ROOM_POLL_S = 0.05  # a batched replica's newcomer re-checks the KV pool for room this often while it waits
 HEARTBEAT_FRACTION = 6  # rank 0 sends a heartbeat after 1/6 of the collectives' timeout without a command
 
 
@@ -133,14 +130,14 @@ def _from_tree_block(block: torch.Tensor, nodes: int) -> tuple[int, DraftTree]:
 
 
 def pack_blocks(blocks: Sequence[BatchBlock]) -> torch.Tensor:
-    """What the other ranks need to repeat a batched forward: per block ``[slot, k, tokens (k), offsets (k), sees
+    """What the other ranks need to repeat a batched forward: per block ``[seq_id, k, tokens (k), offsets (k), sees
     (k · k)]`` as one int64 tensor (a causal block travels with its explicit lower-triangular mask)."""
     parts: list[torch.Tensor] = []
     for block in blocks:
         k = block.size
         offsets = block.offsets or tuple(range(k))
         parts += [
-            torch.tensor([block.slot, k], dtype=torch.long),
+            torch.tensor([block.seq_id, k], dtype=torch.long),
             block.tokens.to("cpu", torch.long),
             torch.tensor(offsets, dtype=torch.long),
             block.attends().to(torch.long).flatten(),
@@ -152,20 +149,20 @@ def unpack_blocks(payload: torch.Tensor, count: int) -> list[BatchBlock]:
     values = payload.tolist()
     blocks, at = [], 0
     for _ in range(count):
-        slot, k = values[at], values[at + 1]
+        seq_id, k = values[at], values[at + 1]
         at += 2
         tokens = payload[at : at + k].clone()
         offsets = tuple(values[at + k : at + 2 * k])
         sees = payload[at + 2 * k : at + 2 * k + k * k].reshape(k, k).to(torch.bool)
         at += 2 * k + k * k
-        blocks.append(BatchBlock(slot, tokens, sees, offsets))
+        blocks.append(BatchBlock(seq_id, tokens, sees, offsets))
     if at != len(values):
         raise RuntimeError(f"a batched-forward command of {len(values)} values held {at} for {count} blocks")
     return blocks
 
 
 class ShardedPool:
-    """Rank 0's :class:`~specserve.core.target.PoolOps`: every slot allocation, batched forward, rollback and
+    """Rank 0's :class:`~specserve.core.target.PoolOps`: every allocation, batched forward, rollback and
     compaction is broadcast to the other ranks first, then done here on this rank's share of the pool."""
 
     def __init__(self, target: CausalLM, pool: KVPool, commands: _Commands) -> None:
@@ -174,13 +171,13 @@ class ShardedPool:
         self.commands = commands
 
     def allocate(self, tokens: int) -> int:
-        slot = self.pool.allocate(tokens)
-        self.commands.send(OP_NEW, slot, tokens)
-        return slot
+        seq_id = self.pool.allocate(tokens)
+        self.commands.send(OP_NEW, seq_id, tokens)
+        return seq_id
 
-    def free(self, slot: int) -> None:
-        self.commands.send(OP_FREE, slot)
-        self.pool.free(slot)
+    def free(self, seq_id: int) -> None:
+        self.commands.send(OP_FREE, seq_id)
+        self.pool.free(seq_id)
 
     def forward_batch(
         self,
@@ -194,17 +191,13 @@ class ShardedPool:
         self.commands.send(OP_FORWARD_BATCH, len(blocks), int(payload.numel()), int(last_only), payload)
         return self.local.forward_batch(blocks, last_only=last_only, capture=capture)
 
-    def rollback(self, slot: int, length: int) -> None:
-        self.commands.send(OP_ROLLBACK, slot, length)
-        self.pool.rollback(slot, length)
+    def rollback(self, seq_id: int, length: int) -> None:
+        self.commands.send(OP_ROLLBACK, seq_id, length)
+        self.pool.rollback(seq_id, length)
 
-    def compact(self, slot: int, keep: Sequence[int]) -> None:
-        self.commands.send(OP_COMPACT, slot, len(keep), 0, torch.tensor(list(keep), dtype=torch.long))
-        self.pool.compact(slot, keep)
-
-    def move(self, source: int, target: int) -> None:
-        self.commands.send(OP_MOVE, source, target)
-        self.pool.move(source, target)
+    def compact(self, seq_id: int, keep: Sequence[int]) -> None:
+        self.commands.send(OP_COMPACT, seq_id, len(keep), 0, torch.tensor(list(keep), dtype=torch.long))
+        self.pool.compact(seq_id, keep)
 
 
 class _Request:
@@ -213,9 +206,9 @@ class _Request:
         self.verifier = verifier
 
     @property
-    def slot(self) -> int:
-        """Where its KV lives: its pool slot, or its sequence id."""
-        return self.sequence.slot if isinstance(self.sequence, PooledSequence) else self.sequence.sequence_id
+    def seq_id(self) -> int:
+        """Where its KV lives on every rank: its sequence in the pool, or its own cache's id."""
+        return self.sequence.seq_id if isinstance(self.sequence, PooledSequence) else self.sequence.sequence_id
 
 
 class _VerifyBatcher:
@@ -295,15 +288,17 @@ class TargetShardActor:
         dtype: str = "float32",
         device: str = "cpu",
         num_threads: int | None = None,
-        num_slots: int = 0,
-        slot_capacity: int = 0,
+        max_num_seqs: int = 0,
+        max_seq_len: int = 0,
         batch_wait_s: float = 0.02,
         prefill_tokens: int = 256,
+        kv_pool_tokens: int = 0,
     ) -> None:
-        """``num_slots`` > 0 makes a batched replica: every rank keeps its KV in a pool of that many slots of
-        ``slot_capacity`` positions (0: the target's context), and rank 0 verifies the drafts of its running
-        requests together, one forward per step, waiting at most ``batch_wait_s`` for a step to fill, and prefills
-        newcomers ``prefill_tokens`` tokens at a time between steps."""
+        """``max_num_seqs`` > 0 makes a batched replica: every rank keeps its KV in a pool of ``kv_pool_tokens``
+        positions (0: room for ``max_num_seqs`` requests of ``max_seq_len``, itself 0 for the target's context; a
+        newcomer waits for the tokens it reserves), and rank 0 verifies the drafts of its running requests together,
+        one forward per step, waiting at most ``batch_wait_s`` for a step to fill, and prefills newcomers
+        ``prefill_tokens`` tokens at a time between steps."""
         self.compute = ComputeThread(num_threads)
         self.rank, self.world_size = rank, world_size
         self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
@@ -318,8 +313,10 @@ class TargetShardActor:
         self._loop: Future[object] | None = None
         self._stopped = threading.Event()  # set by shutdown(): rank 0's heartbeat stops
         self._heartbeat_s = 20.0
-        self._num_slots = num_slots
-        self._slot_capacity = slot_capacity or self.target.info.max_positions
+        self._max_num_seqs = max_num_seqs
+        max_seq_len = max_seq_len or self.target.info.max_positions
+        self._pool_tokens = (kv_pool_tokens or max_num_seqs * kv_tokens(max_seq_len)) if max_num_seqs else 0
+        self._room = threading.Condition()  # notified when a batched replica's request frees its KV
         self._batch_wait_s = batch_wait_s
         self._pool: ShardedPool | None = None  # batched replicas, once the model is sharded
         self._prefill_tokens = prefill_tokens
@@ -361,10 +358,8 @@ class TargetShardActor:
             )
             self.all_reduce = DeterministicAllReduce()
             self.compute.run(shard_model, self.target.model, self.rank, self.world_size, self.all_reduce)
-        if self._num_slots:
-            pool = self.compute.run(
-                KVPool, self.target.model, self._num_slots, self._slot_capacity, max(MAX_GAMMA + 1, BATCH_SCRATCH)
-            )
+        if self._pool_tokens:
+            pool = self.compute.run(KVPool, self.target.model, self._pool_tokens)
             self._pool = ShardedPool(self.target, pool, self._commands)
             if self.rank == 0:
                 self._batcher = _VerifyBatcher(self, self._batch_wait_s)
@@ -395,7 +390,9 @@ class TargetShardActor:
         if self._server is None:
             # batched: each stream's handler thread waits for its step (the batcher runs steps on the compute thread)
             run_in = None if self._batcher is not None else self.compute.run
-            self._server = VerifierServer(self, host=host, port=port, run_in=run_in, max_workers=self._num_slots + 16)
+            self._server = VerifierServer(
+                self, host=host, port=port, run_in=run_in, max_workers=self._max_num_seqs + 16
+            )
             self._server.start()
         address = self._server.address
         if host == "0.0.0.0":
@@ -427,17 +424,26 @@ class TargetShardActor:
         max_new_tokens: int,
         eos_token_ids: Sequence[int],
         feature_layers: Sequence[int] = (),
+        tree_nodes: int = 0,
     ) -> torch.Tensor | None:
         """Admit a request and prefill its prompt on every rank. With ``feature_layers`` (a hidden-state
         drafter's), return the prompt's features, and every verdict carries its cycle's.
 
-        A batched replica prefills in chunks of at most ``prefill_tokens`` tokens, each its own turn on the
-        compute thread, so the running requests' steps go on between them: a long prompt delays them by one
-        chunk at a time."""
+        A batched replica first waits until its KV pool has the tokens the request reserves (its prompt and output, and
+        its widest draft: ``tree_nodes`` for trees); one that could never fit is refused at once
+        (:class:`~specserve.core.kv_pool.PoolFull`). It prefills in chunks of at most ``prefill_tokens`` tokens, each
+        its own turn on the compute thread, so the running requests' steps go on between them: a long prompt delays them
+        by one chunk at a time."""
         self._require_rank0()
-        request = self.compute.run(
-            self._admit, request_id, prompt_ids, params, max_new_tokens, eos_token_ids, feature_layers
-        )
+        reserve = kv_tokens(len(prompt_ids) + max_new_tokens, tree_nodes)
+        while True:
+            request = self.compute.run(
+                self._admit, request_id, prompt_ids, params, max_new_tokens, eos_token_ids, feature_layers, reserve
+            )
+            if request is not None:
+                break
+            with self._room:  # polls as well: a wake-up between the check and this wait costs at most one poll
+                self._room.wait(timeout=ROOM_POLL_S)
         chunks: list[torch.Tensor] = []
         try:
             if self._pool is None:
@@ -462,14 +468,18 @@ class TargetShardActor:
         max_new_tokens: int,
         eos_token_ids: Sequence[int],
         feature_layers: Sequence[int],
-    ) -> _Request:
-        """On the compute thread: the request's KV (a pool slot, or a sequence on every rank) and verifier."""
+        reserve: int,
+    ) -> _Request | None:
+        """On the compute thread: the request's KV (``reserve`` tokens of the pool, or a sequence on every rank) and
+        verifier; ``None`` while the pool lacks the room (a request that could never fit raises)."""
         with self._lock:
             if request_id in self._requests or request_id in self._prefilling:
                 raise ValueError(f"request {request_id!r} is already running")
             sequence: ShardedSequence | PooledSequence
             if self._pool is not None:
-                sequence = PooledSequence(self._pool, self._pool.allocate(len(prompt_ids) + max_new_tokens))
+                if reserve <= self._pool.pool.capacity and not self._pool.pool.fits(reserve):
+                    return None
+                sequence = PooledSequence(self._pool, self._pool.allocate(reserve))
             else:
                 sequence = self._new_sequence()
             generators = make_generators(params.seed, self.target.device)
@@ -491,7 +501,7 @@ class TargetShardActor:
         assert self._pool is not None
         with self._lock:
             capture = request.verifier.new_capture()
-            block = request.verifier.prefill_block(request.slot, self._prefill_tokens)
+            block = request.verifier.prefill_block(request.seq_id, self._prefill_tokens)
             self._pool.forward_batch([block], last_only=True, capture=[capture])
             return capture.take() if capture is not None else None
 
@@ -550,11 +560,9 @@ class TargetShardActor:
             if not items:
                 return results
             assert self._pool is not None
-            self._pack()
-            items.sort(key=lambda item: item[1].slot)  # consecutive slots: the step reads the pool without copying
             before = self._allreduce_seconds()
             step = verify_batch(
-                self._pool, [(request.verifier, proposal, request.slot) for _, request, proposal in items]
+                self._pool, [(request.verifier, proposal, request.seq_id) for _, request, proposal in items]
             )
             allreduce = self._allreduce_seconds() - before
             for (request_id, _, _), outcome in zip(items, step.outcomes, strict=True):
@@ -573,19 +581,12 @@ class TargetShardActor:
         if self._batcher is not None:
             self._batcher.wake()
 
-    def _pack(self) -> None:
-        assert self._pool is not None
-        sequences = [
-            request.sequence
-            for request in (*self._requests.values(), *self._prefilling.values())
-            if isinstance(request.sequence, PooledSequence)
-        ]
-        pack(self._pool, self._pool.pool, sequences)
-
     def _release(self, sequence: ShardedSequence | PooledSequence) -> None:
         if isinstance(sequence, PooledSequence):
             assert self._pool is not None
-            self._pool.free(sequence.slot)
+            self._pool.free(sequence.seq_id)
+            with self._room:
+                self._room.notify_all()
         else:
             self._commands.send(OP_FREE, sequence.sequence_id)
             self._caches.pop(sequence.sequence_id, None)
@@ -595,9 +596,9 @@ class TargetShardActor:
             return list(self._requests[request_id].verifier.committed)
 
     def sequence_id(self, request_id: str) -> int:
-        """Where a request's KV lives on every rank: its sequence id, or its pool slot (batched replicas)."""
+        """Where a request's KV lives on every rank: its cache's id, or its sequence in the pool (batched replicas)."""
         with self._lock:
-            return self._requests[request_id].slot
+            return self._requests[request_id].seq_id
 
     def active_requests(self) -> list[str]:
         with self._lock:
@@ -614,10 +615,10 @@ class TargetShardActor:
                 return self._pool.pool.snapshot(sequence_id)
             return self._caches[sequence_id].snapshot()
 
-    def free_slots(self) -> int:
-        """Batched replicas: KV slots free on this rank (every rank mirrors rank 0)."""
+    def free_kv_tokens(self) -> int:
+        """Batched replicas: KV pool positions no request holds on this rank (every rank mirrors rank 0)."""
         with self._lock:
-            return self._pool.pool.free_slots if self._pool is not None else 0
+            return self._pool.pool.free_tokens if self._pool is not None else 0
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -659,7 +660,7 @@ class TargetShardActor:
                 if op == OP_HEARTBEAT:
                     continue
                 with self._lock:
-                    if self._pool is not None:  # a batched replica: sequences are slots of the pool
+                    if self._pool is not None:  # a batched replica: sequences are the pool's
                         self._follow_pool(self._pool.pool, op, sequence, a, b)
                     elif op == OP_NEW:
                         self._caches[sequence] = self.target.new_cache()
@@ -685,27 +686,26 @@ class TargetShardActor:
         except Exception:  # the replica cannot continue; rank 0's next collective times out with an error
             logger.exception("tensor-parallel rank %d stopped following rank 0", self.rank)
 
-    def _follow_pool(self, pool: KVPool, op: int, slot: int, a: int, b: int) -> None:
-        """Ranks > 0 of a batched replica: one of rank 0's commands on this rank's share of the pool."""
+    def _follow_pool(self, pool: KVPool, op: int, seq_id: int, a: int, b: int) -> None:
+        """Ranks > 0 of a batched replica: one of rank 0's commands on this rank's share of the pool (allocations in
+        the same order place the same spans, moves included, as on rank 0)."""
         import torch.distributed as dist
 
         if op == OP_NEW:
-            if pool.allocate(a) != slot:
-                raise RuntimeError(f"this rank's KV pool gave another slot than rank 0's ({slot})")
+            if pool.allocate(a) != seq_id:
+                raise RuntimeError(f"this rank's KV pool gave another sequence id than rank 0's ({seq_id})")
         elif op == OP_FREE:
-            pool.free(slot)
+            pool.free(seq_id)
         elif op == OP_ROLLBACK:
-            pool.rollback(slot, a)
+            pool.rollback(seq_id, a)
         elif op == OP_COMPACT:
             keep = torch.empty(a, dtype=torch.long)
             dist.broadcast(keep, src=0)
-            pool.compact(slot, keep.tolist())
-        elif op == OP_MOVE:
-            pool.move(slot, a)
+            pool.compact(seq_id, keep.tolist())
         elif op == OP_FORWARD_BATCH:
             payload = torch.empty(a, dtype=torch.long)
             dist.broadcast(payload, src=0)
-            self.target.forward_batch(pool, unpack_blocks(payload, slot), last_only=bool(b))
+            self.target.forward_batch(pool, unpack_blocks(payload, seq_id), last_only=bool(b))
         else:
             raise RuntimeError(f"unknown tensor-parallel command {op} for a batched replica")
 

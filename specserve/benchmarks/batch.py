@@ -20,9 +20,9 @@ least two requests, so a level sees the batch fill, refill as requests end, and 
 so that low levels do not rest on one or two requests). Request ``j`` of a level uses prompt
 ``j mod P`` (``P = --num-prompts``, default 8, so that with the default counts every prompt occurs
 equally often at every level) and seed ``seed + j``, in every mode. The batched engines get
-``num_slots = c``; each slot holds the longest prompt plus ``max_new_tokens``. Their drafters come
-from :func:`~specserve.drafters.registry.request_drafters`, given ``num_slots`` (a draft model
-pool shared by the requests) when the registry takes it.
+``max_num_seqs = c`` and ``max_seq_len`` = the longest prompt plus ``max_new_tokens`` (their KV pools
+hold ``c`` such requests). Their drafters come from :func:`~specserve.drafters.registry.request_drafters`,
+given ``max_num_seqs`` (a draft model pool shared by the requests).
 
 **Measures**, per (mode, temperature, concurrency):
 
@@ -70,7 +70,6 @@ to stderr. Does not start servers or Ray, and does not tune anything.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import math
@@ -299,18 +298,14 @@ def closed_loop(
 class Models:
     target: CausalLM
     draft: CausalLM | str  # a loaded draft model, or a built-in drafter's name
-    slot_capacity: int
+    max_seq_len: int  # the longest prompt + max_new_tokens
 
 
-def drafters_for(models: Models, cfg: BatchBenchConfig, num_slots: int) -> Callable[[str], Drafter]:
-    """``request_drafters`` for an engine of ``num_slots`` slots (its draft model pool sized alike when the
-    registry can batch drafting)."""
+def drafters_for(models: Models, cfg: BatchBenchConfig, max_num_seqs: int) -> Callable[[str], Drafter]:
+    """``request_drafters`` for an engine of ``max_num_seqs`` requests (a draft model's pool sized alike)."""
     options: dict[str, Any] = {}
-    accepted = inspect.signature(request_drafters).parameters
-    if "num_slots" in accepted and isinstance(models.draft, CausalLM):
-        options["num_slots"] = num_slots
-        if "slot_capacity" in accepted:  # a draft may run up to MAX_GAMMA positions past the committed text
-            options["slot_capacity"] = min(models.draft.info.max_positions, models.slot_capacity + MAX_GAMMA + 1)
+    if isinstance(models.draft, CausalLM):
+        options = {"max_num_seqs": max_num_seqs, "max_seq_len": models.max_seq_len}
     return request_drafters(
         models.draft,
         models.target,
@@ -322,15 +317,15 @@ def drafters_for(models: Models, cfg: BatchBenchConfig, num_slots: int) -> Calla
     )
 
 
-def engine_for(mode: Mode, models: Models, cfg: BatchBenchConfig, num_slots: int) -> Server:
+def engine_for(mode: Mode, models: Models, cfg: BatchBenchConfig, max_num_seqs: int) -> Server:
     if mode.kind == "sequential":
         return OneAtATime(SpeculativeEngine(models.target, NoDrafter(models.target.device)))
     return BatchedEngine(
         models.target,
-        drafters_for(models, cfg, num_slots),
+        drafters_for(models, cfg, max_num_seqs),
         schedules=schedules(),
-        num_slots=num_slots,
-        slot_capacity=models.slot_capacity,
+        max_num_seqs=max_num_seqs,
+        max_seq_len=models.max_seq_len,
         prefill_tokens=cfg.prefill_tokens,
     )
 
@@ -393,7 +388,7 @@ def _run_hf(
     page_size = 256
     batching = ContinuousBatchingConfig(
         page_size=page_size,
-        num_blocks=concurrency * (math.ceil(models.slot_capacity / page_size) + 1),
+        num_blocks=concurrency * (math.ceil(models.max_seq_len / page_size) + 1),
         max_batch_tokens=cfg.prefill_tokens + concurrency,
         max_requests_per_batch=concurrency,
         allow_block_sharing=False,
@@ -577,7 +572,7 @@ def run(cfg: BatchBenchConfig) -> tuple[dict[str, Any], int]:
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads()},
         "num_prompts": len(prompt_ids),
         "mean_prompt_tokens": sum(map(len, prompt_ids)) / len(prompt_ids),
-        "slot_capacity": models.slot_capacity,
+        "max_seq_len": models.max_seq_len,
         "rows": rows,
         "greedy_mismatches": mismatches,
         "exact": not mismatches,

@@ -133,8 +133,16 @@ class ReplicaConfig(BaseModel):
     max_seq_len: int = Field(
         0,
         ge=0,
-        description="batched replicas: tokens (prompt + max_tokens) one request may hold, the length of each of the "
-        "max_num_seqs KV slots preallocated (on every shard); 0 = the target's context; longer requests are refused",
+        description="batched replicas: tokens (prompt + max_tokens) one request may hold; 0 = the target's context; "
+        "longer requests are refused",
+    )
+    kv_pool_tokens: int = Field(
+        0,
+        ge=0,
+        description="batched replicas: token positions of the KV pool preallocated (on every shard, for its share of "
+        "the heads). A request reserves its prompt + max_tokens + the widest draft block when it starts and waits "
+        "while the pool lacks them; one that could never fit is refused. 0 = room for max_num_seqs requests of "
+        "max_seq_len",
     )
     batch_wait_ms: float = Field(
         20.0,

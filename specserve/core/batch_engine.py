@@ -3,10 +3,13 @@
 :class:`BatchedEngine` holds a :class:`~specserve.core.kv_pool.KVPool` and the running requests.
 Requests join and leave between steps. One :meth:`BatchedEngine.step`:
 
-1. **admit and prefill** — waiting requests take free KV slots, first come first served; their
-   prompts are prefilled in chunks, at most ``prefill_tokens`` tokens per step over all newcomers,
-   in a forward of their own, so a long prompt never stalls the others' decoding for more than
-   one chunk; a request whose prompt and output can never fit a slot is refused when submitted;
+1. **admit and prefill** — waiting requests start, first come first served, while fewer than
+   ``max_num_seqs`` run and the KV pool has the tokens the next one reserves (:func:`kv_tokens`: its
+   prompt, its output and its widest block; a later request never overtakes one waiting for room);
+   their prompts are prefilled in chunks, at most ``prefill_tokens`` tokens per step over all
+   newcomers, in a forward of their own, so a long prompt never stalls the others' decoding for more
+   than one chunk; a request that could never fit (longer than ``max_seq_len``, or than the whole
+   pool) is refused when submitted;
 2. **draft** — every running request's :class:`~specserve.core.draft_side.DraftSide` plans its budget
    knowing the batch size (a goodput-aware schedule drafts less in a larger batch), the chains of
    adaptive requests are aligned to one length (:func:`~specserve.core.draft_side.align_chains`), and
@@ -17,15 +20,15 @@ Requests join and leave between steps. One :meth:`BatchedEngine.step`:
    (:meth:`~specserve.core.model.CausalLM.forward_batch`); each request's
    :class:`~specserve.core.target.TargetVerifier` decides on its own rows by the same exact rules
    as the single-request engine, with the request's own generators, and rolls back or compacts
-   its own slot;
-4. **stop checks** — EOS, length, stop strings; finished requests free their slots.
+   its own span of the pool;
+4. **stop checks** — EOS, length, stop strings; finished requests free their tokens.
 
 Per request, the drafter, schedule and generators see exactly the calls the single-request
 :class:`~specserve.core.engine.SpeculativeEngine` makes, in the same order (but for a prompt's features,
 which arrive chunk by chunk: see below), so a request's tokens
 do not depend on who shares its batch (a fixed budget stays fixed; an adaptive one changes only how
 much is proposed, never the output's law). Each request gets its own drafter from
-``new_drafter(name)`` (a draft model's weights are shared; its cache, or its slot of a shared pool,
+``new_drafter(name)`` (a draft model's weights are shared; its cache, or its span of a shared pool,
 is the request's), given back when the request ends. Each step's observation carries the batch size,
 the positions the forward computed and the step's time, which the policies' step-cost estimate learns.
 
@@ -35,7 +38,7 @@ position (together, what the single engine's prefill hands over at once: every p
 last), then each cycle's root and accepted tokens' from the step's verify forward (one
 :class:`~specserve.core.model.FeatureCapture` per row that wants them). A layer-skip drafter
 (:class:`~specserve.core.draft.SharesTargetKV`) is not given the target's cache here: a request's KV is
-its slot of the pool, so the drafter keeps a cache of its own, as it does in a drafter process.
+its span of the pool, so the drafter keeps a cache of its own, as it does in a drafter process.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specserve.core.batch_step import LocalPool, pack, verify_batch
+from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.detokenize import TextStream
 from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft
 from specserve.core.draft_side import DraftSide, propose_batch
@@ -55,7 +58,7 @@ from specserve.core.kv_pool import KVPool
 from specserve.core.model import CausalLM
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.schedule import MAX_GAMMA, ScheduleFactory, fixed_schedules
+from specserve.core.schedule import ScheduleFactory, fixed_schedules
 from specserve.core.stats import RequestStats
 from specserve.core.target import PooledSequence, TargetVerifier
 
@@ -74,9 +77,9 @@ class _Request:
     out: RequestOutput | None = None
 
     @property
-    def slot(self) -> int:
-        assert self.sequence is not None, "a waiting request holds no slot"
-        return self.sequence.slot
+    def seq_id(self) -> int:
+        assert self.sequence is not None, "a waiting request holds no KV"
+        return self.sequence.seq_id
 
     def parts(self) -> tuple[TargetVerifier, DraftSide, RequestOutput]:
         """The verifier, draft side and output of a started request."""
@@ -89,9 +92,10 @@ class BatchedEngine(GenerationFrontend):
 
     ``new_drafter(name)`` builds a drafter for one request (``name`` is the request's
     :attr:`~specserve.core.engine.GenerationConfig.drafter`: ``default``, ``ngram`` or ``none``).
-    ``num_slots`` requests run at once, each within ``slot_capacity`` tokens of prompt and output
-    (default: the target's context length); the rest wait. Newcomers' prompts are prefilled at most
-    ``prefill_tokens`` tokens per step.
+    Up to ``max_num_seqs`` requests run at once, each within ``max_seq_len`` tokens of prompt and output
+    (default: the target's context length), their KV in a pool of ``kv_pool_tokens`` positions (default:
+    room for ``max_num_seqs`` requests of ``max_seq_len``); the rest wait. Newcomers' prompts are prefilled
+    at most ``prefill_tokens`` tokens per step.
     """
 
     def __init__(
@@ -99,22 +103,21 @@ class BatchedEngine(GenerationFrontend):
         target: CausalLM,
         new_drafter: Callable[[str], Drafter],
         schedules: ScheduleFactory = fixed_schedules,
-        num_slots: int = 16,
-        slot_capacity: int | None = None,
+        max_num_seqs: int = 16,
+        max_seq_len: int | None = None,
         prefill_tokens: int = 256,
+        kv_pool_tokens: int | None = None,
     ) -> None:
-        if prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        if prefill_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(f"prefill_tokens and max_num_seqs must be >= 1, got {prefill_tokens}, {max_num_seqs}")
         self.prefill_tokens = prefill_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_seq_len = max_seq_len or target.info.max_positions
         self.target = target
         self.new_drafter = new_drafter
         self.schedules = schedules
         self.prompts = PromptCodec(target.info, target.tokenizer)
-        capacity = slot_capacity or target.info.max_positions
-        # Padding columns a step may need: up to a prefill chunk or the longest chain's verify block (trees are
-        # checked against it when submitted).
-        scratch = min(capacity, max(prefill_tokens, MAX_GAMMA + 1))
-        self.pool = KVPool(target.model, num_slots, capacity, scratch=scratch)
+        self.pool = KVPool(target.model, kv_pool_tokens or max_num_seqs * kv_tokens(self.max_seq_len))
         self.ops = LocalPool(target, self.pool)
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
@@ -130,32 +133,33 @@ class BatchedEngine(GenerationFrontend):
         params, config = params or SamplingParams(), config or GenerationConfig()
         prompt_ids = self.encode(prompt)
         self.validate(prompt_ids, config)
-        tokens = len(prompt_ids) + config.max_new_tokens
-        if tokens > self.pool.slot_capacity:
+        if len(prompt_ids) + config.max_new_tokens > self.max_seq_len:
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed the "
-                f"{self.pool.slot_capacity} tokens a request may hold here; shorten one of them"
+                f"{self.max_seq_len} tokens a request may hold here (max_seq_len); shorten one of them"
+            )
+        reserve = self._kv_tokens(len(prompt_ids), config)
+        if reserve > self.pool.capacity:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens), max_new_tokens ({config.max_new_tokens}) and its widest verify "
+                f"block need {reserve} KV positions, more than this replica's whole pool ({self.pool.capacity}, "
+                "kv_pool_tokens); shorten the prompt or max_new_tokens"
             )
         drafter = self.new_drafter(config.drafter)
         check_can_draft(drafter, config.tree, config.drafter)
-        if config.budget.nodes + 1 > self.pool.scratch:
-            raise InvalidRequest(
-                f"a draft budget of {config.budget.nodes} nodes is more than a batch step pads "
-                f"({self.pool.scratch - 1}); draft fewer nodes"
-            )
         self.schedules(config.policy, config.budget)  # raises for a policy this engine cannot run
         request = _Request(next(self._ids), prompt_ids, params, config, drafter, time.perf_counter())
         self._waiting.append(request)
         return request.request_id
 
     def cancel(self, request_id: int) -> None:
-        """Drop a waiting or running request (its slot is freed at once); unknown ids are ignored."""
+        """Drop a waiting or running request (its KV is freed at once); unknown ids are ignored."""
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
         request = self._running.pop(request_id, None)
         if request is not None:
-            self.pool.free(request.slot)
+            self.pool.free(request.seq_id)
             if isinstance(request.drafter, BatchedDrafter):
-                request.drafter.release()  # its slot of the draft model's pool
+                request.drafter.release()  # its span of the draft model's pool
 
     @property
     def has_work(self) -> bool:
@@ -171,17 +175,15 @@ class BatchedEngine(GenerationFrontend):
     def step(self) -> list[tuple[int, StreamChunk]]:
         """Admit and prefill (a chunk), then draft, verify every prefilled request in one forward, commit; each
         request's new chunk."""
-        self._pack()
         self._admit()
         self._prefill()
         running = [r for r in self._running.values() if r.verifier is not None and not r.verifier.unprefilled]
-        running.sort(key=lambda r: r.slot)  # consecutive slots: the step reads the pool without copying it
         if not running:
             return []
         parts = [request.parts() for request in running]
         proposals = propose_batch([side for _, side, _ in parts])
-        slots = [request.slot for request in running]
-        step = verify_batch(self.ops, [(p[0], x, slot) for p, x, slot in zip(parts, proposals, slots, strict=True)])
+        ids = [request.seq_id for request in running]
+        step = verify_batch(self.ops, [(p[0], x, seq_id) for p, x, seq_id in zip(parts, proposals, ids, strict=True)])
         chunks = []
         for request, (verifier, side, out), proposal, outcome in zip(
             running, parts, proposals, step.outcomes, strict=True
@@ -199,13 +201,17 @@ class BatchedEngine(GenerationFrontend):
                 self.cancel(request.request_id)
         return chunks
 
-    def _pack(self) -> None:
-        pack(self.ops, self.pool, [r.sequence for r in self._running.values() if r.sequence is not None])
-
     def _admit(self) -> None:
-        while self._waiting and self.pool.free_slots:
-            request = self._waiting.popleft()
-            self._start(request)
+        while (
+            self._waiting
+            and len(self._running) < self.max_num_seqs
+            and self.pool.fits(self._kv_tokens(len(self._waiting[0].prompt_ids), self._waiting[0].config))
+        ):
+            self._start(self._waiting.popleft())
+
+    @staticmethod
+    def _kv_tokens(prompt_tokens: int, config: GenerationConfig) -> int:
+        return kv_tokens(prompt_tokens + config.max_new_tokens, config.budget.nodes if config.tree else 0)
 
     def _prefill(self) -> None:
         """One forward over the next prompt chunks of the requests still prefilling, oldest first, within
@@ -217,7 +223,7 @@ class BatchedEngine(GenerationFrontend):
             if verifier.unprefilled and budget:
                 # the chunk's first position, and its features for a drafter that reads them (None otherwise)
                 filling.append((request, verifier.sequence.length, verifier.new_capture()))
-                blocks.append(verifier.prefill_block(request.slot, budget))
+                blocks.append(verifier.prefill_block(request.seq_id, budget))
                 budget -= blocks[-1].size
         if not blocks:
             return
@@ -231,11 +237,11 @@ class BatchedEngine(GenerationFrontend):
                 out.stats.prefill_seconds = now - request.submitted
 
     def _start(self, request: _Request) -> None:
-        """Give a newcomer its slot, verifier and draft side, as the single-request engine does; its prompt is
+        """Give a newcomer its KV, verifier and draft side, as the single-request engine does; its prompt is
         prefilled in chunks by the steps that follow (:meth:`_prefill`)."""
         params, config = request.params, request.config
         device = self.target.device
-        slot = self.pool.allocate(len(request.prompt_ids) + config.max_new_tokens)
+        seq_id = self.pool.allocate(self._kv_tokens(len(request.prompt_ids), config))
         stats = RequestStats()
         eos = () if config.ignore_eos else self.target.info.eos_token_ids
         generators = make_generators(params.seed, device)
@@ -249,7 +255,7 @@ class BatchedEngine(GenerationFrontend):
             device,
             config.drafter,
         )
-        sequence = request.sequence = PooledSequence(self.ops, slot)
+        sequence = request.sequence = PooledSequence(self.ops, seq_id)
         verifier = TargetVerifier(
             sequence,
             request.prompt_ids,
@@ -260,7 +266,7 @@ class BatchedEngine(GenerationFrontend):
             device,
             side.feature_layers,
         )
-        # No target cache for a layer-skip drafter: the request's KV is a slot of the pool, not a cache it can draft
+        # No target cache for a layer-skip drafter: the request's KV is a span of the pool, not a cache it can draft
         # in, so it keeps its own (as in a drafter process). A hidden-state drafter gets the prompt's features from
         # the prefill's chunks (_prefill).
         side.start(request.prompt_ids, params, generators.draft)

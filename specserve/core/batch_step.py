@@ -1,10 +1,10 @@
 """One batched verification step over a KV pool, written once for every batched runtime.
 
 :func:`verify_batch` scores every request's verify block in **one** target forward over the pool
-(:meth:`~specserve.core.model.CausalLM.forward_batch`: rows padded to the widest block, each row seeing
-only its own prefix and block), then lets each request's :class:`~specserve.core.target.TargetVerifier`
+(:meth:`~specserve.core.model.CausalLM.forward_batch`: rows padded to the widest block, each row attending
+over only its own prefix and block), then lets each request's :class:`~specserve.core.target.TargetVerifier`
 decide on its own rows by the exact rules, with its own generators, and roll back or compact its own
-slot. A request whose verifier has feature layers (a hidden-state drafter's) gets its block's features
+sequence. A request whose verifier has feature layers (a hidden-state drafter's) gets its block's features
 from that same forward, as :meth:`~specserve.core.target.TargetVerifier.verify` gets them alone. Every
 request waited for the whole step, so each outcome's ``verify_seconds`` is the step's; the step also
 reports the positions its forward computed (rows × widest block), which goodput-aware schedules learn
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ import torch
 from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
-from specserve.core.target import CycleOutcome, PooledSequence, PoolOps, TargetVerifier
+from specserve.core.target import CycleOutcome, PoolOps, TargetVerifier
 
 
 class LocalPool:
@@ -45,26 +45,20 @@ class LocalPool:
     ) -> list[torch.Tensor]:
         return self.target.forward_batch(self.pool, blocks, last_only=last_only, capture=capture)
 
-    def rollback(self, slot: int, length: int) -> None:
-        self.pool.rollback(slot, length)
+    def rollback(self, seq_id: int, length: int) -> None:
+        self.pool.rollback(seq_id, length)
 
-    def compact(self, slot: int, keep: Sequence[int]) -> None:
-        self.pool.compact(slot, keep)
-
-    def move(self, source: int, target: int) -> None:
-        self.pool.move(source, target)
+    def compact(self, seq_id: int, keep: Sequence[int]) -> None:
+        self.pool.compact(seq_id, keep)
 
 
-def pack(ops: PoolOps, pool: KVPool, sequences: Iterable[PooledSequence]) -> None:
-    """Move the allocated slots down to ``0 .. n − 1`` (:meth:`~specserve.core.kv_pool.KVPool.packing`, carried out
-    through ``ops``, so on every rank) and renumber the ``sequences`` that held them. A step whose rows are
-    consecutive slots reads the pool as a view: a copy of a few requests' KV now and then, between steps, instead of
-    a gather of every request's KV in every layer at every step."""
-    moved = dict(pool.packing())  # a slot moves at most once: each target is below every slot still to move
-    for source, target in moved.items():
-        ops.move(source, target)
-    for sequence in sequences:
-        sequence.slot = moved.get(sequence.slot, sequence.slot)
+def kv_tokens(sequence_tokens: int, tree_nodes: int = 0) -> int:
+    """KV positions a request reserves in a pool: its prompt and output (``sequence_tokens``), and for a request that
+    drafts trees of up to ``tree_nodes`` nodes, room for its last verify block. A cycle caches every committed token
+    but the last, then verifies a block of that token and its drafts; chains are cut to the tokens the request may
+    still emit minus one (:func:`~specserve.core.draft.propose`), so they stay within ``sequence_tokens``, but a
+    tree's nodes may outnumber them (only its depth is cut)."""
+    return sequence_tokens + tree_nodes
 
 
 @dataclass(frozen=True)
@@ -75,11 +69,11 @@ class StepResult:
 
 
 def verify_batch(ops: PoolOps, items: Sequence[tuple[TargetVerifier, Proposal, int]]) -> StepResult:
-    """Verify ``(verifier, proposal, slot)`` items in one forward over ``ops`` (see the module docstring)."""
+    """Verify ``(verifier, proposal, seq_id)`` items in one forward over ``ops`` (see the module docstring)."""
     if not items:
         raise ValueError("a batched step needs at least one request")
     start = time.perf_counter()
-    blocks = [verifier.block(proposal, slot) for verifier, proposal, slot in items]
+    blocks = [verifier.block(proposal, seq_id) for verifier, proposal, seq_id in items]
     captures = [verifier.new_capture() for verifier, _, _ in items]  # None for requests that read no features
     logits = ops.forward_batch(blocks, capture=captures)
     outcomes = [

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from specserve.core.attention import use_grouped_attention
+from specserve.core.attention import RaggedBatch, ragged_batch, use_grouped_attention
 from specserve.core.errors import UserError
 from specserve.core.kv_pool import KVPool
 from specserve.core.tree import DraftTree
@@ -288,12 +288,12 @@ class CausalLM:
         last_only: bool = False,
         capture: Sequence[FeatureCapture | None] | None = None,
     ) -> list[torch.Tensor]:
-        """Append every block to its own slot of ``pool`` in one forward; per block, its ``[k, vocab]`` logits
+        """Append every block to its own sequence in ``pool`` in one forward; per block, its ``[k, vocab]`` logits
         (``[1, vocab]``, its last token's, with ``last_only``: the head then runs on one token per row).
 
         Each row sees its own cached prefix and its own block (causally, or by the block's tree ancestry),
         never another row's: block b's logits equal :meth:`forward` (a chain) or :meth:`forward_tree` (a tree)
-        on that sequence alone. The pool's slots then hold the whole blocks; the caller rolls back or compacts.
+        on that sequence alone. The pool's sequences then hold the whole blocks; the caller rolls back or compacts.
 
         ``capture``: one :class:`FeatureCapture` (or ``None``) per block; block b's is filled with the ``[k,
         width]`` features of its k real tokens at its own layers, what a forward of that sequence alone captures.
@@ -304,55 +304,66 @@ class CausalLM:
         if len(captures) != len(blocks):
             raise ValueError(f"{len(captures)} feature captures for {len(blocks)} blocks: give one per block")
         sizes = [block.size for block in blocks]
-        view = pool.view([block.slot for block in blocks], sizes)
+        view = pool.view([block.seq_id for block in blocks], sizes)
         rows, width, low = len(blocks), max(sizes), torch.finfo(self.dtype).min
         ids = torch.zeros(rows, width, dtype=torch.long)
         positions = torch.zeros(rows, width, dtype=torch.long)
-        mask = torch.full((rows, 1, width, view.width), low, dtype=self.dtype)
+        masks: list[torch.Tensor | None] = []
         for row, (block, prefix) in enumerate(zip(blocks, view.lengths, strict=True)):
             k = block.size
             ids[row, :k] = block.tokens.to("cpu", torch.long)
             positions[row, :k] = prefix + torch.tensor(block.offsets)
             positions[row, k:] = prefix
-            mask[row, 0, :k, :prefix] = 0  # its own cached prefix
-            mask[row, 0, :k, prefix : prefix + k].masked_fill_(block.attends(), 0)
-            mask[row, 0, k:, prefix] = 0  # padding queries see one real key (their outputs are dropped)
+            if k == 1:
+                masks.append(None)  # one query sees its whole span: its prefix and itself
+                continue
+            mask = torch.zeros(k, prefix + k, dtype=self.dtype)  # its own cached prefix, and its block by ancestry
+            mask[:, prefix:].masked_fill_(~block.attends(), low)
+            masks.append(mask.to(self.device))
         kwargs: dict[str, Any] = {
             self._cache_kwarg: view,
-            "attention_mask": mask.to(self.device),
+            # transformers takes a 4-D mask as given; the ragged attention reads each row's own mask instead
+            "attention_mask": torch.zeros(rows, 1, width, 1, dtype=self.dtype, device=self.device),
             "position_ids": positions.to(self.device),
         }
         if last_only:  # [rows, 1]: per row, the column of its last real token
             kwargs["logits_to_keep"] = torch.tensor([[k - 1] for k in sizes], device=self.device)
-        logits = self._call(ids.to(self.device), sizes, captures, kwargs)
+        with ragged_batch(RaggedBatch(view.rows(masks))) as ragged:
+            logits = self._call(ids.to(self.device), sizes, captures, kwargs)
+        if ragged.calls != len(pool.keys):
+            raise RuntimeError(
+                f"{self.info.architecture} attended through specserve's ragged attention in {ragged.calls} of its "
+                f"{len(pool.keys)} layers; batched forwards need a model whose attention goes through transformers' "
+                f"AttentionInterface, loaded with attn_implementation='sdpa'"
+            )
         return [logits[row, : 1 if last_only else k] for row, k in enumerate(sizes)]
 
 
 @dataclass(frozen=True)
 class BatchBlock:
-    """One sequence's block in :meth:`CausalLM.forward_batch`: its pool slot, its tokens and how they attend."""
+    """One sequence's block in :meth:`CausalLM.forward_batch`: its pool sequence id, its tokens and how they attend."""
 
-    slot: int
+    seq_id: int
     tokens: torch.Tensor  # [k] int64
     ancestry: torch.Tensor | None = None  # [k, k] bool, row i may see column j; None = causal (a chain or a prefill)
-    offsets: tuple[int, ...] = ()  # [k] position of token i after the slot's prefix; () = 0 .. k - 1
+    offsets: tuple[int, ...] = ()  # [k] position of token i after the sequence's cached prefix; () = 0 .. k - 1
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
 
     @staticmethod
-    def chain(slot: int, tokens: torch.Tensor) -> BatchBlock:
+    def chain(seq_id: int, tokens: torch.Tensor) -> BatchBlock:
         """``tokens`` appended causally (a verify chain headed by the last committed token, or a prefill chunk)."""
-        return BatchBlock(slot, tokens, None, tuple(range(int(tokens.shape[0]))))
+        return BatchBlock(seq_id, tokens, None, tuple(range(int(tokens.shape[0]))))
 
     @staticmethod
-    def tree(slot: int, root: int, tree: DraftTree) -> BatchBlock:
+    def tree(seq_id: int, root: int, tree: DraftTree) -> BatchBlock:
         """``[root] + tree nodes`` with tree attention, as :meth:`CausalLM.forward_tree` lays them out."""
-        return BatchBlock.after(slot, root, tree.tokens, tree.parents)
+        return BatchBlock.after(seq_id, root, tree.tokens, tree.parents)
 
     @staticmethod
-    def after(slot: int, root: int, tokens: torch.Tensor, parents: Sequence[int]) -> BatchBlock:
+    def after(seq_id: int, root: int, tokens: torch.Tensor, parents: Sequence[int]) -> BatchBlock:
         """``[root] + nodes`` where node i has parent ``parents[i]`` (-1 = the root): each node sees the root, its
         ancestors and itself, at position ``1 + depth`` after the root. A chain (parents -1, 0, 1, ...) is causal."""
         size = len(parents)
@@ -364,7 +375,7 @@ class BatchBlock:
             sees[node + 1, node + 1] = True
             depths.append(0 if parent < 0 else depths[parent] + 1)
         ids = torch.cat([torch.tensor([root], dtype=torch.long), tokens.to("cpu", torch.long)])
-        return BatchBlock(slot, ids, sees, (0, *(1 + depth for depth in depths)))
+        return BatchBlock(seq_id, ids, sees, (0, *(1 + depth for depth in depths)))
 
     def attends(self) -> torch.Tensor:
         """[k, k] bool: which of the block's tokens each of them sees."""

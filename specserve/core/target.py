@@ -9,7 +9,7 @@ engine and the distributed target replica (rank 0 of its tensor-parallel shards)
 so the two cannot drift apart.
 
 Where the keys and values live is behind :class:`TargetSequence`: one process
-(:class:`LocalSequence`, a :class:`~specserve.core.model.KVCache`), one slot of a batched
+(:class:`LocalSequence`, a :class:`~specserve.core.model.KVCache`), one span of a batched
 engine's KV pool (:class:`PooledSequence`), or several tensor-parallel shards that mirror every
 forward and rollback (``specserve.actors``). A batched step splits :meth:`TargetVerifier.verify`
 in two: every request's :meth:`~TargetVerifier.block` goes into one forward, then each request's
@@ -103,7 +103,7 @@ class LocalSequence:
 
 class PoolOps(Protocol):
     """What a batched step does to a KV pool: in this process (:class:`~specserve.core.batch_step.LocalPool`), or
-    mirrored on every tensor-parallel rank (``specserve.actors``). Slots are the pool's."""
+    mirrored on every tensor-parallel rank (``specserve.actors``). Sequence ids are the pool's."""
 
     pool: KVPool
 
@@ -117,43 +117,39 @@ class PoolOps(Protocol):
         per block (or ``None``), is filled with each block's features."""
         ...
 
-    def rollback(self, slot: int, length: int) -> None: ...
+    def rollback(self, seq_id: int, length: int) -> None: ...
 
-    def compact(self, slot: int, keep: Sequence[int]) -> None: ...
-
-    def move(self, source: int, target: int) -> None:
-        """Move the sequence of slot ``source`` to the free slot ``target`` (packing the pool between steps)."""
-        ...
+    def compact(self, seq_id: int, keep: Sequence[int]) -> None: ...
 
 
 class PooledSequence:
-    """A sequence whose KV lives in one slot of a :class:`~specserve.core.kv_pool.KVPool` (batched serving).
+    """A sequence whose KV lives in a :class:`~specserve.core.kv_pool.KVPool` (batched serving), as ``seq_id``.
 
     Its own forwards (a prefill, or a cycle verified alone) are one-row batched forwards; a batched step
-    scores its block together with the other slots' (:meth:`TargetVerifier.block`)."""
+    scores its block together with the other sequences' (:meth:`TargetVerifier.block`)."""
 
-    def __init__(self, ops: PoolOps, slot: int) -> None:
+    def __init__(self, ops: PoolOps, seq_id: int) -> None:
         self.ops = ops
-        self.slot = slot
+        self.seq_id = seq_id
 
     @property
     def length(self) -> int:
-        return self.ops.pool.length(self.slot)
+        return self.ops.pool.length(self.seq_id)
 
     def forward(
         self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
     ) -> torch.Tensor:
-        logits = self.ops.forward_batch([BatchBlock.chain(self.slot, input_ids)], capture=[capture])[0]
+        logits = self.ops.forward_batch([BatchBlock.chain(self.seq_id, input_ids)], capture=[capture])[0]
         return logits[-1:] if last_only else logits
 
     def rollback(self, length: int) -> None:
-        self.ops.rollback(self.slot, length)
+        self.ops.rollback(self.seq_id, length)
 
     def forward_tree(self, root: int, tree: DraftTree, capture: FeatureCapture | None = None) -> torch.Tensor:
-        return self.ops.forward_batch([BatchBlock.tree(self.slot, root, tree)], capture=[capture])[0]
+        return self.ops.forward_batch([BatchBlock.tree(self.seq_id, root, tree)], capture=[capture])[0]
 
     def compact(self, keep: Sequence[int]) -> None:
-        self.ops.compact(self.slot, keep)
+        self.ops.compact(self.seq_id, keep)
 
 
 Verdict = ChainVerdict | TreeVerdict  # both name the accepted path (``accepted``) and the token after it
@@ -231,16 +227,17 @@ class TargetVerifier:
         """Prompt tokens (all but the last) not yet cached: a chunked prefill feeds them over several steps."""
         return max(len(self.committed) - 1 - self.sequence.length, 0)
 
-    def prefill_block(self, slot: int, budget: int) -> BatchBlock:
-        """The next (at most ``budget``) uncached prompt tokens as one row of a batched forward whose slot holds
-        this request's KV: a chunk of a prefill spread over several steps. The chunk starts at position
-        ``sequence.length``; with feature layers, the forward's :meth:`new_capture` holds its features, which the
-        drafter gets from that position on, chunk after chunk, as :meth:`prefill` would hand them over at once."""
+    def prefill_block(self, seq_id: int, budget: int) -> BatchBlock:
+        """The next (at most ``budget``) uncached prompt tokens as one row of a batched forward, in the pool's
+        sequence ``seq_id`` that holds this request's KV: a chunk of a prefill spread over several steps. The chunk
+        starts at position ``sequence.length``; with feature layers, the forward's :meth:`new_capture` holds its
+        features, which the drafter gets from that position on, chunk after chunk, as :meth:`prefill` would hand them
+        over at once."""
         cached = self.sequence.length
         end = min(cached + budget, len(self.committed) - 1)
         if end <= cached:
             raise ValueError(f"nothing to prefill within a budget of {budget} (cached {cached} of the prompt)")
-        return BatchBlock.chain(slot, torch.tensor(self.committed[cached:end], dtype=torch.long))
+        return BatchBlock.chain(seq_id, torch.tensor(self.committed[cached:end], dtype=torch.long))
 
     def new_capture(self) -> FeatureCapture | None:
         """A capture of this request's feature layers for a forward over its tokens; ``None`` without any."""
@@ -273,11 +270,11 @@ class TargetVerifier:
             target_logits = sequence.forward_tree(root, proposal, capture=capture)  # [n + 1, vocab]
         return self.decide(proposal, target_logits, start, capture.take() if capture is not None else None)
 
-    def block(self, proposal: Proposal, slot: int) -> BatchBlock:
+    def block(self, proposal: Proposal, seq_id: int) -> BatchBlock:
         """This cycle's verify block ``[last committed] + proposal`` as one row of a batched forward
-        (:meth:`~specserve.core.model.CausalLM.forward_batch`) whose slot holds this request's KV."""
+        (:meth:`~specserve.core.model.CausalLM.forward_batch`) whose sequence ``seq_id`` holds this request's KV."""
         self._check_running()
-        return BatchBlock.after(slot, self.committed[-1], proposal.tokens, proposal.parents)
+        return BatchBlock.after(seq_id, self.committed[-1], proposal.tokens, proposal.parents)
 
     def decide(
         self,

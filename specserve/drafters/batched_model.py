@@ -1,13 +1,13 @@
 """Draft-model chains for many requests at once: one KV pool, one draft forward per drafted position.
 
-:class:`BatchedDraftModel` is a :class:`~specserve.core.draft.ChainBatcher` over one draft model. Each
-request's drafter (:class:`PooledDraftModelDrafter`, from :meth:`BatchedDraftModel.new_drafter`) keeps its
-KV in one slot of the batcher's :class:`~specserve.core.kv_pool.KVPool`, taken by ``start`` and given back by
-``release``. :meth:`BatchedDraftModel.propose_chains` drafts every request's chain together: each row first
-catches up (its slot rolled back to the longest prefix shared with its committed text, the rest fed as a
-ragged block), then grows by one token per forward while its budget lasts, all rows in the same
-:meth:`~specserve.core.model.CausalLM.forward_batch` calls, which compute each row's last logits only. So 16
-requests drafting γ tokens cost γ forwards of 16 rows instead of 16 × γ forwards of one row.
+:class:`BatchedDraftModel` is a :class:`~specserve.core.draft.ChainBatcher` over one draft model. Each request's drafter
+(:class:`PooledDraftModelDrafter`, from :meth:`BatchedDraftModel.new_drafter`) keeps its KV in a span of ``max_seq_len``
+positions of the batcher's :class:`~specserve.core.kv_pool.KVPool`, taken by ``start`` and given back by ``release``.
+:meth:`BatchedDraftModel.propose_chains` drafts every request's chain together: each row first catches up (its span
+rolled back to the longest prefix shared with its committed text, the rest fed as a ragged block), then grows by one
+token per forward while its budget lasts, all rows in the same :meth:`~specserve.core.model.CausalLM.forward_batch`
+calls, which compute each row's last logits only. So 16 requests drafting γ tokens cost γ forwards of 16 rows instead of
+16 × γ forwards of one row.
 
 Per request the result is :class:`~specserve.drafters.model.DraftModelDrafter`'s, call for call: the same
 catch-up, the same token choice (greedy argmax; the keyed-noise token in drafter-invariant mode; otherwise a
@@ -21,8 +21,7 @@ A batched forward pads every row to its longest block, so one long catch-up (the
 the whole prompt) would make every row of the batch that long. Catch-ups of at most ``SHORT_CATCH_UP`` tokens
 (the usual one or two: the last draft token and the verdict's) go into the first shared round; a longer one
 first feeds all but its last token in forwards of the long rows only, at most ``catch_up_tokens`` per row and
-forward. So a forward's blocks differ by fewer than ``max(catch_up_tokens, SHORT_CATCH_UP)`` tokens, the
-pool's scratch (padding) columns.
+forward. So a forward's blocks differ by fewer than ``max(catch_up_tokens, SHORT_CATCH_UP)`` tokens.
 
 Does not draft trees in batches: :meth:`PooledDraftModelDrafter.propose_tree` drafts alone, with a
 :class:`~specserve.drafters.tree.TreeModelDrafter` and a cache of its own, as the one-row drafter does. Does
@@ -53,7 +52,7 @@ SHORT_CATCH_UP = 4  # a catch-up of at most this many tokens shares the first dr
 class BatchedDraftModel:
     """Drafts chains for many requests' :class:`PooledDraftModelDrafter` in shared forwards of one draft model.
 
-    ``num_slots`` requests may hold a slot at once, each of up to ``slot_capacity`` positions. A proposal of
+    ``max_num_seqs`` requests may hold a span at once, each of ``max_seq_len`` positions. A proposal of
     ``b`` tokens after ``n`` committed ones needs ``n + b - 1`` positions; a request whose chains are cut to the
     tokens it may still emit minus one (as :func:`specserve.core.draft.propose` cuts them) stays within its
     prompt + ``max_new_tokens``. Not thread-safe.
@@ -63,8 +62,8 @@ class BatchedDraftModel:
         self,
         draft: CausalLM,
         target: CausalLM | TargetDescription | None,
-        num_slots: int,
-        slot_capacity: int,
+        max_num_seqs: int,
+        max_seq_len: int,
         catch_up_tokens: int = DEFAULT_CATCH_UP_TOKENS,
     ) -> None:
         if target is not None:
@@ -74,14 +73,16 @@ class BatchedDraftModel:
         self.model = draft
         self.output_device = target.device if target is not None else draft.device
         self.catch_up_tokens = catch_up_tokens
-        scratch = min(max(catch_up_tokens, SHORT_CATCH_UP), slot_capacity)  # no block is longer than a slot
-        self.pool = KVPool(draft.model, num_slots, slot_capacity, scratch=scratch)
+        if max_num_seqs < 1 or max_seq_len < 1:
+            raise ValueError(f"max_num_seqs and max_seq_len must be >= 1, got {max_num_seqs}, {max_seq_len}")
+        self.max_seq_len = max_seq_len
+        self.pool = KVPool(draft.model, max_num_seqs * max_seq_len)
         # per drafter of the last propose_chains call: seconds of its own long catch-up (a newcomer's prompt)
         self.catch_up_seconds: list[float] = []
         self._long_seconds: dict[int, float] = {}
 
     def new_drafter(self) -> PooledDraftModelDrafter:
-        """A drafter for one request (it takes a slot on ``start``; ``release`` gives the slot back)."""
+        """A drafter for one request (it takes a span of the pool on ``start``; ``release`` gives it back)."""
         return PooledDraftModelDrafter(self)
 
     def propose_chains(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[Draft]:
@@ -107,18 +108,18 @@ class BatchedDraftModel:
         for drafter, budget in zip(drafters, budgets, strict=True):
             if not isinstance(drafter, PooledDraftModelDrafter) or drafter.batcher is not self:
                 raise ValueError(f"{drafter!r} is not a drafter of this batcher (use its new_drafter())")
-            slot = drafter.slot
-            if slot is None:
+            seq_id = drafter.seq_id
+            if seq_id is None:
                 raise RuntimeError("start() must be called before proposing (or again after release())")
             context = len(drafter.context)
             budget = min(budget, self.model.info.max_positions - context)
-            if budget > 0 and context + budget - 1 > self.pool.slot_capacity:
+            if budget > 0 and context + budget - 1 > self.max_seq_len:
                 raise PoolFull(
                     f"{budget} draft tokens after {context} committed ones need {context + budget - 1} positions, "
-                    f"more than a draft KV slot's {self.pool.slot_capacity}; draft fewer tokens or configure longer "
-                    "slots"
+                    f"more than the {self.max_seq_len} a request holds in the draft model's KV pool; draft fewer "
+                    "tokens or configure a longer max_seq_len"
                 )
-            rows.append(_Row(drafter, slot, max(budget, 0)))
+            rows.append(_Row(drafter, seq_id, max(budget, 0)))
         return rows
 
     def _draft(self, rows: Sequence[_Row]) -> None:
@@ -131,21 +132,21 @@ class BatchedDraftModel:
         while long:  # all but the last token of each long catch-up, in rows of their own
             start = time.perf_counter()
             chunks = [row.take(min(self.catch_up_tokens, row.pending.numel() - 1)) for row in long]
-            blocks = [BatchBlock.chain(row.slot, chunk) for row, chunk in zip(long, chunks, strict=True)]
+            blocks = [BatchBlock.chain(row.seq_id, chunk) for row, chunk in zip(long, chunks, strict=True)]
             self.model.forward_batch(self.pool, blocks, last_only=True)
             share = (time.perf_counter() - start) / len(long)
             for row in long:  # the rows that needed it pay for it (catch_up_seconds)
                 self._long_seconds[id(row)] = self._long_seconds.get(id(row), 0.0) + share
             long = [row for row in long if row.pending.numel() > 1]
         while active:
-            blocks = [BatchBlock.chain(row.slot, row.take(SHORT_CATCH_UP)) for row in active]
+            blocks = [BatchBlock.chain(row.seq_id, row.take(SHORT_CATCH_UP)) for row in active]
             logits = self.model.forward_batch(self.pool, blocks, last_only=True)
             for row, row_logits in zip(active, logits, strict=True):  # [1, vocab] each
                 row.choose(row_logits[-1])  # draws in the order given
             active = [row for row in active if row.pending.numel() > 0]
 
-    def _catch_up(self, row: _Row) -> torch.Tensor:  # [k] int64, the committed tokens the slot lacks (k >= 1)
-        """Roll the slot back to the longest prefix of what it caches that is still committed (never the last
+    def _catch_up(self, row: _Row) -> torch.Tensor:  # [k] int64, the committed tokens the span lacks (k >= 1)
+        """Roll the span back to the longest prefix of what it caches that is still committed (never the last
         committed token, whose logits are needed); the rest of the committed text is still to feed."""
         drafter = row.drafter
         cached, context = drafter.cached, drafter.context
@@ -153,7 +154,7 @@ class BatchedDraftModel:
         limit = min(len(cached), len(context) - 1)
         while keep < limit and cached[keep] == context[keep]:
             keep += 1
-        self.pool.rollback(row.slot, keep)
+        self.pool.rollback(row.seq_id, keep)
         drafter.cached = context[:]
         return torch.tensor(context[keep:], dtype=torch.long)
 
@@ -163,7 +164,7 @@ class _Row:
     """One request's chain while it is drafted."""
 
     drafter: PooledDraftModelDrafter
-    slot: int
+    seq_id: int
     budget: int  # tokens to draft (0: an empty draft)
     pending: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))  # [k] still to feed
     tokens: list[torch.Tensor] = field(default_factory=list)  # each [] int64, drafted so far
@@ -199,7 +200,7 @@ class _Row:
             self.pending = token.reshape(1)
 
     def finish(self, device: torch.device) -> Draft:
-        """The drafted chain on ``device``; the slot then caches the committed text and all but the last token."""
+        """The drafted chain on ``device``; the span then caches the committed text and all but the last token."""
         if not self.tokens:
             return Draft.empty(device)
         tokens = torch.stack(self.tokens).to(device)
@@ -209,10 +210,10 @@ class _Row:
 
 
 class PooledDraftModelDrafter:
-    """One request's draft-model drafter whose KV is a slot of a :class:`BatchedDraftModel`'s pool.
+    """One request's draft-model drafter whose KV is a span of a :class:`BatchedDraftModel`'s pool.
 
-    A :class:`~specserve.core.draft.BatchedDrafter`: ``start`` takes a slot (giving back the one it held),
-    ``release`` gives it back (idempotent; call it when the request ends or is cancelled, or the slot is lost
+    A :class:`~specserve.core.draft.BatchedDrafter`: ``start`` takes a span (giving back the one it held),
+    ``release`` gives it back (idempotent; call it when the request ends or is cancelled, or the span is lost
     to the pool), and ``propose`` alone is a batch of one. Trees are drafted alone, with a cache of their own.
     """
 
@@ -221,28 +222,33 @@ class PooledDraftModelDrafter:
     def __init__(self, batcher: BatchedDraftModel) -> None:
         self.batcher: ChainBatcher = batcher
         self._model = batcher
-        self.slot: int | None = None  # the pool slot, while started
-        self.cached: list[int] = []  # tokens whose keys/values are in the slot, in order
+        self.seq_id: int | None = None  # the pool's sequence, while started
+        self.cached: list[int] = []  # tokens whose keys/values are in the span, in order
         self.context: list[int] = []  # committed tokens of the current request
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
         self._trees: TreeModelDrafter | None = None  # once trees are asked for: its own cache, this context
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
-        """Reset for a new request and take a slot (raises :class:`PoolFull` when none is free or the prompt
+        """Reset for a new request and take a span (raises :class:`PoolFull` when none is free or the prompt
         does not fit one)."""
         self.release()
-        self.slot = self._model.pool.allocate(len(prompt_ids))
+        if len(prompt_ids) > self._model.max_seq_len:
+            raise PoolFull(
+                f"a prompt of {len(prompt_ids)} tokens does not fit the {self._model.max_seq_len} positions a request "
+                "holds in the draft model's KV pool; configure a longer max_seq_len"
+            )
+        self.seq_id = self._model.pool.allocate(self._model.max_seq_len)
         self.cached = []
         self.context = list(prompt_ids)
         self.params = params
         self.generator = generator
 
     def release(self) -> None:
-        """Give the slot back to the pool (nothing when none is held)."""
-        if self.slot is not None:
-            self._model.pool.free(self.slot)
-            self.slot = None
+        """Give the span back to the pool (nothing when none is held)."""
+        if self.seq_id is not None:
+            self._model.pool.free(self.seq_id)
+            self.seq_id = None
         self.cached = []
         self._trees = None
 
@@ -259,7 +265,7 @@ class PooledDraftModelDrafter:
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         """A draft tree after the committed text, drafted alone (see :meth:`DraftModelDrafter.propose_tree`)."""
-        if self.slot is None:
+        if self.seq_id is None:
             raise RuntimeError("start() must be called before proposing (or again after release())")
         if self._trees is None:
             self._trees = TreeModelDrafter(self._model.model)

@@ -122,8 +122,8 @@ def request_drafters(
     max_ngram: int = 3,
     min_ngram: int = 1,
     *,
-    num_slots: int | None = None,
-    slot_capacity: int | None = None,
+    max_num_seqs: int | None = None,
+    max_seq_len: int | None = None,
 ) -> Callable[[str], Drafter]:
     """For the batched engine: ``new_drafter(name)`` gives each request a drafter of its own (``name`` one of
     :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
@@ -132,13 +132,13 @@ def request_drafters(
     only the target's description, a copy of the target) once, now; each request gets a fresh drafter over them.
     The engine says whether it can run them.
 
-    With ``num_slots`` (and ``slot_capacity``, by default the target's ``max_positions``) a configured draft
+    With ``max_num_seqs`` (and ``max_seq_len``, by default the target's ``max_positions``) a configured draft
     model drafts for all requests in shared forwards: ``default`` drafters are
     :class:`~specserve.drafters.batched_model.PooledDraftModelDrafter` of one
-    :class:`~specserve.drafters.batched_model.BatchedDraftModel` whose KV pool has that many slots of that many
-    positions (a drafter holds a slot from ``start`` to ``release``). Other drafters are unaffected."""
-    if slot_capacity is not None and num_slots is None:
-        raise ValueError("slot_capacity sizes the draft model's KV pool; give num_slots with it")
+    :class:`~specserve.drafters.batched_model.BatchedDraftModel` whose KV pool holds that many requests of that
+    many positions (a drafter holds its span from ``start`` to ``release``). Other drafters are unaffected."""
+    if max_seq_len is not None and max_num_seqs is None:
+        raise ValueError("max_seq_len sizes the draft model's KV pool; give max_num_seqs with it")
     configured: CausalLM | str = spec
     if (
         isinstance(spec, str)
@@ -147,9 +147,9 @@ def request_drafters(
     ):
         configured = CausalLM.load(Path(spec), dtype=dtype, device=device)  # a draft model directory: load it once
     batcher = None
-    if num_slots is not None and isinstance(configured, CausalLM):
-        capacity = target.info.max_positions if slot_capacity is None else slot_capacity
-        batcher = BatchedDraftModel(configured, target, num_slots, capacity)
+    if max_num_seqs is not None and isinstance(configured, CausalLM):
+        length = target.info.max_positions if max_seq_len is None else max_seq_len
+        batcher = BatchedDraftModel(configured, target, max_num_seqs, length)
     prototype: EagleDrafter | MedusaDrafter | LayerSkipDrafter | None = None
     if isinstance(spec, str) and spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX)):
         built = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)

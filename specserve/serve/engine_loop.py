@@ -82,19 +82,20 @@ class EngineStopped(RuntimeError):
     """The loop was shut down (or its thread died): the request did not complete."""
 
 
-class SlotPromptCodec(PromptCodec):
-    """The target's codec, checking prompt + ``max_new_tokens`` against a KV slot shorter than the context."""
+class LengthPromptCodec(PromptCodec):
+    """The target's codec, checking prompt + ``max_new_tokens`` against a replica's ``max_seq_len`` when that is
+    shorter than the context."""
 
-    def __init__(self, codec: PromptCodec, slot_capacity: int) -> None:
+    def __init__(self, codec: PromptCodec, max_seq_len: int) -> None:
         super().__init__(codec.info, codec.tokenizer)
-        self.slot_capacity = slot_capacity
+        self.max_seq_len = max_seq_len
 
     def check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         super().check_length(prompt_ids, max_new_tokens)
-        if len(prompt_ids) + max_new_tokens > self.slot_capacity:
+        if len(prompt_ids) + max_new_tokens > self.max_seq_len:
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
-                f"{self.slot_capacity} tokens one request may hold on this replica (its KV slot, max_seq_len); "
+                f"{self.max_seq_len} tokens one request may hold on this replica (max_seq_len); "
                 "shorten the prompt or lower max_tokens"
             )
 
@@ -144,10 +145,10 @@ class _Command:
 class LoopStatus:
     """What the engine thread last published."""
 
-    requests: int = 0  # accepted and not finished (waiting for a slot, prefilling or decoding)
-    running: int = 0  # holding a KV slot
-    kv_slots: int | None = None  # the engine's pool, when it has one
-    kv_slots_free: int | None = None
+    requests: int = 0  # accepted and not finished (waiting for room, prefilling or decoding)
+    running: int = 0  # holding KV
+    kv_tokens: int | None = None  # the engine's pool, when it has one: its positions
+    kv_tokens_free: int | None = None  # not reserved by a running request
     steps: int = 0  # steps that verified at least one request
     failed_steps: int = 0
     batch_sizes: dict[int, int] = field(default_factory=dict)  # requests verified together -> steps
@@ -157,7 +158,7 @@ class LoopStatus:
         return {
             "requests": self.requests,
             "running": self.running,
-            "kv": {"slots": self.kv_slots, "free": self.kv_slots_free},
+            "kv": {"tokens": self.kv_tokens, "free": self.kv_tokens_free},
             "steps": self.steps,
             "failed_steps": self.failed_steps,
             "batch_sizes": dict(self.batch_sizes),
@@ -174,14 +175,11 @@ class EngineLoop:
     def __init__(self, engine: BatchEngine, on_step: StepHook | None = None, name: str = "specserve-engine") -> None:
         self.engine = engine
         self.on_step = on_step
-        pool = getattr(engine, "pool", None)  # a KVPool: its slots are reported, and bound a request's length
-        self._pool = pool
-        capacity = getattr(pool, "slot_capacity", None)
+        self._pool = getattr(engine, "pool", None)  # a KVPool: its tokens are reported
+        limit = getattr(engine, "max_seq_len", None)  # tokens one request may hold
         codec = engine.prompts
         self.prompts: PromptCodec = (
-            SlotPromptCodec(codec, capacity)
-            if isinstance(capacity, int) and capacity < codec.info.max_positions
-            else codec
+            LengthPromptCodec(codec, limit) if isinstance(limit, int) and limit < codec.info.max_positions else codec
         )
         self._keys = itertools.count()
         self._wake = threading.Condition()
@@ -418,8 +416,8 @@ class EngineLoop:
         self._status = LoopStatus(
             requests=len(self._by_key),
             running=self.engine.num_running,
-            kv_slots=getattr(pool, "num_slots", None),
-            kv_slots_free=getattr(pool, "free_slots", None),
+            kv_tokens=getattr(pool, "capacity", None),
+            kv_tokens_free=getattr(pool, "free_tokens", None),
             steps=self._steps,
             failed_steps=self._failed_steps,
             batch_sizes=dict(self._batch_sizes),

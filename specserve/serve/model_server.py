@@ -105,18 +105,19 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
             f"max_seq_len {config.max_seq_len} exceeds the target's context of {context} tokens; "
             f"set at most {context}, or 0 for the whole context"
         )
-    slots, capacity = config.max_num_seqs, config.max_seq_len or None
-    # a draft model drafts for all requests in shared forwards, from a KV pool of as many slots as the target's
+    seqs, length = config.max_num_seqs, config.max_seq_len or context
+    # a draft model drafts for all requests in shared forwards, from a KV pool that holds max_num_seqs requests
     new_drafter = request_drafters(
-        config.draft, target, **config.drafter_options(), num_slots=slots, slot_capacity=capacity
+        config.draft, target, **config.drafter_options(), max_num_seqs=seqs, max_seq_len=length
     )
     return BatchedEngine(
         target,
         new_drafter,
         schedules=schedules(),
-        num_slots=slots,
-        slot_capacity=capacity,
+        max_num_seqs=seqs,
+        max_seq_len=length,
         prefill_tokens=config.max_batch_tokens,
+        kv_pool_tokens=config.kv_pool_tokens or None,
     )
 
 

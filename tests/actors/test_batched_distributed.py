@@ -2,9 +2,11 @@
 
 Requests run concurrently through one :class:`~specserve.actors.coordinator.Coordinator` of a replica with
 ``max_num_seqs = 4`` — TP 1 and TP 2, a draft model co-located or on a separate drafter, with and without
-overlap. Every request's output equals the single-process engine's on that request alone (greedy: also
-transformers'; seeded sampling without overlap: the same tokens), the requests really shared steps, and
-every KV slot is free afterwards on every rank. Prompts are prefilled 8 tokens at a time, between steps.
+overlap. The KV pool holds only two of the requests at a time (``kv_pool_tokens``), so the others wait for
+room, and the spans of those that finish are reused and moved. Every request's output equals the
+single-process engine's on that request alone (greedy: also transformers'; seeded sampling without overlap:
+the same tokens), the requests really shared steps, and the whole pool is free afterwards on every rank.
+Prompts are prefilled 8 tokens at a time, between steps.
 Float64 tiny models on a real local Ray cluster.
 """
 
@@ -30,6 +32,7 @@ from specserve.drafters.registry import build_drafter_set
 pytestmark = pytest.mark.timeout(300)
 
 SLOTS = 4
+LONGEST_OUTPUT = 40  # max_new_tokens of the longest request below
 CASES = {
     "llama-tp2-model-separate-overlap": Case("llama", 2, "model", "separate", True),
     "qwen2-tp1-model-colocated": Case("qwen2", 1, "model", "colocated", False),
@@ -42,6 +45,7 @@ class Running:
     pair: TinyPair
     coordinator: Coordinator
     engine: SpeculativeEngine
+    kv_tokens: int  # the replica's KV pool
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -50,12 +54,15 @@ def running(
 ) -> Iterator[Running]:
     case = CASES[request.param]
     pair = tiny_pairs[case.family]
-    config = config_for(case, saved_pairs[case.family], max_num_seqs=SLOTS, batch_wait_ms=200, max_batch_tokens=8)
+    kv_tokens = 2 * (max(len(p) for p in pair.prompts[:SLOTS]) + LONGEST_OUTPUT)  # two requests at a time
+    config = config_for(
+        case, saved_pairs[case.family], max_num_seqs=SLOTS, batch_wait_ms=200, max_batch_tokens=8,
+        kv_pool_tokens=kv_tokens,
+    )  # fmt: skip
     coordinator = Coordinator.spawn(config)
     try:
-        yield Running(
-            case, pair, coordinator, SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
-        )
+        engine = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
+        yield Running(case, pair, coordinator, engine, kv_tokens)
     finally:
         coordinator.shutdown()
 
@@ -66,10 +73,10 @@ def concurrently(calls: list[Callable[[], GenerationResult]]) -> list[Generation
         return list(pool.map(lambda call: call(), calls))
 
 
-def free_slots(running: Running) -> list[int]:
+def free_kv_tokens(running: Running) -> list[int]:
     import ray
 
-    return list(ray.get([shard.free_slots.remote() for shard in running.coordinator.replica.shards]))
+    return list(ray.get([shard.free_kv_tokens.remote() for shard in running.coordinator.replica.shards]))
 
 
 def test_concurrent_requests_share_steps_and_each_equals_itself_alone(running: Running) -> None:
@@ -94,7 +101,7 @@ def test_concurrent_requests_share_steps_and_each_equals_itself_alone(running: R
         assert got.text == want.text and got.finish_reason == want.finish_reason
         shared += sum(o.batch_size > 1 for o in got.stats.observations)
     assert shared > 0, "no step verified more than one request"
-    assert free_slots(running) == [SLOTS] * running.case.tp
+    assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
 
 
 def test_concurrent_seeded_sampling(running: Running) -> None:
@@ -116,10 +123,12 @@ def test_concurrent_seeded_sampling(running: Running) -> None:
             assert got.output_ids == running.engine.generate(prompt, sampling, config).output_ids
 
 
-def test_an_abandoned_stream_leaves_the_batch_and_frees_its_slot(running: Running) -> None:
+def test_an_abandoned_stream_leaves_the_batch_and_frees_its_kv(running: Running) -> None:
     import ray
 
-    stream = running.coordinator.stream(running.pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=40))
+    stream = running.coordinator.stream(
+        running.pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=LONGEST_OUTPUT)
+    )
     next(stream)
     other = running.coordinator.generate(running.pair.prompts[1], SamplingParams(), GenerationConfig(max_new_tokens=8))
     assert other.output_ids == greedy_reference(running.pair, running.pair.prompts[1], 8)
@@ -130,4 +139,4 @@ def test_an_abandoned_stream_leaves_the_batch_and_frees_its_slot(running: Runnin
             break
         time.sleep(0.1)
     assert ray.get(rank0.active_requests.remote()) == []
-    assert free_slots(running) == [SLOTS] * running.case.tp
+    assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp

@@ -2,7 +2,7 @@
 
 A mix of requests — draft model, n-gram and no drafter; chains and dynamic trees; greedy, seeded
 sampling (T = 1, top-k) and drafter-invariant sampling; different prompts and lengths; some ending
-at EOS, one at a stop string; some joining steps later or waiting for a free slot; prompts prefilled
+at EOS, one at a stop string; some joining steps later or waiting for room; prompts prefilled
 in chunks over several steps — runs through
 :class:`~specserve.core.batch_engine.BatchedEngine`. Every request's output (tokens, finish reason)
 equals :class:`~specserve.core.engine.SpeculativeEngine` on that request alone, and greedy ones
@@ -10,7 +10,7 @@ equal transformers' ``generate``; float64, both tiny architectures. The pool is 
 
 The same holds with hidden-state drafters (EAGLE with a trained head, Medusa with random heads) and
 layer-skip in the mix; underneath, a batched forward captures each row's features as a forward of that
-row alone does, and a verifier over a pool slot hands over the features one over a cache of its own does.
+row alone does, and a verifier over a pool sequence hands over the features one over a cache of its own does.
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def mixed_requests(pair: TinyPair) -> list[tuple[list[int], SamplingParams, Gene
     ]
 
 
-def pooled_drafter_factory(pair: TinyPair, num_slots: int) -> Callable[[str], Drafter]:
+def pooled_drafter_factory(pair: TinyPair, max_num_seqs: int) -> Callable[[str], Drafter]:
     """The draft model drafts every request's chain in shared forwards over one KV pool (ngram and none as above)."""
-    return request_drafters(pair.draft, pair.target, num_slots=num_slots, slot_capacity=128)
+    return request_drafters(pair.draft, pair.target, max_num_seqs=max_num_seqs, max_seq_len=128)
 
 
 @pytest.mark.timeout(300)
@@ -92,8 +92,8 @@ def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair, draf
     requests = mixed_requests(pair)
     # prompts are prefilled in chunks of at most 5 tokens per step, over all newcomers
     factory = drafter_factory(pair) if drafting == "per-request" else pooled_drafter_factory(pair, 5)
-    engine = BatchedEngine(pair.target, factory, num_slots=5, slot_capacity=96, prefill_tokens=5)
-    joins = [0, 0, 0, 1, 1, 3, 3, 6]  # step at which each request is submitted; some wait for a slot
+    engine = BatchedEngine(pair.target, factory, max_num_seqs=5, max_seq_len=96, prefill_tokens=5)
+    joins = [0, 0, 0, 1, 1, 3, 3, 6]  # step at which each request is submitted; some wait their turn
     ids: dict[int, int] = {}
     results: dict[int, GenerationResult] = {}
     batch_sizes = set()
@@ -109,7 +109,7 @@ def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair, draf
         batch_sizes.add(engine.num_running)
         step += 1
         assert step < 200, "the batch never finished"
-    assert max(batch_sizes) == 5  # the batch filled the pool; later requests waited for slots
+    assert max(batch_sizes) == 5  # the batch filled up; later requests waited
     finishes = set()
     for index, (prompt, params, config) in enumerate(requests):
         got, want = results[index], alone(pair, prompt, params, config)
@@ -120,39 +120,63 @@ def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair, draf
         if params.greedy and got.finish_reason != "stop":
             assert got.output_ids == hf_greedy_ids(pair.target.model, prompt, config.max_new_tokens)
     assert finishes == {"eos", "length", "stop"}  # not vacuous: every way of ending happened inside the batch
-    assert engine.pool.free_slots == 5 and not engine.has_work
-    if drafting == "pooled":  # every request gave its slot of the draft model's pool back
+    assert engine.pool.num_sequences == 0 and engine.pool.free_tokens == engine.pool.capacity
+    assert not engine.has_work
+    if drafting == "pooled":  # every request gave its span of the draft model's pool back
         draft_pool = engine.new_drafter("default").batcher.pool  # type: ignore[attr-defined]
-        assert draft_pool.free_slots == 5
+        assert draft_pool.num_sequences == 0
 
 
-def test_one_request_streams_through_the_batch_and_cancellation_frees_its_slot(pair: TinyPair) -> None:
-    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=2, slot_capacity=96)
+def test_one_request_streams_through_the_batch_and_cancellation_frees_its_kv(pair: TinyPair) -> None:
+    engine = BatchedEngine(pair.target, drafter_factory(pair), max_num_seqs=2, max_seq_len=96)
     prompt, params, config = mixed_requests(pair)[0]
     assert engine.generate(prompt, params, config).output_ids == alone(pair, prompt, params, config).output_ids
     stream = engine.stream(prompt, params, config)
     next(stream)
-    assert engine.num_running == 1 and engine.pool.free_slots == 1
-    stream.close()  # the caller went away: the request leaves the batch and frees its slot
-    assert engine.num_running == 0 and engine.pool.free_slots == 2
+    assert engine.num_running == 1 and engine.pool.num_sequences == 1
+    stream.close()  # the caller went away: the request leaves the batch and frees its KV
+    assert engine.num_running == 0 and engine.pool.free_tokens == engine.pool.capacity
     waiting = engine.submit(prompt, params, config)
     engine.cancel(waiting)
     assert not engine.has_work
 
 
 def test_requests_that_cannot_run_in_a_batch_are_refused(pair: TinyPair) -> None:
-    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=2, slot_capacity=32)
+    engine = BatchedEngine(pair.target, drafter_factory(pair), max_num_seqs=2, max_seq_len=32, kv_pool_tokens=40)
+    prompt = list(pair.prompts[0])
     with pytest.raises(InvalidRequest, match="exceed the 32 tokens a request may hold here"):
-        engine.submit(list(pair.prompts[0]), SamplingParams(), GenerationConfig(max_new_tokens=40))
+        engine.submit(prompt, SamplingParams(), GenerationConfig(max_new_tokens=40))
     big = GenerationConfig(max_new_tokens=4, tree=TreeSpec("dynamic", budget=TreeBudget(depth=8, width=4, nodes=32)))
-    with pytest.raises(InvalidRequest, match="a draft budget of 32 nodes is more than a batch step pads"):
-        engine.submit(list(pair.prompts[0]), SamplingParams(), big)  # this pool pads 31 columns: its 32 tokens
-    assert engine.pool.scratch == 32
+    need = len(prompt) + 4 + 32  # prompt, output, and a tree of 32 drafts after the last committed token
+    with pytest.raises(InvalidRequest, match=f"need {need} KV positions, more than this replica's whole pool \\(40"):
+        engine.submit(prompt, SamplingParams(), big)
     assert not engine.has_work
 
 
+def test_requests_wait_for_the_kv_tokens_they_reserve(pair: TinyPair) -> None:
+    """The pool is sized in tokens, not requests: a newcomer starts once the tokens it reserves (prompt, output,
+    widest draft) are free, and every request still decodes exactly as alone."""
+    config = GenerationConfig(max_new_tokens=10, gamma=2)
+    prompts = [list(p) for p in pair.prompts[:4]]
+    needs = [len(prompt) + 10 for prompt in prompts]  # chains need no room beyond the output
+    room = needs[0] + needs[1]  # two at a time, whatever max_num_seqs allows
+    engine = BatchedEngine(pair.target, drafter_factory(pair), max_num_seqs=4, max_seq_len=96, kv_pool_tokens=room)
+    ids = {engine.submit(prompt, SamplingParams(), config): prompt for prompt in prompts}
+    results: dict[int, GenerationResult] = {}
+    running = set()
+    while engine.has_work:
+        for request_id, chunk in engine.step():
+            if chunk.result is not None:
+                results[request_id] = chunk.result
+        running.add(engine.num_running)
+        assert engine.pool.capacity - engine.pool.free_tokens <= room
+    assert max(running) == 2 and engine.pool.num_sequences == 0
+    for request_id, prompt in ids.items():
+        assert results[request_id].output_ids == alone(pair, prompt, SamplingParams(), config).output_ids
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding(pair: TinyPair) -> None:
-    engine = BatchedEngine(pair.target, drafter_factory(pair), num_slots=2, slot_capacity=96, prefill_tokens=4)
+    engine = BatchedEngine(pair.target, drafter_factory(pair), max_num_seqs=2, max_seq_len=96, prefill_tokens=4)
     short, params, config = mixed_requests(pair)[0]
     first = engine.submit(short, params, config)
     while not engine.step():  # the short prompt's chunks, then its first cycle
@@ -181,7 +205,7 @@ def test_goodput_aware_adaptive_requests_in_a_batch_stay_exact(pair: TinyPair) -
     budgets change with the batch, never the tokens (greedy: transformers' own ``generate``)."""
     from specserve.policies.schedules import schedules
 
-    engine = BatchedEngine(pair.target, drafter_factory(pair), schedules=schedules(), num_slots=4, slot_capacity=96)
+    engine = BatchedEngine(pair.target, drafter_factory(pair), schedules=schedules(), max_num_seqs=4, max_seq_len=96)
     prompts = [list(p) for p in pair.prompts[:4]]
     config = GenerationConfig(max_new_tokens=16, gamma=3, policy="adaptive")
     ids = {engine.submit(prompt, SamplingParams(), config): prompt for prompt in prompts}
@@ -196,7 +220,7 @@ def test_goodput_aware_adaptive_requests_in_a_batch_stay_exact(pair: TinyPair) -
         observations = result.stats.observations
         assert max(o.batch_size for o in observations) == 4
         assert all(o.step_positions >= o.batch_size * (o.drafted + 1) for o in observations)
-    assert engine.pool.free_slots == 4
+    assert engine.pool.num_sequences == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,20 +234,20 @@ def test_a_batched_forward_captures_each_rows_features_as_its_forward_alone(pair
     """Prefill chunks (last token's logits only), then a chain, a tree and a single token, each row with its own
     feature layers (or none): every capture holds its block's features, as a forward of the block alone does."""
     target = pair.target
-    pool = KVPool(target.model, num_slots=3, slot_capacity=32, scratch=16)
-    slots = [pool.allocate(32) for _ in range(3)]
-    caches = [target.new_cache() for _ in slots]  # the same sequences alone
+    pool = KVPool(target.model, capacity=96)
+    seqs = [pool.allocate(32) for _ in range(3)]
+    caches = [target.new_cache() for _ in seqs]  # the same sequences alone
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, VOCAB, (n,), generator=generator) for n in (7, 2, 12)]
     tree = DraftTree(torch.tensor([5, 6, 7]), (-1, -1, 0))
     prefill = [
-        (BatchBlock.chain(slot, p), partial(target.forward, input_ids=p, last_only=True))
-        for slot, p in zip(slots, prompts, strict=True)
+        (BatchBlock.chain(seq_id, p), partial(target.forward, input_ids=p, last_only=True))
+        for seq_id, p in zip(seqs, prompts, strict=True)
     ]
     verify = [
-        (BatchBlock.chain(slots[0], prompts[1]), partial(target.forward, input_ids=prompts[1])),
-        (BatchBlock.tree(slots[1], 11, tree), partial(target.forward_tree, root=11, tree=tree)),
-        (BatchBlock.chain(slots[2], prompts[1][:1]), partial(target.forward, input_ids=prompts[1][:1])),
+        (BatchBlock.chain(seqs[0], prompts[1]), partial(target.forward, input_ids=prompts[1])),
+        (BatchBlock.tree(seqs[1], 11, tree), partial(target.forward_tree, root=11, tree=tree)),
+        (BatchBlock.chain(seqs[2], prompts[1][:1]), partial(target.forward, input_ids=prompts[1][:1])),
     ]
     for rows, layers, last_only in ((prefill, [(2,), None, (0, 1, 2)], True), (verify, [(1,), (2, 0), (2,)], False)):
         captures = [FeatureCapture(wanted) if wanted else None for wanted in layers]
@@ -241,10 +265,10 @@ def test_a_batched_forward_captures_each_rows_features_as_its_forward_alone(pair
 
 
 def test_a_pooled_verifier_hands_over_the_features_a_local_one_does(pair: TinyPair) -> None:
-    """The single-request path through a pool slot: prefill and cycles (chain, tree) give the features a verifier
+    """The single-request path through a pool sequence: prefill and cycles (chain, tree) give the features a verifier
     over a cache of its own gives."""
     target = pair.target
-    pool = KVPool(target.model, num_slots=2, slot_capacity=64, scratch=16)
+    pool = KVPool(target.model, capacity=128)
     ops = LocalPool(target, pool)
     prompt = list(pair.prompts[0])
     verifiers = [
@@ -318,7 +342,7 @@ def test_hidden_state_and_layer_skip_drafters_in_a_mixed_batch_equal_themselves_
         ("none", pair.prompts[2], top_k, GenerationConfig(max_new_tokens=8), 8),
     ]
     drafters = ChosenDrafters(pair)
-    engine = BatchedEngine(pair.target, drafters, num_slots=5, slot_capacity=96, prefill_tokens=4)
+    engine = BatchedEngine(pair.target, drafters, max_num_seqs=5, max_seq_len=96, prefill_tokens=4)
     ids: dict[int, int] = {}
     results: dict[int, GenerationResult] = {}
     step = 0
@@ -343,4 +367,4 @@ def test_hidden_state_and_layer_skip_drafters_in_a_mixed_batch_equal_themselves_
         if params.greedy:
             assert got.output_ids == hf_greedy_ids(pair.target.model, prompt, config.max_new_tokens)
     assert all(accepted[kind] > 0 for kind in ("eagle", "medusa", "layerskip")), accepted  # not vacuous
-    assert engine.pool.free_slots == 5 and not engine.has_work
+    assert engine.pool.num_sequences == 0 and not engine.has_work

@@ -1,4 +1,4 @@
-"""The batched engine's KV pool, step by step: each running request's slot equals a fresh prefill of its committed
+"""The batched engine's KV pool, step by step: each running request's sequence equals a fresh prefill of its committed
 text (all but the last token, which heads the next block) after every step, and the pool is empty once every
 request finished or was cancelled. Chains and trees, greedy and sampled, one request cancelled mid-run."""
 
@@ -17,10 +17,10 @@ from specserve.drafters.registry import request_drafters
 TREE = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))
 
 
-def test_every_slot_equals_a_fresh_prefill_after_every_step(pair: TinyPair) -> None:
+def test_every_sequence_equals_a_fresh_prefill_after_every_step(pair: TinyPair) -> None:
     engine = BatchedEngine(
-        pair.target, request_drafters(pair.draft, pair.target, num_slots=3, slot_capacity=96), num_slots=3,
-        slot_capacity=96, prefill_tokens=6,
+        pair.target, request_drafters(pair.draft, pair.target, max_num_seqs=3, max_seq_len=96), max_num_seqs=3,
+        max_seq_len=96, prefill_tokens=6,
     )  # fmt: skip
     requests = [
         (SamplingParams(), GenerationConfig(max_new_tokens=18, gamma=3)),
@@ -34,15 +34,15 @@ def test_every_slot_equals_a_fresh_prefill_after_every_step(pair: TinyPair) -> N
         engine.step()
         steps += 1
         if steps == cancel_at:
-            engine.cancel(ids[1])  # mid-run: its slot is freed at once
+            engine.cancel(ids[1])  # mid-run: its KV is freed at once
         for request in engine._running.values():  # the engine's own bookkeeping, read-only
             verifier = request.verifier
             assert verifier is not None
             if verifier.unprefilled:
                 continue
-            assert_same_kv(engine.pool, request.slot, pair.target, torch.tensor(verifier.committed[:-1]))
+            assert_same_kv(engine.pool, request.seq_id, pair.target, torch.tensor(verifier.committed[:-1]))
             checked += 1
     assert checked > 10 and steps > cancel_at
-    assert engine.pool.free_slots == 3
+    assert engine.pool.num_sequences == 0 and engine.pool.free_tokens == engine.pool.capacity
     draft_pool = engine.new_drafter("default").batcher.pool  # type: ignore[attr-defined]
-    assert draft_pool.free_slots == 3
+    assert draft_pool.num_sequences == 0

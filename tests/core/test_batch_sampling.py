@@ -37,9 +37,9 @@ def test_sampled_requests_in_a_batch_follow_the_target_law(tiny_pairs: dict[str,
 
     engine = BatchedEngine(
         pair.target,
-        request_drafters(pair.draft, pair.target, num_slots=16, slot_capacity=64),
-        num_slots=16,
-        slot_capacity=64,
+        request_drafters(pair.draft, pair.target, max_num_seqs=16, max_seq_len=64),
+        max_num_seqs=16,
+        max_seq_len=64,
     )
     companions = [
         engine.submit(list(p), SamplingParams(temperature=1.0, seed=99), GenerationConfig(40, 3, ignore_eos=True))

@@ -97,7 +97,7 @@ def run_cycles(
 
 @pytest.mark.parametrize("catch_up_tokens", [128, 3])  # long catch-ups whole, or in chunks
 def test_chains_equal_one_drafter_per_request(pair: TinyPair, catch_up_tokens: int) -> None:
-    batcher = BatchedDraftModel(pair.draft, pair.target, num_slots=8, slot_capacity=MAX_POSITIONS,
+    batcher = BatchedDraftModel(pair.draft, pair.target, max_num_seqs=8, max_seq_len=MAX_POSITIONS,
                                 catch_up_tokens=catch_up_tokens)  # fmt: skip
     pooled, alone = [], []
     mine_generators, their_generators = [], []
@@ -109,7 +109,7 @@ def test_chains_equal_one_drafter_per_request(pair: TinyPair, catch_up_tokens: i
         theirs.start(prompt, params, their_generators[-1])
         pooled.append(mine)
         alone.append(theirs)
-    assert batcher.pool.free_slots == 1
+    assert batcher.pool.num_sequences == 7
 
     run_cycles(batcher, pooled, alone, cycles=7, budget_of=lambda cycle, i: (cycle + 2 * i) % 6)  # 0 .. 5
 
@@ -127,31 +127,31 @@ def test_chains_equal_one_drafter_per_request(pair: TinyPair, catch_up_tokens: i
         pooled[5].accept([7, 8])
         alone[5].accept([7, 8])
 
-    # released slots are reused by new requests, which again draft as they would alone
-    released = [pooled[1].slot, pooled[4].slot]
+    # released spans are reused by new requests, which again draft as they would alone
+    released = [pooled[1].seq_id, pooled[4].seq_id]
     for i in (1, 4):
         pooled[i].release()
         pooled[i].release()  # idempotent
-    assert batcher.pool.free_slots == 3
+    assert batcher.pool.num_sequences == 5
     for i, prompt in ((1, list(pair.eos_prompts[0])), (4, list(pair.prompts[3]))):
         params = SamplingParams(temperature=1.0, seed=40 + i)
         pooled[i].start(prompt, params, seeded(params))
         alone[i].start(prompt, params, seeded(params))
-    assert sorted(d.slot for d in (pooled[1], pooled[4])) == sorted(released)  # type: ignore[type-var]
-    pooled[2].start(list(pair.prompts[4]), PARAMS[0], seeded(PARAMS[0]))  # started again: its old slot is freed
+    assert sorted(d.seq_id for d in (pooled[1], pooled[4])) == sorted(released)  # type: ignore[type-var]
+    pooled[2].start(list(pair.prompts[4]), PARAMS[0], seeded(PARAMS[0]))  # started again: its old span is freed
     alone[2].start(list(pair.prompts[4]), PARAMS[0], seeded(PARAMS[0]))
-    assert batcher.pool.free_slots == 1
+    assert batcher.pool.num_sequences == 7
     run_cycles(batcher, pooled, alone, cycles=3, budget_of=lambda cycle, i: 1 + (cycle + i) % 4)
 
     for drafter in pooled:
         drafter.release()
-    assert batcher.pool.free_slots == batcher.pool.num_slots
+    assert batcher.pool.num_sequences == 0 and batcher.pool.free_tokens == batcher.pool.capacity
 
 
 def test_one_forward_per_drafted_position(pair: TinyPair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Short catch-ups and the first draft tokens go in one forward together (long catch-ups are fed before, in
     rows of their own), then one forward per further token of the longest chain."""
-    batcher = BatchedDraftModel(pair.draft, pair.target, num_slots=4, slot_capacity=64)
+    batcher = BatchedDraftModel(pair.draft, pair.target, max_num_seqs=4, max_seq_len=64)
     drafters = [batcher.new_drafter() for _ in range(4)]
     for i, drafter in enumerate(drafters):
         drafter.start(list(pair.prompts[i]), PARAMS[i], seeded(PARAMS[i]))
@@ -169,7 +169,7 @@ def test_one_forward_per_drafted_position(pair: TinyPair, monkeypatch: pytest.Mo
     assert calls[0] == [10, 5]  # the long catch-ups but their last tokens, in a forward of their own
     assert calls[1] == [1, 1, 1]  # then every row's last committed token, in one forward
     assert calls[2:] == [[1, 1], [1, 1], [1], [1]]  # then the rows still drafting, one token each
-    # the next catch-ups feed only what the slots lack: drafts that were accepted stay cached
+    # the next catch-ups feed only what the spans lack: drafts that were accepted stay cached
     for drafter, draft, accepted in zip(drafters, drafts, [1, 0, 5, 1], strict=True):
         drafter.accept(verdict(draft, accepted, extra=30))
     calls.clear()
@@ -180,7 +180,7 @@ def test_one_forward_per_drafted_position(pair: TinyPair, monkeypatch: pytest.Mo
 
 
 def test_shared_generator_sees_the_draws_of_requests_one_after_another(pair: TinyPair) -> None:
-    batcher = BatchedDraftModel(pair.draft, pair.target, num_slots=3, slot_capacity=64)
+    batcher = BatchedDraftModel(pair.draft, pair.target, max_num_seqs=3, max_seq_len=64)
     params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(), SamplingParams(temperature=0.9, top_k=8)]
     mine_generator, their_generator = torch.Generator().manual_seed(8), torch.Generator().manual_seed(8)
     pooled, alone = [], []
@@ -196,7 +196,7 @@ def test_shared_generator_sees_the_draws_of_requests_one_after_another(pair: Tin
 
 
 def test_propose_alone_and_trees(pair: TinyPair) -> None:
-    batcher = BatchedDraftModel(pair.draft, pair.target, num_slots=1, slot_capacity=64)
+    batcher = BatchedDraftModel(pair.draft, pair.target, max_num_seqs=1, max_seq_len=64)
     mine, theirs = batcher.new_drafter(), DraftModelDrafter(pair.draft, pair.target)
     params = SamplingParams(temperature=0.8, top_k=12, seed=4)
     mine.start(list(pair.prompts[0]), params, seeded(params))
@@ -214,20 +214,20 @@ def test_propose_alone_and_trees(pair: TinyPair) -> None:
 
 
 def test_protocols_and_registry(pair: TinyPair) -> None:
-    new_drafter = request_drafters(pair.draft, pair.target, num_slots=2, slot_capacity=64)
+    new_drafter = request_drafters(pair.draft, pair.target, max_num_seqs=2, max_seq_len=64)
     first, second = new_drafter("default"), new_drafter("default")
     assert isinstance(first, PooledDraftModelDrafter) and isinstance(second, PooledDraftModelDrafter)
     assert isinstance(first, BatchedDrafter) and isinstance(first.batcher, ChainBatcher)
     assert first.batcher is second.batcher and first.name == "model"
     assert isinstance(new_drafter("ngram"), NgramDrafter)
     assert isinstance(request_drafters(pair.draft, pair.target)("default"), DraftModelDrafter)  # as before
-    assert isinstance(request_drafters("ngram", pair.target, num_slots=2)("default"), NgramDrafter)
-    with pytest.raises(ValueError, match="num_slots"):
-        request_drafters(pair.draft, pair.target, slot_capacity=64)
+    assert isinstance(request_drafters("ngram", pair.target, max_num_seqs=2)("default"), NgramDrafter)
+    with pytest.raises(ValueError, match="give max_num_seqs"):
+        request_drafters(pair.draft, pair.target, max_seq_len=64)
 
 
 def test_bad_input_is_refused_before_any_forward(pair: TinyPair) -> None:
-    batcher = BatchedDraftModel(pair.draft, pair.target, num_slots=2, slot_capacity=16)
+    batcher = BatchedDraftModel(pair.draft, pair.target, max_num_seqs=2, max_seq_len=16)
     drafter, other = batcher.new_drafter(), batcher.new_drafter()
     with pytest.raises(RuntimeError, match="start"):
         drafter.propose(2)
@@ -236,20 +236,20 @@ def test_bad_input_is_refused_before_any_forward(pair: TinyPair) -> None:
         batcher.propose_chains([drafter], [1, 2])
     with pytest.raises(ValueError, match="more than once"):
         batcher.propose_chains([drafter, drafter], [1, 2])
-    foreign = BatchedDraftModel(pair.draft, pair.target, num_slots=1, slot_capacity=16).new_drafter()
+    foreign = BatchedDraftModel(pair.draft, pair.target, max_num_seqs=1, max_seq_len=16).new_drafter()
     for stranger in (DraftModelDrafter(pair.draft, pair.target), foreign):
         with pytest.raises(ValueError, match="not a drafter of this batcher"):
             batcher.propose_chains([drafter, stranger], [1, 1])
     with pytest.raises(PoolFull, match="positions"):
         drafter.propose(15)  # 3 committed + 15 drafted - 1 > 16
-    assert drafter.propose(14).gamma == 14  # exactly fills the slot
+    assert drafter.propose(14).gamma == 14  # exactly fills its span
     with pytest.raises(PoolFull, match="does not fit"):
         other.start(list(range(3, 20)), SamplingParams(), seeded(SamplingParams()))
     other.start([4], SamplingParams(), seeded(SamplingParams()))
-    with pytest.raises(PoolFull, match="in use"):
+    with pytest.raises(PoolFull, match="16 tokens asked, 0 of the KV pool's 32 are free"):
         batcher.new_drafter().start([4], SamplingParams(), seeded(SamplingParams()))
     drafter.release()
     with pytest.raises(RuntimeError, match="start"):
         batcher.propose_chains([other, drafter], [1, 1])
     other.release()
-    assert batcher.pool.free_slots == 2
+    assert batcher.pool.num_sequences == 0

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(600)
 
 APP = "batched"
 MODEL_NAME = "tiny-batched"
-SLOTS, QUEUE, SLOT_TOKENS, CONTEXT = 2, 1, 1024, 2048
+AT_ONCE, QUEUE, MAX_SEQ_LEN, CONTEXT = 2, 1, 1024, 2048
+KV_TOKENS = AT_ONCE * MAX_SEQ_LEN  # the default pool: room for max_num_seqs requests of max_seq_len
 PROMPTS = ["abcabcabc", "hello wor", "xyz xyz x", "0123 0123"]
 NO_EOS = {"ignore_eos": True}
 ENDLESS: dict[str, Any] = {"max_tokens": 1000, "temperature": 0, "extra_body": NO_EOS}
@@ -59,9 +60,9 @@ def url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
         draft=str(long_context_pair / "draft"),
         dtype="float64",
         gamma=3,
-        max_num_seqs=SLOTS,
+        max_num_seqs=AT_ONCE,
         max_queue=QUEUE,
-        max_seq_len=SLOT_TOKENS,
+        max_seq_len=MAX_SEQ_LEN,
         max_batch_tokens=32,
         max_ongoing_requests=8,  # above max_num_seqs + max_queue: the replica itself refuses the excess
     )
@@ -91,7 +92,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 
 def pool_empty() -> bool:
     status = model_status()
-    free = status["kv"] == {"slots": SLOTS, "free": SLOTS}
+    free = status["kv"] == {"tokens": KV_TOKENS, "free": KV_TOKENS}
     return free and status["active_requests"] == [] and status["running"] == 0
 
 
@@ -110,15 +111,15 @@ def complete(client: openai.OpenAI, prompt: str, stream: bool) -> tuple[str, int
 
 def test_concurrent_requests_each_return_what_they_return_alone(client: openai.OpenAI) -> None:
     status = model_status()
-    assert status["path"] == "batched" and status["kv"]["slots"] == SLOTS
-    prompts = PROMPTS[: SLOTS + QUEUE]  # as many as the replica holds: two generate at once, one waits for a slot
+    assert status["path"] == "batched" and status["kv"]["tokens"] == KV_TOKENS
+    prompts = PROMPTS[: AT_ONCE + QUEUE]  # as many as the replica holds: two generate at once, one waits its turn
     alone = [complete(client, prompt, stream=False) for prompt in prompts]
     assert all(tokens == 160 for _, tokens in alone)  # EOS ignored: long enough to overlap
-    before = model_status()["batch_sizes"].get(SLOTS, 0)
+    before = model_status()["batch_sizes"].get(AT_ONCE, 0)
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(complete, [client] * len(prompts), prompts, [False, True, True]))
     assert together == alone
-    assert model_status()["batch_sizes"].get(SLOTS, 0) > before  # steps verified two requests at once
+    assert model_status()["batch_sizes"].get(AT_ONCE, 0) > before  # steps verified two requests at once
     wait_for(pool_empty, 30, "the KV pool to empty")
 
 
@@ -127,9 +128,10 @@ def test_a_full_replica_answers_429_and_serves_on(client: openai.OpenAI) -> None
     # max_num_seqs generate and max_queue wait; each stream's status line means the replica took it
     streams = [client.completions.create(model=MODEL_NAME, prompt=p, stream=True, **ENDLESS) for p in PROMPTS[:3]]
     try:
-        wait_for(lambda: model_status()["running"] == SLOTS, 30, "two requests generating")
+        wait_for(lambda: model_status()["running"] == AT_ONCE, 30, "two requests generating")
         status = model_status()
-        assert (status["running"], status["waiting"]) == (SLOTS, QUEUE) and status["kv"]["free"] == 0
+        assert (status["running"], status["waiting"]) == (AT_ONCE, QUEUE)
+        assert status["kv"]["free"] <= KV_TOKENS - AT_ONCE * ENDLESS["max_tokens"]  # each reserved its prompt + 1000
         with pytest.raises(openai.RateLimitError) as refused:
             client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], **ENDLESS)
         answer = refused.value.response
@@ -138,22 +140,22 @@ def test_a_full_replica_answers_429_and_serves_on(client: openai.OpenAI) -> None
         error = answer.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert (error["type"], error["code"], error["param"]) == ("rate_limit_error", "queue_full", None)
-        assert f"{SLOTS} generating at once + max_queue {QUEUE}" in error["message"]
+        assert f"{AT_ONCE} generating at once + max_queue {QUEUE}" in error["message"]
     finally:
         for stream in streams:
             stream.close()  # the clients leave: their requests are cancelled and their KV freed
-    wait_for(pool_empty, 60, "the cancelled requests' KV slots")
+    wait_for(pool_empty, 60, "the cancelled requests' KV")
     wait_for(lambda: model_status()["finished"].get("cancelled", 0) == cancelled + 3, 30, "three cancellations")
     again = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=8, extra_body=NO_EOS)
     assert again.usage is not None and again.usage.completion_tokens == 8
     assert model_status()["finished"]["queue_full"] == 1
 
 
-def test_a_request_longer_than_a_kv_slot_is_refused_with_why(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as slot:
-        client.completions.create(model=MODEL_NAME, prompt="ab", max_tokens=SLOT_TOKENS, temperature=0)
-    error = slot.value.response.json()["error"]
-    assert f"exceed the {SLOT_TOKENS} tokens one request may hold on this replica" in error["message"]
+def test_a_request_longer_than_max_seq_len_is_refused_with_why(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model=MODEL_NAME, prompt="ab", max_tokens=MAX_SEQ_LEN, temperature=0)
+    error = too_long.value.response.json()["error"]
+    assert f"exceed the {MAX_SEQ_LEN} tokens one request may hold on this replica" in error["message"]
     assert "max_seq_len" in error["message"] and error["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as context:
         client.completions.create(model=MODEL_NAME, prompt="ab", max_tokens=CONTEXT, temperature=0)

@@ -2,8 +2,8 @@
 
 Checks that concurrent streams each equal the request alone (greedy) while sharing steps; that a
 stream starts with an empty chunk once accepted, and a request the engine refuses raises its
-``InvalidRequest`` instead (the loop's codec refuses it first, naming the KV slot); that closing a
-stream cancels the request and frees its KV slot; that an idle loop sleeps; that a failing step
+``InvalidRequest`` instead (the loop's codec refuses it first, naming max_seq_len); that closing a
+stream cancels the request and frees its KV; that an idle loop sleeps; that a failing step
 fails the requests that had streamed, restarts those that had not, and the loop serves on (and
 reports itself unhealthy when every step fails); and that shutdown fails what is in flight and
 refuses what comes after. Failures come from a ``BatchedEngine`` subclass whose ``step`` raises
@@ -25,7 +25,7 @@ from specserve.core.engine import GenerationConfig, GenerationResult, Speculativ
 from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams
 from specserve.drafters.registry import build_drafter_set, request_drafters
-from specserve.serve.engine_loop import EngineFailure, EngineLoop, EngineStopped, SlotPromptCodec
+from specserve.serve.engine_loop import EngineFailure, EngineLoop, EngineStopped, LengthPromptCodec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,10 +39,10 @@ def llama(tiny_pairs: dict[str, TinyPair]) -> TinyPair:
 
 
 def batched(pair: TinyPair, cls: type[BatchedEngine] = BatchedEngine, **options: Any) -> BatchedEngine:
-    """A batched engine whose draft model drafts for all its requests from a pool of as many slots."""
-    options = {"num_slots": 3, "slot_capacity": 120, "prefill_tokens": 16, **options}
-    slots = {"num_slots": options["num_slots"], "slot_capacity": options["slot_capacity"]}
-    return cls(pair.target, request_drafters(pair.draft, pair.target, **slots), **options)
+    """A batched engine whose draft model drafts for all its requests from a pool of as many requests."""
+    options = {"max_num_seqs": 3, "max_seq_len": 120, "prefill_tokens": 16, **options}
+    sizes = {"max_num_seqs": options["max_num_seqs"], "max_seq_len": options["max_seq_len"]}
+    return cls(pair.target, request_drafters(pair.draft, pair.target, **sizes), **options)
 
 
 def alone(pair: TinyPair, prompt: list[int], config: GenerationConfig) -> GenerationResult:
@@ -72,7 +72,7 @@ def check_stream(chunks: list[StreamChunk], want: GenerationResult) -> None:
 
 def pool_empty(loop: EngineLoop) -> bool:
     status = loop.status()
-    return status["requests"] == 0 and status["kv"]["free"] == status["kv"]["slots"] and not status["active_requests"]
+    return status["requests"] == 0 and status["kv"]["free"] == status["kv"]["tokens"] and not status["active_requests"]
 
 
 def test_concurrent_streams_equal_each_request_alone_and_share_steps(llama: TinyPair) -> None:
@@ -80,7 +80,7 @@ def test_concurrent_streams_equal_each_request_alone_and_share_steps(llama: Tiny
         (list(llama.prompts[0]), GenerationConfig(max_new_tokens=24, gamma=3)),
         (list(llama.eos_prompts[0]), GenerationConfig(max_new_tokens=20, gamma=2, drafter="ngram")),
         (list(llama.length_prompts[0]), GenerationConfig(max_new_tokens=16, drafter="none")),
-        (list(llama.prompts[1]), GenerationConfig(max_new_tokens=18, gamma=4)),  # waits for a slot
+        (list(llama.prompts[1]), GenerationConfig(max_new_tokens=18, gamma=4)),  # waits its turn
     ]
     loop = EngineLoop(batched(llama))
     try:
@@ -91,17 +91,17 @@ def test_concurrent_streams_equal_each_request_alone_and_share_steps(llama: Tiny
         for (prompt, config), chunks in zip(requests, asyncio.run(main()), strict=True):
             check_stream(chunks, alone(llama, prompt, config))
         status = loop.status()
-        assert max(status["batch_sizes"]) == 3 and status["steps"] > 0  # three slots, all used together
+        assert max(status["batch_sizes"]) == 3 and status["steps"] > 0  # three at once, all used together
         assert pool_empty(loop)
     finally:
         loop.shutdown()
 
 
 def test_a_request_the_engine_refuses_raises_and_the_loop_serves_on(llama: TinyPair) -> None:
-    loop = EngineLoop(batched(llama, slot_capacity=40))
+    loop = EngineLoop(batched(llama, max_seq_len=40))
     prompt = list(llama.prompts[0])
     try:
-        assert isinstance(loop.prompts, SlotPromptCodec)  # the ingress refuses it first, naming the slot
+        assert isinstance(loop.prompts, LengthPromptCodec)  # the ingress refuses it first, naming the setting
         with pytest.raises(InvalidRequest, match=r"exceed the 40 tokens one request may hold .*max_seq_len"):
             loop.prompts.check_length(prompt, 60)
 
@@ -116,7 +116,7 @@ def test_a_request_the_engine_refuses_raises_and_the_loop_serves_on(llama: TinyP
         loop.shutdown()
 
 
-def test_closing_a_stream_cancels_the_request_and_frees_its_slot(llama: TinyPair) -> None:
+def test_closing_a_stream_cancels_the_request_and_frees_its_kv(llama: TinyPair) -> None:
     loop = EngineLoop(batched(llama))
     prompt = list(llama.prompts[2])
     try:
@@ -126,9 +126,10 @@ def test_closing_a_stream_cancels_the_request_and_frees_its_slot(llama: TinyPair
             chunk = await anext(stream)
             while not chunk.token_ids:
                 chunk = await anext(stream)
-            assert chunk.result is None and loop.status()["kv"]["free"] == 2  # generating in one slot
+            kv = loop.status()["kv"]
+            assert chunk.result is None and kv["free"] == kv["tokens"] - len(prompt) - LONG.max_new_tokens
             await stream.aclose()
-            await eventually(lambda: pool_empty(loop), "the cancelled request's slot to be freed")
+            await eventually(lambda: pool_empty(loop), "the cancelled request's KV to be freed")
             return await collect(loop, prompt, GenerationConfig(max_new_tokens=10, gamma=3))
 
         check_stream(asyncio.run(main()), alone(llama, prompt, GenerationConfig(max_new_tokens=10, gamma=3)))
@@ -175,14 +176,14 @@ class FailingEngine(BatchedEngine):
 
 
 def test_a_failed_step_fails_streamed_requests_restarts_the_others_and_the_loop_serves_on(llama: TinyPair) -> None:
-    engine = batched(llama, FailingEngine, num_slots=1, fail={4})
+    engine = batched(llama, FailingEngine, max_num_seqs=1, fail={4})
     loop = EngineLoop(engine)
     first, second = list(llama.prompts[0]), list(llama.prompts[1])
     config = GenerationConfig(max_new_tokens=12, gamma=3)
     try:
 
         async def main() -> tuple[BaseException | list[StreamChunk], ...]:
-            # one slot: the first request streams; the second waits for the slot when the fourth step fails
+            # one at a time: the first request streams; the second waits its turn when the fourth step fails
             return tuple(
                 await asyncio.gather(collect(loop, first, LONG), collect(loop, second, config), return_exceptions=True)
             )
@@ -200,7 +201,7 @@ def test_a_failed_step_fails_streamed_requests_restarts_the_others_and_the_loop_
 
 
 def test_a_loop_whose_every_step_fails_says_so_and_reports_unhealthy(llama: TinyPair) -> None:
-    engine = batched(llama, FailingEngine, num_slots=2, fail=None)
+    engine = batched(llama, FailingEngine, max_num_seqs=2, fail=None)
     loop = EngineLoop(engine)
     try:
         for _ in range(2):  # each request is restarted once, then fails
@@ -231,6 +232,6 @@ def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(llama: TinyPair)
 
     asyncio.run(main())
     assert not loop._thread.is_alive()
-    assert engine.pool.free_slots == engine.pool.num_slots and not engine.has_work  # its KV freed on the way out
+    assert engine.pool.num_sequences == 0 and not engine.has_work  # its KV freed on the way out
     with pytest.raises(EngineStopped):
         loop.check_health()

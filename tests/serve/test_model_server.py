@@ -195,8 +195,8 @@ def test_a_runner_that_takes_several_requests_gets_that_many_at_once(pair: TinyP
 def batched_server(tiny_pairs: dict[str, TinyPair]) -> Iterator[tuple[ModelServer, TinyPair]]:
     llama = tiny_pairs["llama"]
     config = ServeConfig(model_name="tiny", gamma=3, max_num_seqs=2, max_queue=1, max_seq_len=120)
-    drafters = request_drafters(llama.draft, llama.target, num_slots=2, slot_capacity=120)  # drafting together
-    engine = BatchedEngine(llama.target, drafters, num_slots=2, slot_capacity=120)
+    drafters = request_drafters(llama.draft, llama.target, max_num_seqs=2, max_seq_len=120)  # drafting together
+    engine = BatchedEngine(llama.target, drafters, max_num_seqs=2, max_seq_len=120)
     server = server_for(engine, config)
     yield server, llama
     server.shutdown()
@@ -212,21 +212,23 @@ def test_batched_requests_equal_themselves_alone_and_the_queue_is_bounded(
     config = GenerationConfig(max_new_tokens=20, gamma=3)
 
     async def main() -> list[list[StreamChunk]]:
-        # three concurrent requests: two generate, one waits for a KV slot (max_queue 1)
+        # three concurrent requests: two generate, one waits its turn (max_queue 1)
         answers = await asyncio.gather(*(collect(server, p, config) for p in prompts))
         long = [server.generate(p, GREEDY, LONG) for p in prompts]
         for stream in long[:2]:
             await generating(stream)
         await anext(long[2])  # taken: waiting
         status = server.status()
-        assert (status["running"], status["waiting"], status["kv"]) == (2, 1, {"slots": 2, "free": 0})
+        reserved = sum(len(p) + LONG.max_new_tokens for p in prompts[:2])  # the two generating: prompt + output
+        assert (status["running"], status["waiting"]) == (2, 1)
+        assert status["kv"] == {"tokens": 240, "free": 240 - reserved}
         full = r"2 requests generating and 1 waiting.*2 generating at once \+ max_queue 1"
         with pytest.raises(QueueFull, match=full):
             await anext(server.generate(prompts[0], GREEDY, LONG))
         for stream in long:
             await stream.aclose()
         deadline = asyncio.get_running_loop().time() + 20
-        while server.status()["kv"]["free"] != 2 or server.status()["active_requests"]:
+        while server.status()["kv"]["free"] != 240 or server.status()["active_requests"]:
             assert asyncio.get_running_loop().time() < deadline, server.status()
             await asyncio.sleep(0.01)
         return list(answers)
