@@ -2,10 +2,12 @@
 
     python bench/kv_paging.py [--threads 1] [--requests 16] [--context 280] [--page 16] [--repeats 21]
 
-The batched engine's :class:`~specserve.core.kv_pool.KVPool` gives every request one contiguous slot of
-``max_seq_len`` positions, so a step reads the pool as a view, with no copy; the price is that a short
-request reserves as much KV as a long one. A pool of pages sized in tokens (vLLM's layout) reserves
-only what a request holds, but SDPA needs each row's keys and values contiguous, so every step must
+The batched engine's :class:`~specserve.core.kv_pool.KVPool` gives every request one contiguous span of
+the positions it may hold, reserved when it starts, so a step reads each request's keys and values as a
+view, with no copy; the price is that a request that stops early held room for its whole ``max_tokens``.
+(Until commit e6cf010 the spans were slots of ``max_seq_len`` positions each; this script measured that
+layout, read as one view.) A pool of pages (vLLM's layout) reserves only what a request holds, but SDPA
+needs each row's keys and values contiguous, so every step must
 first gather each running request's pages into rows, in every layer, for keys and values (unless an
 attention kernel reads pages, which SDPA on a CPU does not). This script times that gather for the
 shipped target's KV shape (its layers, KV heads and head size), B requests of ragged lengths around

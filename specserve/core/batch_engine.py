@@ -227,7 +227,8 @@ class BatchedEngine(GenerationFrontend):
                 budget -= blocks[-1].size
         if not blocks:
             return
-        self.ops.forward_batch(blocks, capture=[capture for _, _, capture in filling])
+        # a chunk caches prompt tokens before the last committed one: nobody reads its logits
+        self.ops.forward_batch(blocks, last_only=True, capture=[capture for _, _, capture in filling])
         now = time.perf_counter()
         for request, start, capture in filling:
             verifier, side, out = request.parts()

@@ -61,6 +61,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "max_num_seqs": (4, {}),
     "max_batch_tokens": (64, {}),
     "max_seq_len": (512, {}),
+    "kv_pool_tokens": (4096, {}),
     "batch_wait_ms": (50.0, {}),
     "max_queue": (2, {}),
 }
