@@ -113,23 +113,30 @@ class RaggedBatch:
         value: torch.Tensor,
         scaling: float | None,
     ) -> torch.Tensor:  # [batch, width, heads, d]
-        """One layer's attention, row by row over each row's own span of the arena."""
+        """One layer's attention, row by row over each row's own span of the arena.
+
+        The query heads of a group are folded into the query dimension position-major — row ``pos · group +
+        member`` — so a row's real queries are the first ``queries · group`` of its fold, and one copy folds the
+        whole batch."""
         self.calls += 1
         batch, heads, width, head_dim = query.shape
         kv_heads = key.shape[1]
         group = heads // kv_heads
-        out = query.new_zeros(batch, heads, width, value.shape[-1])
+        folded = query.view(batch, kv_heads, group, width, head_dim).transpose(2, 3).reshape(
+            batch, kv_heads, width * group, head_dim
+        )
+        out = query.new_zeros(batch, kv_heads, width * group, value.shape[-1])
         for b, row in enumerate(self.rows):
-            q = query[b, :, : row.queries].reshape(1, kv_heads, group * row.queries, head_dim)
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                q,
+            real = row.queries * group
+            out[b : b + 1, :, :real] = torch.nn.functional.scaled_dot_product_attention(
+                folded[b : b + 1, :, :real],
                 key[:, :, row.start : row.stop],
                 value[:, :, row.start : row.stop],
                 attn_mask=self._mask(b, row, group),
                 scale=scaling,
             )
-            out[b, :, : row.queries] = attended.reshape(heads, row.queries, -1)
-        return out.transpose(1, 2).contiguous()
+        # [batch, kv_heads, width, group, d] -> [batch, width, heads, d], head h = kv head h // group, member h % group
+        return out.view(batch, kv_heads, width, group, -1).permute(0, 2, 1, 3, 4).reshape(batch, width, heads, -1)
 
     def _mask(self, b: int, row: RaggedRow, group: int) -> torch.Tensor | None:
         """The row's mask repeated for the ``group`` query heads folded into its query dimension (built once per
@@ -138,7 +145,7 @@ class RaggedBatch:
             return None
         folded = self._folded.get((b, group))
         if folded is None:
-            folded = self._folded[(b, group)] = row.mask.repeat(group, 1)
+            folded = self._folded[(b, group)] = row.mask.repeat_interleave(group, dim=0)
         return folded
 
 

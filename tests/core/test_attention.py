@@ -71,3 +71,40 @@ def test_native_attention_switches_back_for_the_block_only() -> None:
     assert lm.model.config._attn_implementation == ATTENTION
     with native_attention(None):  # nothing to switch
         pass
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_a_ragged_batch_attends_each_row_over_its_own_span(groups: int) -> None:
+    """Rows of different block lengths over spans of one arena, with and without masks: each row's real queries
+    equal transformers' attention over that row's keys alone; padding queries get zeros; other spans are never
+    read (poisoning them changes nothing)."""
+    from specserve.core.attention import RaggedBatch, RaggedRow
+
+    generator = torch.Generator().manual_seed(2)
+    kv_heads, width, d = 2, 4, 16
+    module = _Module(groups)
+    query = torch.randn(3, kv_heads * groups, width, d, generator=generator, dtype=torch.float64)
+    arena_k = torch.randn(1, kv_heads, 40, d, generator=generator, dtype=torch.float64)
+    arena_v = torch.randn(1, kv_heads, 40, d, generator=generator, dtype=torch.float64)
+    low = torch.finfo(torch.float64).min
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two children of the first token
+    masks = [
+        None,  # one query: sees its whole span
+        torch.zeros(4, 9, dtype=torch.float64).masked_fill(~torch.ones(4, 9, dtype=torch.bool).tril(5), low),
+        torch.cat(
+            [torch.zeros(3, 6, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64).masked_fill(~tree, low)], 1
+        ),
+    ]
+    rows = [RaggedRow(30, 37, 1, masks[0]), RaggedRow(0, 9, 4, masks[1]), RaggedRow(12, 21, 3, masks[2])]
+    got = RaggedBatch(rows).attend(query, arena_k, arena_v, 0.25)
+    assert got.shape == (3, width, kv_heads * groups, d)
+    for b, row in enumerate(rows):
+        keys, values = arena_k[:, :, row.start : row.stop], arena_v[:, :, row.start : row.stop]
+        mask = None if row.mask is None else row.mask[None, None]
+        want, _ = sdpa_attention_forward(module, query[b : b + 1, :, : row.queries], keys, values, mask, scaling=0.25)
+        torch.testing.assert_close(got[b, : row.queries], want[0], rtol=0, atol=1e-12)
+        assert torch.all(got[b, row.queries :] == 0)
+    poisoned_k, poisoned_v = arena_k.clone(), arena_v.clone()
+    for lo, hi in ((9, 12), (21, 30), (37, 40)):  # every column no row's span covers
+        poisoned_k[:, :, lo:hi], poisoned_v[:, :, lo:hi] = float("nan"), float("nan")
+    assert torch.equal(RaggedBatch(rows).attend(query, poisoned_k, poisoned_v, 0.25), got)
