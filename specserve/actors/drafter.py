@@ -24,6 +24,12 @@ target's prefill (whose features it drafts from) before its first draft.
 
 With overlap off, the sequence of drafter calls and random draws is exactly the single-process
 engine's, so a seeded run emits exactly what the in-process engine emits.
+
+**Batched replicas** (``max_requests`` > 1) run that many loops at once, each request with a drafter of
+its own. A draft model's are :class:`~specserve.drafters.batched_model.PooledDraftModelDrafter` over one
+KV pool, and the loops of chain requests without overlap meet in a
+:class:`~specserve.actors.draft_gather.DraftGatherer`, which drafts their chains in shared forwards (the
+verdicts of one step arrive together, so their next chains are wanted together).
 """
 
 from __future__ import annotations
@@ -31,15 +37,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
 import torch
 
 from specserve.actors.compute import ComputeThread
+from specserve.actors.draft_gather import DraftGatherer
 from specserve.actors.overlap import OverlapDraftSide
-from specserve.core.draft import FeatureDrafter
+from specserve.core.draft import BatchedDrafter, Drafter, FeatureDrafter
 from specserve.core.draft_side import DraftSide
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.sampling import SamplingParams, make_generators
@@ -102,9 +111,12 @@ class DrafterActor:
         min_ngram: int = 1,
         num_threads: int | None = None,
         max_requests: int = 1,
+        gather_wait_s: float = 0.005,
     ) -> None:
         """``max_requests`` > 1 (a batched replica): that many requests' loops run at once, each with a drafter of
-        its own (a draft model's weights shared); their torch calls take turns on the compute thread."""
+        its own (a draft model's weights shared, its KV a span of one pool); their torch calls take turns on the
+        compute thread, and their chains are drafted together, a round waiting at most ``gather_wait_s`` for the
+        loops still to arrive."""
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
         self.compute = ComputeThread(num_threads)
@@ -115,7 +127,16 @@ class DrafterActor:
         # batched: one drafter per request (the configured model's weights loaded once, here)
         configured = self.drafters.configured
         loaded = configured.model if isinstance(configured, DraftModelDrafter) else drafter
-        self._new_drafter = self.compute.run(request_drafters, loaded, target, **options) if max_requests > 1 else None
+        self._new_drafter = None
+        self._gatherer: DraftGatherer | None = None
+        if max_requests > 1:
+            self._new_drafter = self.compute.run(
+                partial(request_drafters, max_num_seqs=max_requests, max_seq_len=target_info.max_positions),
+                loaded,
+                target,
+                **options,
+            )
+            self._gatherer = DraftGatherer(self.compute.run, gather_wait_s)
         self.schedules = schedules()  # per request; the adaptive ones share this replica's prior
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
@@ -132,6 +153,10 @@ class DrafterActor:
         """The target features the configured drafter reads (EAGLE, Medusa); empty for any other drafter."""
         drafter = self.drafters.configured
         return tuple(drafter.feature_layers) if isinstance(drafter, FeatureDrafter) else ()
+
+    def draft_rounds(self) -> dict[int, int]:
+        """Batched replicas: rounds of shared drafting so far, by how many requests each drafted together."""
+        return dict(self._gatherer.rounds) if self._gatherer is not None else {}
 
     def cancel(self, request_id: str) -> None:
         """Stop a running request's loop after its current cycle (the caller no longer wants it)."""
@@ -158,11 +183,19 @@ class DrafterActor:
                     self._cancelled.discard(job.request_id)
 
     def _loop(self, job: DraftJob, target_ready: Sequence[Any]) -> Iterator[list[CycleReport]]:
-        device, run = self.device, self.compute.run
+        run = self.compute.run
         if self._new_drafter is not None:
             drafter = run(self._new_drafter, job.drafter)  # this request's own
         else:
             drafter = run(self.drafters.get, job.drafter)  # built here on first use, then kept
+        try:
+            yield from self._cycles(job, target_ready, drafter)
+        finally:
+            if isinstance(drafter, BatchedDrafter):
+                run(drafter.release)  # its span of the draft model's pool
+
+    def _cycles(self, job: DraftJob, target_ready: Sequence[Any], drafter: Drafter) -> Iterator[list[CycleReport]]:
+        device, run = self.device, self.compute.run
         generators = make_generators(job.params.seed, device)
         side_type = OverlapDraftSide if job.overlap else DraftSide
         schedule = self.schedules(job.policy, job.budget)
@@ -179,6 +212,8 @@ class DrafterActor:
             import ray
 
             ray.get(list(target_ready))  # raises the target's error if it could not admit the request
+        gatherer = self._gatherer
+        shares = gatherer is not None and isinstance(drafter, BatchedDrafter) and not job.overlap and job.tree is None
         stream = VerifierStream(self._channel(job.verifier_address))
         # Reports not yet sent to the caller. Each yield costs about a millisecond of CPU in this process and
         # the caller's, which on a small machine slows the target's verify: after the first cycle (time to
@@ -188,31 +223,37 @@ class DrafterActor:
         cycle = 0
         batch_size = 1  # requests the target verified with this one last cycle: what its next step will hold
         try:
-            while job.request_id not in self._cancelled:
-                if cycle > 0:
-                    proposal = run(side.propose, batch_size)
-                overlap_hit = isinstance(side, OverlapDraftSide) and side.used_ready
-                sent = time.perf_counter()
-                stream.send_raw(run(encode_draft, job.request_id, cycle, proposal).SerializeToString())
-                ahead_seconds = run(side.draft_ahead, proposal) if isinstance(side, OverlapDraftSide) else 0.0
+            with gatherer.member() if shares and gatherer is not None else nullcontext():
+                while job.request_id not in self._cancelled:
+                    if cycle > 0:
+                        if shares and gatherer is not None:  # drafted with the other loops' chains
+                            proposal = gatherer.propose(side, batch_size)
+                        else:
+                            proposal = run(side.propose, batch_size)
+                    overlap_hit = isinstance(side, OverlapDraftSide) and side.used_ready
+                    sent = time.perf_counter()
+                    stream.send_raw(run(encode_draft, job.request_id, cycle, proposal).SerializeToString())
+                    ahead_seconds = run(side.draft_ahead, proposal) if isinstance(side, OverlapDraftSide) else 0.0
 
-                if pending and (cycle == 1 or time.perf_counter() - last_report >= job.report_interval_s):
-                    yield pending
-                    pending, last_report = [], time.perf_counter()
+                    if pending and (cycle == 1 or time.perf_counter() - last_report >= job.report_interval_s):
+                        yield pending
+                        pending, last_report = [], time.perf_counter()
 
-                info = stream.receive()
-                # send-to-verdict time the target did not spend (and drafting ahead did not hide): gRPC, serialisation
-                wire_seconds = max(0.0, time.perf_counter() - sent - max(info.target_seconds, ahead_seconds))
-                outcome = info.outcome(proposal, side.committed)
-                batch_size = outcome.batch_size
-                observation = run(side.on_verdict, proposal, outcome, wire_seconds=wire_seconds)
-                pending.append(
-                    CycleReport(outcome.new_tokens, outcome.finish, observation, outcome.allreduce_seconds, overlap_hit)
-                )
-                if outcome.finish is not None:
-                    yield pending
-                    return
-                cycle += 1
+                    info = stream.receive()
+                    # send-to-verdict time the target did not spend (nor drafting ahead hid): gRPC, serialisation
+                    wire_seconds = max(0.0, time.perf_counter() - sent - max(info.target_seconds, ahead_seconds))
+                    outcome = info.outcome(proposal, side.committed)
+                    batch_size = outcome.batch_size
+                    observation = run(side.on_verdict, proposal, outcome, wire_seconds=wire_seconds)
+                    pending.append(
+                        CycleReport(
+                            outcome.new_tokens, outcome.finish, observation, outcome.allreduce_seconds, overlap_hit
+                        )
+                    )
+                    if outcome.finish is not None:
+                        yield pending
+                        return
+                    cycle += 1
         finally:
             stream.close()
 

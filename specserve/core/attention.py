@@ -122,8 +122,10 @@ class RaggedBatch:
         batch, heads, width, head_dim = query.shape
         kv_heads = key.shape[1]
         group = heads // kv_heads
-        folded = query.view(batch, kv_heads, group, width, head_dim).transpose(2, 3).reshape(
-            batch, kv_heads, width * group, head_dim
+        folded = (
+            query.view(batch, kv_heads, group, width, head_dim)
+            .transpose(2, 3)
+            .reshape(batch, kv_heads, width * group, head_dim)
         )
         out = query.new_zeros(batch, kv_heads, width * group, value.shape[-1])
         for b, row in enumerate(self.rows):

@@ -262,7 +262,7 @@ def _fit_to_width(sides: Sequence[DraftSide]) -> None:
             side.budget = Budget(chain)
 
 
-def propose_batch(sides: Sequence[DraftSide]) -> list[Proposal]:
+def propose_batch(sides: Sequence[DraftSide], batch_sizes: Sequence[int] | None = None) -> list[Proposal]:
     """Every side's next proposal for one batched step of ``len(sides)`` requests.
 
     Each schedule first plans its budget knowing the batch size; the chains of schedules that allow it
@@ -272,11 +272,17 @@ def propose_batch(sides: Sequence[DraftSide]) -> list[Proposal]:
     drafted together, each request charged an equal share of the group's time, and every other proposal (trees,
     n-gram, none) is drafted on its own. Every request's drafter sees the calls it would see alone, so the proposals
     are the same.
+
+    ``batch_sizes``, when given, is each side's own batch size (the distributed drafter's requests, drafted
+    together but verified in steps rank 0 forms, each plan with the size of its request's last step): each side
+    plans as its :meth:`DraftSide.propose` would, and no width is chosen for them together.
     """
     batch = len(sides)
-    for side in sides:
-        side.plan(batch)
-    if batch > 1:
+    if batch_sizes is not None and len(batch_sizes) != batch:
+        raise ValueError(f"{len(batch_sizes)} batch sizes for {batch} draft sides")
+    for side, size in zip(sides, batch_sizes or [batch] * batch, strict=True):
+        side.plan(size)
+    if batch > 1 and batch_sizes is None:
         _fit_to_width(sides)
     proposals: list[Proposal | None] = [None] * batch
     groups: dict[int, tuple[ChainBatcher, list[int]]] = {}

@@ -6,7 +6,9 @@ overlap. The KV pool holds only two of the requests at a time (``kv_pool_tokens`
 room, and the spans of those that finish are reused and moved. Every request's output equals the
 single-process engine's on that request alone (greedy: also transformers'; seeded sampling without overlap:
 the same tokens), the requests really shared steps, and the whole pool is free afterwards on every rank.
-Prompts are prefilled 8 tokens at a time, between steps.
+Prompts are prefilled 8 tokens at a time, between steps. Without overlap, the drafter actor drafts the
+running requests' chains together (its request loops meet in a round), and seeded requests still emit exactly
+what they emit alone.
 Float64 tiny models on a real local Ray cluster.
 """
 
@@ -121,6 +123,10 @@ def test_concurrent_seeded_sampling(running: Running) -> None:
     else:
         for prompt, sampling, got in zip(prompts, params, first, strict=True):
             assert got.output_ids == running.engine.generate(prompt, sampling, config).output_ids
+        import ray
+
+        rounds = ray.get(running.coordinator.replica.drafter.draft_rounds.remote())
+        assert max(rounds) >= 2, rounds  # the drafter drafted these chains together, in shared forwards
 
 
 def test_an_abandoned_stream_leaves_the_batch_and_frees_its_kv(running: Running) -> None:
