@@ -94,6 +94,11 @@ class DraftGatherer:
             self._cond.notify_all()
         return self._result(ask)
 
+    def rounds_by_size(self) -> dict[int, int]:
+        """Rounds drafted so far, by how many requests each drafted together."""
+        with self._cond:
+            return dict(self.rounds)
+
     @staticmethod
     def _result(ask: _Ask) -> Proposal:
         if ask.error is not None:

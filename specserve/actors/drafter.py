@@ -156,7 +156,7 @@ class DrafterActor:
 
     def draft_rounds(self) -> dict[int, int]:
         """Batched replicas: rounds of shared drafting so far, by how many requests each drafted together."""
-        return dict(self._gatherer.rounds) if self._gatherer is not None else {}
+        return self._gatherer.rounds_by_size() if self._gatherer is not None else {}
 
     def cancel(self, request_id: str) -> None:
         """Stop a running request's loop after its current cycle (the caller no longer wants it)."""
