@@ -200,6 +200,11 @@ class ReplicaConfig(BaseModel):
             raise InvalidSetting(
                 f"n-gram sizes need 1 <= min_ngram <= max_ngram, got {self.min_ngram}..{self.max_ngram}"
             )
+        if self.kv_pool_tokens and self.max_seq_len and self.kv_pool_tokens < self.max_seq_len:
+            raise InvalidSetting(
+                f"kv_pool_tokens {self.kv_pool_tokens} cannot hold one request of max_seq_len {self.max_seq_len}; "
+                "raise kv_pool_tokens (0 = room for max_num_seqs such requests) or lower max_seq_len"
+            )
         self.spec()  # tp_degree a power of two, resource names, CPUs: the placement spec checks them
         return self
 

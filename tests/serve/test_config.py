@@ -202,6 +202,8 @@ def test_our_checks_raise_their_own_errors_from_python() -> None:
         ReplicaConfig(target=TARGET, tp_degree=3)
     with pytest.raises(InvalidSetting, match=r"n-gram sizes need 1 <= min_ngram <= max_ngram, got 3\.\.2"):
         ReplicaConfig(target=TARGET, min_ngram=3, max_ngram=2)
+    with pytest.raises(InvalidSetting, match=r"kv_pool_tokens 100 cannot hold one request of max_seq_len 512"):
+        ReplicaConfig(target=TARGET, kv_pool_tokens=100, max_seq_len=512)
     with pytest.raises(InvalidClusterSpec, match="gpus_per_drafter"):
         ReplicaConfig(target=TARGET, gpus_per_drafter=1.0)
     with pytest.raises(ValueError, match="threads_per_shard"):
