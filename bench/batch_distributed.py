@@ -28,6 +28,17 @@ from specserve.core.engine import GenerationConfig
 from specserve.core.sampling import SamplingParams
 
 
+def draft_rounds(coordinator: Any) -> dict[int, int]:
+    """The drafter actor's shared rounds by size ({} for a drafter that does not gather: before commit c63818b)."""
+    import ray
+
+    try:
+        method = coordinator.replica.drafter.draft_rounds
+    except AttributeError:
+        return {}
+    return dict(ray.get(method.remote()))
+
+
 def level(concurrency: int, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     import ray
 
@@ -48,7 +59,7 @@ def level(concurrency: int, args: argparse.Namespace, prompts: list[str]) -> dic
         coordinator = Coordinator.spawn(config)
         try:
             coordinator.generate(prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=4))  # warm-up
-            warm = dict(ray.get(coordinator.replica.drafter.draft_rounds.remote()))
+            warm = draft_rounds(coordinator)
             start = time.perf_counter()
             with ThreadPoolExecutor(concurrency) as pool:
                 results = list(
@@ -58,7 +69,7 @@ def level(concurrency: int, args: argparse.Namespace, prompts: list[str]) -> dic
                     )
                 )
             wall = time.perf_counter() - start
-            rounds = dict(ray.get(coordinator.replica.drafter.draft_rounds.remote()))
+            rounds = draft_rounds(coordinator)
         finally:
             coordinator.shutdown()
     rounds = {size: count - warm.get(size, 0) for size, count in rounds.items() if count > warm.get(size, 0)}
