@@ -40,7 +40,6 @@ def draft_rounds(coordinator: Any) -> dict[int, int]:
 
 
 def level(concurrency: int, args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
-    import ray
 
     from specserve.actors.coordinator import Coordinator
     from specserve.cluster.connect import connect_ray
