@@ -55,7 +55,7 @@ from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
 from specserve.core.kv_pool import KVPool
-from specserve.core.model import CausalLM
+from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import ScheduleFactory, fixed_schedules
@@ -215,16 +215,25 @@ class BatchedEngine(GenerationFrontend):
 
     def _prefill(self) -> None:
         """One forward over the next prompt chunks of the requests still prefilling, oldest first, within
-        ``prefill_tokens`` tokens."""
-        budget, blocks, filling = self.prefill_tokens, [], []
+        ``prefill_tokens`` positions *computed*: the forward pads every row to its widest chunk, so rows × widest
+        chunk stays within the budget (a later chunk never widens the step; one that would not fit waits for the
+        next step). Without this, a 248-token chunk beside an 8-token one cost two 248-token rows."""
+        blocks: list[BatchBlock] = []
+        filling: list[tuple[_Request, int, FeatureCapture | None]] = []
+        width = 0
         for request in self._running.values():
             verifier = request.verifier
             assert verifier is not None
-            if verifier.unprefilled and budget:
-                # the chunk's first position, and its features for a drafter that reads them (None otherwise)
-                filling.append((request, verifier.sequence.length, verifier.new_capture()))
-                blocks.append(verifier.prefill_block(request.seq_id, budget))
-                budget -= blocks[-1].size
+            if not verifier.unprefilled:
+                continue
+            rows = len(blocks) + 1
+            take = min(verifier.unprefilled, self.prefill_tokens // rows, width or self.prefill_tokens)
+            if take < 1 or rows * max(width, take) > self.prefill_tokens:
+                break
+            width = max(width, take)
+            # the chunk's first position, and its features for a drafter that reads them (None otherwise)
+            filling.append((request, verifier.sequence.length, verifier.new_capture()))
+            blocks.append(verifier.prefill_block(request.seq_id, take))
         if not blocks:
             return
         # a chunk caches prompt tokens before the last committed one: nobody reads its logits

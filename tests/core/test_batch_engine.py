@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -198,6 +199,33 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding(pai
     assert results[second].output_ids == alone(pair, long_prompt, SamplingParams(), long_config).output_ids
     assert results[first].output_ids == alone(pair, short, params, config).output_ids
     assert results[second].stats.prefill_seconds > 0
+
+
+def test_prefill_forwards_compute_at_most_the_budget_padding_included(pair: TinyPair) -> None:
+    """Newcomers of very different prompt lengths: every prefill forward computes at most ``prefill_tokens``
+    positions, rows × widest chunk (a short chunk never rides along, padded, beside a long one), and every request
+    still decodes exactly as alone."""
+    engine = BatchedEngine(pair.target, drafter_factory(pair), max_num_seqs=4, max_seq_len=96, prefill_tokens=12)
+    computed: list[int] = []
+    forward = engine.ops.forward_batch
+
+    def counting(blocks: Any, last_only: bool = False, capture: Any = None) -> Any:
+        if last_only:  # prefill chunks
+            computed.append(len(blocks) * max(block.size for block in blocks))
+        return forward(blocks, last_only=last_only, capture=capture)
+
+    engine.ops.forward_batch = counting  # type: ignore[method-assign]
+    prompts = [[int(t) for t in (list(pair.prompts[1]) * 6)[:30]], [5, 6, 7], list(pair.prompts[0]), [9, 8]]
+    config = GenerationConfig(max_new_tokens=6, gamma=2)
+    ids = {engine.submit(prompt, SamplingParams(), config): prompt for prompt in prompts}
+    results: dict[int, GenerationResult] = {}
+    while engine.has_work:
+        for request_id, chunk in engine.step():
+            if chunk.result is not None:
+                results[request_id] = chunk.result
+    assert max(computed) == 12  # never more; the 30-token prompt's chunks use the whole budget
+    for request_id, prompt in ids.items():
+        assert results[request_id].output_ids == alone(pair, prompt, SamplingParams(), config).output_ids
 
 
 def test_goodput_aware_adaptive_requests_in_a_batch_stay_exact(pair: TinyPair) -> None:
