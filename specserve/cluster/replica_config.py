@@ -126,9 +126,9 @@ class ReplicaConfig(BaseModel):
     max_batch_tokens: int = Field(
         256,
         ge=1,
-        description="batched replicas: prompt tokens prefilled per step over all newcomers, in process, or per "
-        "chunk between steps on the distributed runtime (chunked prefill: a long prompt delays the running requests "
-        "by at most one such chunk per step)",
+        description="batched replicas: prompt positions prefilled per step over all newcomers, in process (rows x "
+        "widest chunk: the forward pads its rows), or per chunk between steps on the distributed runtime (chunked "
+        "prefill: a long prompt delays the running requests by at most one such chunk per step)",
     )
     max_seq_len: int = Field(
         0,

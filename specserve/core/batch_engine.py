@@ -6,8 +6,8 @@ Requests join and leave between steps. One :meth:`BatchedEngine.step`:
 1. **admit and prefill** — waiting requests start, first come first served, while fewer than
    ``max_num_seqs`` run and the KV pool has the tokens the next one reserves (:func:`kv_tokens`: its
    prompt, its output and its widest block; a later request never overtakes one waiting for room);
-   their prompts are prefilled in chunks, at most ``prefill_tokens`` tokens per step over all
-   newcomers, in a forward of their own, so a long prompt never stalls the others' decoding for more
+   their prompts are prefilled in chunks, at most ``prefill_tokens`` positions per step over all
+   newcomers (rows × widest chunk: the forward pads its rows), in a forward of their own, so a long prompt never stalls the others' decoding for more
    than one chunk; a request that could never fit (longer than ``max_seq_len``, or than the whole
    pool) is refused when submitted;
 2. **draft** — every running request's :class:`~specserve.core.draft_side.DraftSide` plans its budget
@@ -95,7 +95,7 @@ class BatchedEngine(GenerationFrontend):
     Up to ``max_num_seqs`` requests run at once, each within ``max_seq_len`` tokens of prompt and output
     (default: the target's context length), their KV in a pool of ``kv_pool_tokens`` positions (default:
     room for ``max_num_seqs`` requests of ``max_seq_len``); the rest wait. Newcomers' prompts are prefilled
-    at most ``prefill_tokens`` tokens per step.
+    at most ``prefill_tokens`` positions per step (rows × widest chunk).
     """
 
     def __init__(
