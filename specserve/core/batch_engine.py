@@ -7,9 +7,9 @@ Requests join and leave between steps. One :meth:`BatchedEngine.step`:
    ``max_num_seqs`` run and the KV pool has the tokens the next one reserves (:func:`kv_tokens`: its
    prompt, its output and its widest block; a later request never overtakes one waiting for room);
    their prompts are prefilled in chunks, at most ``prefill_tokens`` positions per step over all
-   newcomers (rows × widest chunk: the forward pads its rows), in a forward of their own, so a long prompt never stalls the others' decoding for more
-   than one chunk; a request that could never fit (longer than ``max_seq_len``, or than the whole
-   pool) is refused when submitted;
+   newcomers (rows × widest chunk: the forward pads its rows), in a forward of their own, so a long
+   prompt never stalls the others' decoding for more than one chunk; a request that could never fit
+   (longer than ``max_seq_len``, or than the whole pool) is refused when submitted;
 2. **draft** — every running request's :class:`~specserve.core.draft_side.DraftSide` plans its budget
    knowing the batch size (a goodput-aware schedule drafts less in a larger batch), the chains of
    adaptive requests are aligned to one length (:func:`~specserve.core.draft_side.align_chains`), and
