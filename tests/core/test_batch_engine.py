@@ -82,6 +82,16 @@ def mixed_requests(pair: TinyPair) -> list[tuple[list[int], SamplingParams, Gene
     ]
 
 
+def finish_all(engine: BatchedEngine) -> dict[int, GenerationResult]:
+    """Step until every submitted request has finished; each one's result by id."""
+    results: dict[int, GenerationResult] = {}
+    while engine.has_work:
+        for request_id, chunk in engine.step():
+            if chunk.result is not None:
+                results[request_id] = chunk.result
+    return results
+
+
 def pooled_drafter_factory(pair: TinyPair, max_num_seqs: int) -> Callable[[str], Drafter]:
     """The draft model drafts every request's chain in shared forwards over one KV pool (ngram and none as above)."""
     return request_drafters(pair.draft, pair.target, max_num_seqs=max_num_seqs, max_seq_len=128)
@@ -218,11 +228,7 @@ def test_prefill_forwards_compute_at_most_the_budget_padding_included(pair: Tiny
     prompts = [[int(t) for t in (list(pair.prompts[1]) * 6)[:30]], [5, 6, 7], list(pair.prompts[0]), [9, 8]]
     config = GenerationConfig(max_new_tokens=6, gamma=2)
     ids = {engine.submit(prompt, SamplingParams(), config): prompt for prompt in prompts}
-    results: dict[int, GenerationResult] = {}
-    while engine.has_work:
-        for request_id, chunk in engine.step():
-            if chunk.result is not None:
-                results[request_id] = chunk.result
+    results = finish_all(engine)
     assert max(computed) == 12  # never more; the 30-token prompt's chunks use the whole budget
     for request_id, prompt in ids.items():
         assert results[request_id].output_ids == alone(pair, prompt, SamplingParams(), config).output_ids
@@ -237,11 +243,7 @@ def test_goodput_aware_adaptive_requests_in_a_batch_stay_exact(pair: TinyPair) -
     prompts = [list(p) for p in pair.prompts[:4]]
     config = GenerationConfig(max_new_tokens=16, gamma=3, policy="adaptive")
     ids = {engine.submit(prompt, SamplingParams(), config): prompt for prompt in prompts}
-    results: dict[int, GenerationResult] = {}
-    while engine.has_work:
-        for request_id, chunk in engine.step():
-            if chunk.result is not None:
-                results[request_id] = chunk.result
+    results = finish_all(engine)
     for request_id, prompt in ids.items():
         result = results[request_id]
         assert result.output_ids == hf_greedy_ids(pair.target.model, prompt, 16)
