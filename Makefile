@@ -4,9 +4,12 @@
 #   make test   install everything, then lint, type-check and run the whole test suite
 #
 # torch is installed first and pinned (TORCH_SPEC) so that nothing pulls a multi-GB CUDA build
-# on a CPU machine. GPU users: make install TORCH_SPEC="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# on a CPU machine. GPU users: make install TORCH_INDEX=https://download.pytorch.org/whl/cu128 (this replaces a CPU
+# build already installed: the torch step is keyed by TORCH_SPEC and TORCH_INDEX).
 
 PYTHON ?= python3
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
@@ -20,17 +23,30 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install demo test lint typecheck pytest bench bench-batch train protos clean
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# The torch step is keyed by TORCH_SPEC and TORCH_INDEX: changing either (a CUDA build after a CPU one) reinstalls
+# torch, then the rest; pyproject.toml changes reinstall the rest only.
+TORCH_KEY := $(shell printf '%s %s' '$(TORCH_SPEC)' '$(TORCH_INDEX)' | cksum | cut -d' ' -f1)
+TORCH_STAMP := $(VENV)/.torch-$(TORCH_KEY)
+
+$(TORCH_STAMP):
+	@echo "==> [1/2] torch ($(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX), CPU build)) into $(VENV)/: about 1 minute"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --progress-bar on --force-reinstall "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	rm -f $(VENV)/.torch-* $(VENV)/.installed
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
+	@echo "==> [2/2] specserve and its dependencies (transformers, Ray Serve, gRPC, test tools): about 2 minutes"
+	$(BIN)/python -m pip install --progress-bar on -e ".[dev]" | { grep -v "^Requirement already satisfied" || true; }
+	$(BIN)/python -c "import specserve, torch, transformers, ray; print('==> installed: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
 	touch $@
 
 install: $(VENV)/.installed
 
+# The shipped pair, greedy: the text, then the same request without drafting and the speedup.
 demo: install
-	$(BIN)/specserve generate --prompt "$(PROMPT)" --max-new-tokens 96
+	$(BIN)/specserve generate --prompt "$(PROMPT)" --max-new-tokens 96 --compare-plain
 
 lint: install
 	$(BIN)/ruff check specserve tests bench
@@ -44,17 +60,20 @@ pytest: install
 
 test: lint typecheck pytest
 
+# The benchmarks behind BENCHMARKS.md, rewriting the checked-in results under bench/results (about two hours on a
+# 2-core CPU). Run by hand, each command writes under runs/<command>/ instead; --quick is a one-minute smoke run.
 bench: install
-	$(BIN)/specserve bench
-	$(BIN)/specserve bench-trees
-	$(BIN)/specserve experiment
-	$(BIN)/specserve bench-distributed
-	$(BIN)/specserve bench-serve
-	$(BIN)/specserve bench-batch
+	$(BIN)/specserve bench --out bench/results
+	$(BIN)/specserve bench-trees --out bench/results
+	$(BIN)/specserve experiment --out bench/results/experiment
+	$(BIN)/specserve bench-distributed --out bench/results
+	$(BIN)/specserve bench-serve --out bench/results
+	$(BIN)/specserve bench-batch --out bench/results/batch.json
 
-# Batched serving in process by concurrency (BENCHMARKS.md §8); ARGS="--concurrency 1,4 --requests 4" for a smoke run.
+# Batched serving in process by concurrency (BENCHMARKS.md §8), into bench/results/batch.{json,md,png};
+# a smoke run that leaves them alone: .venv/bin/specserve bench-batch --quick (writes runs/bench-batch/).
 bench-batch: install
-	$(BIN)/specserve bench-batch $(ARGS)
+	$(BIN)/specserve bench-batch --out bench/results/batch.json $(ARGS)
 
 train: install
 	$(BIN)/specserve train

@@ -16,31 +16,39 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specserve import defaults
 from specserve.cluster.replica_config import DISTRIBUTED_SETTINGS, MODEL_SETTINGS, ReplicaConfig
-from specserve.core.engine import GenerationConfig, GenerationFrontend, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
+from specserve.core.sampling_params import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from specserve.core.schedule import MAX_GAMMA, POLICY_NAMES
-from specserve.core.tree import InvalidTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree_spec import InvalidTree, TreeBudget, TreeSpec, TreeTopology
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine and the actors load torch: imported once the arguments are checked
     from specserve.actors.coordinator import Coordinator
+    from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, SpeculativeEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     ReplicaConfig.add_arguments(parser, MODEL_SETTINGS)
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=defaults.DEFAULT_MAX_NEW_TOKENS, help="tokens to generate at most"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="then run the same request without drafting and report the speedup (and whether the tokens match)",
+    )
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-file", help="file whose whole content is the prompt")
+    prompt.add_argument("--prompt-file", help="UTF-8 text file whose whole content is the prompt")
     parser.add_argument(
         "--gamma", type=int, default=defaults.DEFAULT_GAMMA, help=f"draft tokens per cycle (1..{MAX_GAMMA})"
     )
@@ -51,10 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how much to draft each cycle: --gamma (or --tree) every cycle, transformers' +2/-1 schedule "
         "from --gamma, or the γ that maximises predicted tokens/s from online estimates (0 = plain decoding)",
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                        "whose probability reaches top-p (1 = off)")  # fmt: skip
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed of a sampled request: the same seed, the same output"
+    )
     parser.add_argument(
         "--drafter-invariant",
         action="store_true",
@@ -101,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    """Check every argument, the prompt and the models' paths (no torch yet: a mistake is reported at once), then
+    load and generate."""
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not 1 <= args.gamma <= MAX_GAMMA:
@@ -108,21 +121,22 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.distributed and (args.tp_degree != 1 or args.overlap or args.drafter_placement != "colocated"):
         raise UserError("--tp, --drafter-placement and --overlap need --distributed")
     params = sampling_params(args)
-    config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        gamma=args.gamma,
-        stop=tuple(args.stop),
-        tree=tree_spec(args),
-        policy=args.policy,
-    )
+    tree = tree_spec(args)
     prompt = read_prompt(args)
     if not prompt:
         raise UserError("the prompt is empty; pass some text with --prompt or --prompt-file")
     replica = ReplicaConfig.from_args(args)
+    replica.check_local_models()
+
+    from specserve.core.engine import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop), tree=tree, policy=args.policy
+    )
     if args.distributed:
         with distributed_runner(replica, args.ray_address) as coordinator:
-            return print_generation(coordinator, prompt, params, config, args.json)
-    return print_generation(build_engine(replica), prompt, params, config, args.json)
+            return print_generation(coordinator, prompt, params, config, args.json, args.compare_plain)
+    return print_generation(build_engine(replica), prompt, params, config, args.json, args.compare_plain)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -161,6 +175,8 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None:
         return str(args.prompt)
     path = Path(args.prompt_file)
+    if path.is_dir():
+        raise UserError(f"prompt file {path} is a directory; pass a text file")
     if not path.is_file():
         raise UserError(f"prompt file {path} does not exist")
     try:
@@ -171,12 +187,13 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def build_engine(config: ReplicaConfig) -> SpeculativeEngine:
     """The target and the drafter of ``config`` in this process, with every γ policy available."""
+    from specserve.core.engine import SpeculativeEngine
     from specserve.core.model import CausalLM
-    from specserve.drafters import build_drafter
+    from specserve.drafters import build_drafter_set
     from specserve.policies.schedules import schedules
 
     target = CausalLM.load(config.target, dtype=config.dtype, device=config.device)
-    drafter = build_drafter(config.draft, target, **config.drafter_options())
+    drafter = build_drafter_set(config.draft, target, **config.drafter_options())  # a request may also ask for none
     return SpeculativeEngine(target, drafter, schedules=schedules())
 
 
@@ -187,8 +204,6 @@ def distributed_runner(config: ReplicaConfig, ray_address: str | None) -> Iterat
     from specserve.actors.coordinator import Coordinator
     from specserve.cluster.connect import connect_ray
 
-    if not Path(config.target).is_dir():
-        raise UserError(f"model directory {config.target} does not exist")
     with connect_ray(ray_address, tp_degree=config.tp_degree, spec=config.spec()):
         coordinator = Coordinator.spawn(config)
         try:
@@ -198,34 +213,76 @@ def distributed_runner(config: ReplicaConfig, ray_address: str | None) -> Iterat
 
 
 def print_generation(
-    runner: GenerationFrontend, prompt: str, params: SamplingParams, config: GenerationConfig, as_json: bool
+    runner: GenerationFrontend,
+    prompt: str,
+    params: SamplingParams,
+    config: GenerationConfig,
+    as_json: bool,
+    compare_plain: bool = False,
 ) -> int:
-    """Print one generation: one JSON object, or the text as it streams and a summary line on stderr."""
+    """Print one generation: one JSON object, or the text as it streams and a summary line on stderr. With
+    ``compare_plain`` the same request then runs without drafting, and the speedup is reported (a ``plain`` object
+    in the JSON, one more line on stderr), after a short warm-up run so that neither side pays first-call costs."""
+    if compare_plain:
+        runner.generate(prompt, params, dataclasses.replace(config, max_new_tokens=min(8, config.max_new_tokens)))
     if as_json:
         result = runner.generate(prompt, params, config)
-        print(
-            json.dumps(
-                {
-                    "prompt_ids": result.prompt_ids,
-                    "output_ids": result.output_ids,
-                    "text": result.text,
-                    "finish_reason": result.finish_reason,
-                    "sampling": params.mode,
-                    "lossy": params.lossy_acceptance,  # true: a lossy acceptance rule ran (not the target's law)
-                    "stats": result.stats.to_dict(),
-                }
-            )
-        )
+        report = {
+            "prompt_ids": result.prompt_ids,
+            "output_ids": result.output_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "sampling": params.mode,
+            "lossy": params.lossy_acceptance,  # true: a lossy acceptance rule ran (not the target's law)
+            "stats": result.stats.to_dict(),
+        }
+        if compare_plain:
+            report["plain"] = plain_comparison(runner, prompt, params, config, result)
+        print(json.dumps(report))
         return 0
+    final: GenerationResult | None = None
     for chunk in runner.stream(prompt, params, config):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         if chunk.result is not None:
-            s = chunk.result.stats
+            final = chunk.result
+            s = final.stats
             print(
                 f"\n[{s.new_tokens} tokens, {s.cycles} cycles, mean accepted {s.mean_accepted:.2f}, "
-                f"{s.tokens_per_second:.1f} tok/s, finish={chunk.result.finish_reason}, "
+                f"{s.tokens_per_second:.1f} tok/s, finish={final.finish_reason}, "
                 f"lossy={'true' if params.lossy_acceptance else 'false'}]",
                 file=sys.stderr,
             )
+    if compare_plain and final is not None:
+        print(comparison_line(plain_comparison(runner, prompt, params, config, final)), file=sys.stderr)
     return 0
+
+
+def plain_comparison(
+    runner: GenerationFrontend,
+    prompt: str,
+    params: SamplingParams,
+    config: GenerationConfig,
+    speculative: GenerationResult,
+) -> dict[str, Any]:
+    """The same request without drafting (drafter ``none``) on the same runner: its speed, the speedup, and whether
+    the tokens are identical (they must be when greedy; sampled runs draw differently unless drafter-invariant)."""
+    plain = runner.generate(prompt, params, dataclasses.replace(config, drafter="none"))
+    speedup = speculative.stats.tokens_per_second / plain.stats.tokens_per_second
+    return {
+        "tokens_per_second": plain.stats.tokens_per_second,
+        "speculative_tokens_per_second": speculative.stats.tokens_per_second,
+        "speedup": speedup,
+        "identical": plain.output_ids == speculative.output_ids,
+        "greedy": params.greedy,
+    }
+
+
+def comparison_line(plain: dict[str, Any]) -> str:
+    same = "identical output" if plain["identical"] else "different sample (same distribution)"
+    if plain["greedy"] and not plain["identical"]:
+        same = "OUTPUT DIFFERS (a bug: please report it)"
+    return (
+        f"[speculative {plain['speculative_tokens_per_second']:.1f} tok/s vs plain decoding "
+        f"{plain['tokens_per_second']:.1f} tok/s: {plain['speedup']:.2f}x, {same}]"
+    )

@@ -232,3 +232,83 @@ def test_only_the_chosen_subcommand_module_is_imported() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "False"
+
+
+# Mistakes a newcomer makes, each refused before torch is imported (so at once), with what to do instead.
+FAST_ERRORS = {
+    "drafter typo": (["--draft", "ngrams"], "Did you mean 'ngram'?"),
+    "drafter keyword without its argument": (["--draft", "eagle"], "Did you mean 'eagle:DIR'?"),
+    "hub id as target": (["--target", "meta-llama/Llama-3.2-1B"], "hf download meta-llama/Llama-3.2-1B"),
+    "hub id as draft": (["--draft", "Qwen/Qwen2.5-0.5B"], "--draft models/qwen2.5-0.5b"),
+    "missing head directory": (["--draft", "eagle:/nonexistent/head"], "/nonexistent/head does not exist"),
+    "prompt file is a directory": (["--prompt-file", "/"], "is a directory"),
+    "tp not a power of two": (["--distributed", "--tp", "3"], "--tp: must be a power of two"),
+    "gamma 0": (["--gamma", "0"], "--gamma"),
+    "top-p above one": (["--top-p", "2"], "top_p"),
+    "zero tree depth": (["--tree", "dynamic", "--tree-depth", "0"], "budget"),
+    "zero threads": (["--threads", "0"], "--threads"),
+}
+
+
+def test_argument_mistakes_are_refused_before_torch_loads() -> None:
+    """Every case exits 2 with one line naming the fix, and the process never imported torch."""
+    script = (
+        "import json, sys\n"
+        "from specserve.cli import main\n"
+        "cases = json.loads(sys.argv[1])\n"
+        "codes = {name: main(['generate', *argv]) for name, argv in cases.items()}\n"
+        "print(json.dumps({'codes': codes, 'torch': 'torch' in sys.modules}))\n"
+    )
+    cases = {
+        name: [*argv, *([] if "--prompt-file" in argv else ["--prompt", "x"])]
+        for name, (argv, _) in FAST_ERRORS.items()
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True, timeout=120, check=True
+    )
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["torch"] is False
+    assert set(report["codes"].values()) == {2}
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == len(FAST_ERRORS) and all(line.startswith("error: ") for line in lines), proc.stderr
+    for (name, (_, needle)), line in zip(FAST_ERRORS.items(), lines, strict=True):
+        assert needle in line, (name, line)
+
+
+def test_an_unknown_device_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--device", "gpu", "--prompt", "x"])
+    assert exited.value.code == 2 and "invalid choice: 'gpu'" in capsys.readouterr().err
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split("options:", 1)[1].split())  # after the usage; argparse wraps lines
+    for flag, default in {
+        "--gamma": defaults.DEFAULT_GAMMA,
+        "--max-new-tokens": defaults.DEFAULT_MAX_NEW_TOKENS,
+        "--target": defaults.DEFAULT_TARGET,
+        "--temperature": 0.0,
+        "--top-p": 1.0,
+        "--seed": 0,
+        "--threads": defaults.DEFAULT_THREADS,
+    }.items():
+        after = text.split(f"{flag} {flag.removeprefix('--').replace('-', '_').upper()}", 1)[1]
+        assert after.split("(default: ", 1)[1].split(")", 1)[0] == str(default), flag
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_threads_sets_torch_threads_of_the_process() -> None:
+    script = (
+        "import sys, torch\n"
+        "from specserve.cli import main\n"
+        "code = main(['generate', '--draft', 'none', '--prompt', 'x', '--max-new-tokens', '2', '--json', "
+        "'--threads', sys.argv[1]])\n"
+        "print(code, torch.get_num_threads())\n"
+    )
+    for threads in ("1", "2"):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, threads], capture_output=True, text=True, timeout=300, check=True
+        )
+        assert proc.stdout.strip().splitlines()[-1] == f"0 {threads}", proc.stderr

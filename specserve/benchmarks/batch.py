@@ -62,9 +62,12 @@ Modes run back to back in one pass, without the alternating rounds of the other 
 on a quiet machine. ``--threads`` pins torch's intra-op threads (default 1) and is printed beside
 the figures.
 
-Output: a Markdown table on stdout (and beside the JSON as ``.md``), the JSON report (``--out``),
-and a plot of throughput and ITL p50 against concurrency per mode (``--plot``). Progress lines go
-to stderr. Does not start servers or Ray, and does not tune anything.
+Output: the JSON report (``--out``, default ``runs/bench-batch/batch.json``; ``make bench-batch``
+writes ``bench/results/batch.json``), the Markdown table beside it (``.md``), and a plot of throughput
+and ITL p50 against concurrency per mode (``--plot``, default beside it, ``.png``). stdout carries the
+table and a ``results:`` line, or with ``--json`` the report alone
+(:mod:`specserve.benchmarks.arguments`); progress lines go to stderr. ``--quick`` is a smoke run of
+about a minute (:data:`QUICK`). Does not start servers or Ray, and does not tune anything.
 """
 
 from __future__ import annotations
@@ -89,10 +92,15 @@ from tqdm import tqdm
 
 from specserve import defaults
 from specserve.benchmarks.arguments import (
+    Quick,
+    add_json_argument,
     add_model_and_prompt_arguments,
     check_max_new_tokens,
     model_and_prompt_options,
     number_list,
+    print_results,
+    scratch_dir,
+    stdout_to_stderr,
 )
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
@@ -118,6 +126,12 @@ HF = "hf-generate-batch"
 FAMILIES = {"sequential": SEQUENTIAL, "plain": PLAIN, "gamma": GAMMA_PREFIX, "adaptive": ADAPTIVE, "hf": HF}
 WARMUP_TOKENS = 8
 MIN_REQUESTS = 8
+DEFAULT_OUT = scratch_dir("bench-batch") / "batch.json"
+DEFAULT_PLOT = DEFAULT_OUT.with_suffix(".png")
+QUICK = Quick(
+    {"num_prompts": 4, "max_new_tokens": 32, "concurrency": "1,4", "temperatures": "0", "gammas": "2", "requests": 4},
+    "4 requests × 32 new tokens per level at concurrency 1 and 4, greedy, every mode family with γ 2",
+)
 
 
 @dataclass(frozen=True)
@@ -140,8 +154,8 @@ class BatchBenchConfig:
     max_ngram: int = 3
     min_ngram: int = 1
     seed: int = 0
-    out: Path = Path("bench/results/batch.json")
-    plot: Path | None = Path("bench/results/batch.png")
+    out: Path = DEFAULT_OUT
+    plot: Path | None = DEFAULT_PLOT
 
     def requests_at(self, concurrency: int) -> int:
         return self.requests if self.requests is not None else max(2 * concurrency, MIN_REQUESTS)
@@ -679,16 +693,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--requests", type=int, help="requests per level (default: max(2 × concurrency, 8))")
     parser.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens prefilled per batched step")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    # --threads: added by the command line (specserve.cli), torch's threads in this process
     parser.add_argument(
         "--modes", default=",".join(FAMILIES), help=f"comma-separated mode families among {', '.join(FAMILIES)}"
     )
-    parser.add_argument("--out", default="bench/results/batch.json", help="the JSON report (the table beside, .md)")
-    parser.add_argument("--plot", default="bench/results/batch.png", help="the plot ('' for none)")
+    parser.add_argument(
+        "--out",
+        default=str(DEFAULT_OUT),
+        help="the JSON report, the table beside it as .md (default: %(default)s under the current directory; "
+        "the checked-in results are rewritten only with --out bench/results/batch.json)",
+    )
+    parser.add_argument("--plot", help="the plot (default: beside --out, as .png; '' for none)")
+    add_json_argument(parser)
+    QUICK.add_argument(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
-    """The configuration the flags describe; raises :class:`UserError` for a bad value."""
+    """The configuration the flags describe (``--quick`` applied); raises :class:`UserError` for a bad value."""
+    QUICK.apply(args)
     check_max_new_tokens(args)
     concurrency = number_list(args.concurrency, int, "--concurrency")
     temperatures = number_list(args.temperatures, float, "--temperatures")
@@ -724,11 +746,25 @@ def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
         max_ngram=args.max_ngram,
         min_ngram=args.min_ngram,
         out=Path(args.out),
-        plot=Path(args.plot) if args.plot else None,
+        plot=plot_path(args),
     )
 
 
+def plot_path(args: argparse.Namespace) -> Path | None:
+    """``--plot``: beside ``--out`` as ``.png`` when not given, none when given as ``''``."""
+    if args.plot is None:
+        return Path(args.out).with_suffix(".png")
+    return Path(args.plot) if args.plot else None
+
+
+def output_paths(cfg: BatchBenchConfig) -> list[Path]:
+    """Every file a run writes: the JSON report, the table beside it, and the plot (unless there is none)."""
+    return [cfg.out, cfg.out.with_suffix(".md"), *([cfg.plot] if cfg.plot is not None else [])]
+
+
 def run_command(args: argparse.Namespace) -> int:
-    report, status = run(config_from_args(args))
-    print(json.dumps(report) if args.json else markdown(report))
+    cfg = config_from_args(args)
+    with stdout_to_stderr():
+        report, status = run(cfg)
+    print_results(args, report, markdown(report), output_paths(cfg))
     return status

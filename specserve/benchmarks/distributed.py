@@ -17,13 +17,16 @@ the cycle time minus the others. Outputs are checked token for token against the
 engine, so a speed number never hides a wrong answer.
 
 Results: ``distributed.json``, ``distributed.md`` and ``distributed.png`` (the per-cycle time
-split as stacked bars) under ``--out``.
+split as stacked bars) under ``--out`` (default ``runs/bench-distributed/``). stdout carries the table
+and a ``results:`` line, or with ``--json`` the report alone (:mod:`specserve.benchmarks.arguments`);
+each method's row is printed to stderr as it finishes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +35,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specserve.benchmarks.arguments import add_max_new_tokens_argument, check_max_new_tokens, number_list, options
+from specserve.benchmarks.arguments import (
+    RUNS_DIR,
+    add_max_new_tokens_argument,
+    add_output_arguments,
+    check_max_new_tokens,
+    number_list,
+    options,
+    print_results,
+    stdout_to_stderr,
+)
 from specserve.benchmarks.prompts import heldout_prompts
+from specserve.benchmarks.tally import report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, SpeculativeEngine
 from specserve.core.model import CausalLM
@@ -51,7 +64,7 @@ class DistributedBenchConfig:
     gamma: int = 4
     tp_degrees: tuple[int, ...] = (1, 2)
     threads: int = 2  # torch threads of the in-process engine and of a TP-1 shard
-    out_dir: Path = Path("bench/results")
+    out_dir: Path = RUNS_DIR / "bench-distributed"
     prompts: tuple[str, ...] | None = None  # default: the held-out standard-library prompts of `specserve bench`
 
 
@@ -79,7 +92,7 @@ def generate_all(
     stats = RequestStats()
     outputs: list[list[int]] = []
     seconds = 0.0
-    for ids in tqdm(prompts, desc=label, leave=False):
+    for ids in tqdm(prompts, desc=label, leave=False, file=sys.stderr):
         start = time.perf_counter()
         result: GenerationResult = runner.generate(ids, SamplingParams(), config)
         seconds += time.perf_counter() - start
@@ -148,16 +161,12 @@ def run(cfg: DistributedBenchConfig) -> dict[str, Any]:
                 rows.append(summarise_run(method, generate_all(coordinator, prompts, cfg, method.name), reference))
             finally:
                 coordinator.shutdown()
-            print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     base = rows[0]["tokens_per_second"]
     for row in rows:
         row["vs_in_process"] = row["tokens_per_second"] / base
     report = {"config": {k: str(v) for k, v in cfg.__dict__.items()}, "ray": where, "rows": rows}
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "distributed.json").write_text(json.dumps(report, indent=2))
-    (cfg.out_dir / "distributed.md").write_text(markdown(rows))
-    plot(rows, cfg.out_dir / "distributed.png")
-    print(markdown(rows))
+    save_report(cfg.out_dir, "distributed", report, markdown(rows), lambda path: plot(rows, path))
     return report
 
 
@@ -224,16 +233,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--tp", default="1,2", help="comma-separated TP degrees")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in process and per TP-1 shard")
-    parser.add_argument("--out", default="bench/results")
+    add_output_arguments(parser, "bench-distributed", "distributed.json/.md/.png")
+
+
+def config_from_args(args: argparse.Namespace) -> DistributedBenchConfig:
+    """The configuration the flags describe; raises :class:`UserError` for a bad value."""
+    check_max_new_tokens(args)
+    return DistributedBenchConfig(
+        **options(args, "target", "draft", "num_prompts", "max_new_tokens", "gamma", "threads"),
+        tp_degrees=tuple(number_list(args.tp, int, "--tp")),
+        out_dir=Path(args.out),
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:
-    check_max_new_tokens(args)
-    run(
-        DistributedBenchConfig(
-            **options(args, "target", "draft", "num_prompts", "max_new_tokens", "gamma", "threads"),
-            tp_degrees=tuple(number_list(args.tp, int, "--tp")),
-            out_dir=Path(args.out),
-        )
-    )
+    cfg = config_from_args(args)
+    with stdout_to_stderr():
+        report = run(cfg)
+    print_results(args, report, markdown(report["rows"]), report_paths(cfg.out_dir, "distributed"))
     return 0

@@ -33,12 +33,13 @@ through the same harness, live or replayed::
 Machine speed drifts on a shared host, so each cell runs once per round (``--rounds``), rounds
 alternate the order and the totals pool all rounds; each policy is warmed up first.
 
-Outputs under ``--out``: ``experiment.csv`` (one row per workload × policy), ``experiment.json``
-(rows, α per depth per workload, and the issue's targets: per workload the best fixed γ in
-hindsight and adaptive / best fixed, adaptive / none, and adaptive / heuristic overall, as total
-tokens over total seconds across workloads — reported, never asserted), four PNG plots
-(``throughput.png``, ``gamma_over_time.png``, ``alpha_by_depth.png``,
-``predicted_vs_measured.png``); a table on stdout and, last, one JSON summary line.
+Outputs under ``--out`` (default ``runs/experiment/``): ``experiment.json`` (rows, α per depth per
+workload, and the issue's targets: per workload the best fixed γ in hindsight and adaptive / best
+fixed, adaptive / none, and adaptive / heuristic overall, as total tokens over total seconds across
+workloads — reported, never asserted), ``experiment.md`` (the table and the targets),
+``experiment.csv`` (one row per workload × policy), four PNG plots (``throughput.png``,
+``gamma_over_time.png``, ``alpha_by_depth.png``, ``predicted_vs_measured.png``). stdout carries the
+table and a ``results:`` line, or with ``--json`` the report alone (:mod:`specserve.benchmarks.arguments`).
 
 The predicted speedup of a cell applies the performance model (docs/architecture.md#performance-model) to the workload's
 final estimates — α per depth and the cost curves over every cycle of the workload, as
@@ -70,7 +71,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specserve.benchmarks.arguments import add_max_new_tokens_argument, add_prompt_arguments, model_and_prompt_options
+from specserve.benchmarks.arguments import (
+    RUNS_DIR,
+    add_max_new_tokens_argument,
+    add_output_arguments,
+    add_prompt_arguments,
+    model_and_prompt_options,
+    print_results,
+    stdout_to_stderr,
+)
 from specserve.benchmarks.tables import table_cell
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
@@ -246,7 +255,7 @@ class ExperimentConfig:
     workloads: tuple[str, ...] | None = None  # None: all (live) / every workload in the traces (replay)
     policies: str = DEFAULT_POLICIES
     rounds: int = 2
-    out_dir: Path = Path("runs/experiment")
+    out_dir: Path = RUNS_DIR / "experiment"
     seed: int = 0
     replay: tuple[str, ...] = ()  # trace files: replay instead of running live
     trace_out: str | None = None  # live: append every cycle to this trace file
@@ -314,10 +323,18 @@ def run(cfg: ExperimentConfig) -> dict[str, Any]:
         cells = _live(cfg, specs)
         report = summarise(cfg, cells)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    write_csv(report["rows"], cfg.out_dir / "experiment.csv")
-    (cfg.out_dir / "experiment.json").write_text(json.dumps(report, indent=2))
+    json_path, markdown_path, csv_path, *_ = output_paths(cfg.out_dir)
+    json_path.write_text(json.dumps(report, indent=2))
+    markdown_path.write_text(markdown(report))
+    write_csv(report["rows"], csv_path)
     plot(report, cells, cfg.out_dir)
     return report
+
+
+def output_paths(out_dir: Path) -> list[Path]:
+    """Every file a run writes under ``out_dir``: the report, its table, the CSV, then the plots (:func:`plot`)."""
+    names = ("experiment.json", "experiment.md", "experiment.csv", *PLOT_FILES)
+    return [out_dir / name for name in names]
 
 
 def workload_prompts(workload: Workload, prompt_ids: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
@@ -634,20 +651,12 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def headline(report: dict[str, Any]) -> dict[str, Any]:
-    """The one-line JSON summary: the targets per workload and overall."""
-    return {
-        "mode": report["mode"],
-        "workloads": {
-            w: {k: v for k, v in e.items() if k.startswith("adaptive_over") or k == "best_fixed"}
-            for w, e in report["workloads"].items()
-        },
-        "adaptive_over_heuristic_overall": report["overall"].get("adaptive_over_heuristic"),
-        "targets_met": report["targets_met"],
-    }
+PLOT_FILES = ("throughput.png", "gamma_over_time.png", "alpha_by_depth.png", "predicted_vs_measured.png")
 
 
 def plot(report: dict[str, Any], cells: list[Cell], out_dir: Path) -> None:
+    """The four plots of :data:`PLOT_FILES` under ``out_dir``."""
+    throughput_path, gamma_path, alpha_path, predicted_path = (out_dir / name for name in PLOT_FILES)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -669,7 +678,7 @@ def plot(report: dict[str, Any], cells: list[Cell], out_dir: Path) -> None:
     ax.set_title(f"tokens/s per policy ({report['mode']})")
     ax.legend(fontsize="small", ncol=2)
     fig.tight_layout()
-    fig.savefig(out_dir / "throughput.png", dpi=120)
+    fig.savefig(throughput_path, dpi=120)
     plt.close(fig)
 
     # chosen γ over time, adaptive and heuristic (and custom policies), per workload
@@ -684,7 +693,7 @@ def plot(report: dict[str, Any], cells: list[Cell], out_dir: Path) -> None:
             ax.legend(fontsize="small")
     axes[-1, 0].set_xlabel("cycle (requests in run order)")
     fig.tight_layout()
-    fig.savefig(out_dir / "gamma_over_time.png", dpi=120)
+    fig.savefig(gamma_path, dpi=120)
     plt.close(fig)
 
     # α per depth per workload (depths reached by at least MIN_REACHED_TO_PLOT cycles)
@@ -701,7 +710,7 @@ def plot(report: dict[str, Any], cells: list[Cell], out_dir: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out_dir / "alpha_by_depth.png", dpi=120)
+    fig.savefig(alpha_path, dpi=120)
     plt.close(fig)
 
     # predicted vs measured speedup per policy
@@ -721,7 +730,7 @@ def plot(report: dict[str, Any], cells: list[Cell], out_dir: Path) -> None:
     ax.set_ylabel("measured speedup vs none")
     ax.set_title("performance model vs measurement")
     fig.tight_layout()
-    fig.savefig(out_dir / "predicted_vs_measured.png", dpi=120)
+    fig.savefig(predicted_path, dpi=120)
     plt.close(fig)
 
 
@@ -749,30 +758,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replay", nargs="+", metavar="TRACE", help="simulate the policies over these trace files")
     parser.add_argument("--trace-out", metavar="FILE", help="live runs: append every cycle to this trace file")
-    parser.add_argument("--out", default="bench/results/experiment", help="directory for experiment.csv/.json/*.png")
-    parser.add_argument("--json", action="store_true", help="print only the JSON summary line, not the table")
+    add_output_arguments(parser, "experiment", "experiment.json/.md/.csv and its plots")
 
 
-def run_command(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
+    """The configuration the flags describe; raises :class:`UserError` for a bad value."""
     workloads = None
     if args.workloads is not None:
         workloads = tuple(w.strip() for w in args.workloads.split(",") if w.strip())
         if not workloads:
             raise UserError("--workloads needs at least one workload name")
-    report = run(
-        ExperimentConfig(
-            **model_and_prompt_options(args),
-            workloads=workloads,
-            policies=args.policies or DEFAULT_POLICIES,
-            rounds=args.rounds,
-            out_dir=Path(args.out),
-            seed=args.seed,
-            replay=tuple(args.replay or ()),
-            trace_out=args.trace_out,
-            max_gamma=args.max_gamma,
-        )
+    return ExperimentConfig(
+        **model_and_prompt_options(args),
+        workloads=workloads,
+        policies=args.policies or DEFAULT_POLICIES,
+        rounds=args.rounds,
+        out_dir=Path(args.out),
+        seed=args.seed,
+        replay=tuple(args.replay or ()),
+        trace_out=args.trace_out,
+        max_gamma=args.max_gamma,
     )
-    if not args.json:
-        print(markdown(report))
-    print(json.dumps(headline(report)))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    with stdout_to_stderr():
+        report = run(cfg)
+    print_results(args, report, markdown(report), output_paths(cfg.out_dir))
     return 0

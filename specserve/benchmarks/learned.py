@@ -16,14 +16,16 @@ alternate the order, and the totals pool all rounds. Reported per cell: tokens/s
 speedup over plain at the same temperature, mean accepted length (tokens per target pass) and
 acceptance by depth. Cells whose drafter directory is missing are skipped with a note.
 
-Results: ``drafters.json``, ``drafters.md`` (the table for BENCHMARKS.md) and ``drafters.png`` under
-``--out``; the last stdout line is a JSON summary.
+Results: ``drafters.json``, ``drafters.md`` (the table for BENCHMARKS.md, and the headline) and
+``drafters.png`` under ``--out`` (default ``runs/bench-drafters/``). stdout carries the table and a
+``results:`` line, or with ``--json`` the report alone (:mod:`specserve.benchmarks.arguments`).
+``--quick`` is a smoke run of about a minute (:data:`QUICK`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,11 +34,21 @@ import torch
 from tqdm import tqdm
 
 from specserve import defaults
-from specserve.benchmarks.arguments import add_max_new_tokens_argument, add_prompt_arguments, number_list, options
+from specserve.benchmarks.arguments import (
+    RUNS_DIR,
+    Quick,
+    add_max_new_tokens_argument,
+    add_output_arguments,
+    add_prompt_arguments,
+    number_list,
+    options,
+    print_results,
+    stdout_to_stderr,
+)
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.speculative import BenchConfig, run_hf_assisted
 from specserve.benchmarks.tables import table_cell
-from specserve.benchmarks.tally import Tally, alternating, save_report
+from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
@@ -48,6 +60,10 @@ from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
 TARGET_SPEEDUP = 2.0  # EAGLE's target over plain greedy decoding (issue 7)
+QUICK = Quick(
+    {"num_prompts": 2, "max_new_tokens": 32, "temperatures": "0", "rounds": 1},
+    "every drafter once, greedy, on 2 prompts × 32 new tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -65,7 +81,7 @@ class DrafterBenchConfig:
     rounds: int = 2
     gamma: int = 4
     layerskip_layers: int = 4
-    out_dir: Path = Path("bench/results")
+    out_dir: Path = RUNS_DIR / "bench-drafters"
     seed: int = 0
 
 
@@ -127,7 +143,7 @@ def run(cfg: DrafterBenchConfig) -> dict[str, Any]:
             warm = GenerationConfig(max_new_tokens=8, gamma=cell.config.gamma, tree=cell.config.tree)
             engines[cell.drafter].generate(prompt_ids[0], SamplingParams(temperature=cell.temperature), warm)
     hf_cfg = BenchConfig(target=cfg.target, draft=cfg.draft, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    for cell in tqdm(list(alternating(cfg.rounds, table)), desc="bench-drafters", unit="cell"):
+    for cell in tqdm(list(alternating(cfg.rounds, table)), desc="bench-drafters", unit="cell", file=sys.stderr):
         if cell.drafter == "hf":
             result = run_hf_assisted(target, draft_model, prompt_ids, cell.temperature, hf_cfg, cfg.gamma)
             cell.seconds += result.seconds
@@ -202,6 +218,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {table_cell(r['mean_accepted_length'])} | {by_depth} "
             f"| {table_cell(r.get('draft_ms_per_cycle'), 1)} / {table_cell(r.get('verify_ms_per_cycle'), 1)} |"
         )
+    top = report["headline"]
+    if top:
+        lines += [
+            "",
+            f"- **greedy**: best EAGLE {top['eagle_best_greedy']} at {table_cell(top['eagle_greedy_speedup'])}× plain "
+            f"(target {top['target_speedup']}×); longest mean accepted length: {top['longest_mean_accepted_greedy']}",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -242,23 +265,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over every cell, order alternating")
     parser.add_argument("--gamma", type=int, default=4, help="γ of the chains")
-    parser.add_argument("--out", default="bench/results", help="directory for drafters.json/.md/.png")
-    parser.add_argument("--json", action="store_true", help="print only the JSON headline, not the table")
+    add_output_arguments(parser, "bench-drafters", "drafters.json/.md/.png")
+    QUICK.add_argument(parser)
+
+
+def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
+    """The configuration the flags describe (``--quick`` applied); raises :class:`UserError` for a bad value."""
+    QUICK.apply(args)
+    if args.rounds < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or not 1 <= args.gamma <= MAX_GAMMA:
+        raise UserError(f"--rounds, --num-prompts and --max-new-tokens must be >= 1, --gamma in 1..{MAX_GAMMA}")
+    return DrafterBenchConfig(
+        **options(args, "target", "draft", "eagle", "medusa", "exit_head", "num_prompts", "max_new_tokens"),
+        **options(args, "rounds", "gamma"),
+        prompts_file=args.prompts,
+        temperatures=tuple(number_list(args.temperatures, float, "--temperatures")),
+        out_dir=Path(args.out),
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:
-    if args.rounds < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or not 1 <= args.gamma <= MAX_GAMMA:
-        raise UserError(f"--rounds, --num-prompts and --max-new-tokens must be >= 1, --gamma in 1..{MAX_GAMMA}")
-    report = run(
-        DrafterBenchConfig(
-            **options(args, "target", "draft", "eagle", "medusa", "exit_head", "num_prompts", "max_new_tokens"),
-            **options(args, "rounds", "gamma"),
-            prompts_file=args.prompts,
-            temperatures=tuple(number_list(args.temperatures, float, "--temperatures")),
-            out_dir=Path(args.out),
-        )
-    )
-    if not args.json:
-        print(markdown(report))
-    print(json.dumps(report["headline"]))
+    cfg = config_from_args(args)
+    with stdout_to_stderr():
+        report = run(cfg)
+    print_results(args, report, markdown(report), report_paths(cfg.out_dir, "drafters"))
     return 0

@@ -22,14 +22,17 @@ budget it drafted with and the mean number of requests verified with it per cycl
 ``speculation`` summary), averaged over the level's requests.
 
 :func:`run_load` drives a URL (any running application); :func:`run` starts the application
-itself (:func:`~specserve.serve.launch.serving`) and writes JSON, Markdown and a plot. Does not
-assert anything: BENCHMARKS.md records what it measured.
+itself (:func:`~specserve.serve.launch.serving`) and writes ``serve_load.json``, ``serve_load.md`` and
+``serve_load.png`` under ``--out`` (default ``runs/bench-serve/``). stdout carries the table and a
+``results:`` line, or with ``--json`` the report alone (:mod:`specserve.benchmarks.arguments`); progress
+goes to stderr. Does not assert anything: BENCHMARKS.md records what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -43,7 +46,8 @@ import requests
 from tqdm import tqdm
 
 from specserve import defaults
-from specserve.benchmarks.arguments import number_list
+from specserve.benchmarks.arguments import RUNS_DIR, add_output_arguments, number_list, print_results, stdout_to_stderr
+from specserve.benchmarks.tally import report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
 from specserve.core.schedule import MAX_GAMMA
@@ -80,7 +84,7 @@ class LoadConfig:
     rounds: int = 4
     warmup_s: float = 30.0  # warm-up requests (every mode) for this long before measuring
     port: int = 8123
-    out_dir: Path = Path("bench/results")
+    out_dir: Path = RUNS_DIR / "bench-serve"
 
 
 @dataclass
@@ -230,7 +234,7 @@ def run_load(
         raise ValueError("need at least one mode and one round")
     total = cfg.rounds * len(cfg.modes) * sum(cfg.requests_per_level)
     pooled: dict[tuple[int, str], tuple[list[RequestTiming], float]] = {}
-    with tqdm(total=total, desc="requests", unit="req") as progress:
+    with tqdm(total=total, desc="requests", unit="req", file=sys.stderr) as progress:
         for concurrency, count in zip(cfg.concurrency, cfg.requests_per_level, strict=True):
             for round_ in range(cfg.rounds):
                 modes = cfg.modes if round_ % 2 == 0 else tuple(reversed(cfg.modes))
@@ -291,10 +295,7 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
         "rows": rows,
         "comparison": compare(rows, baseline),
     }
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "serve_load.json").write_text(json.dumps(report, indent=2))
-    (cfg.out_dir / "serve_load.md").write_text(markdown(report))
-    plot(rows, cfg.out_dir / "serve_load.png")
+    save_report(cfg.out_dir, "serve_load", report, markdown(report), lambda path: plot(rows, path))
     return report
 
 
@@ -418,10 +419,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gammas", default="1,2,3,4", help="with --batched: the fixed γ modes of the batched replica")
     parser.add_argument("--port", type=int, default=8123, help="HTTP port on 127.0.0.1")
-    parser.add_argument("--out", default="bench/results")
+    add_output_arguments(parser, "bench-serve", "serve_load.json/.md/.png")
 
 
-def run_command(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    """The configuration the flags describe; raises :class:`UserError` for a bad value."""
     concurrency = number_list(args.concurrency, int, "--concurrency")
     counts = number_list(args.requests, int, "--requests")
     if not concurrency or any(c < 1 for c in concurrency) or len(counts) != len(concurrency):
@@ -453,21 +455,25 @@ def run_command(args: argparse.Namespace) -> int:
             ReplicaSetup("one-at-a-time", {"max_num_seqs": 1}, (off,)),
             ReplicaSetup("batched", {"max_num_seqs": args.batched}, batched_modes),
         )
-    report = run(
-        LoadConfig(
-            target=args.target,
-            draft=args.draft,
-            modes=tuple(modes),
-            rounds=args.rounds,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            concurrency=tuple(concurrency),
-            requests_per_level=tuple(counts),
-            level_time_limit_s=args.time_limit,
-            port=args.port,
-            out_dir=Path(args.out),
-            replicas=replicas,
-        )
+    return LoadConfig(
+        target=args.target,
+        draft=args.draft,
+        modes=tuple(modes),
+        rounds=args.rounds,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        concurrency=tuple(concurrency),
+        requests_per_level=tuple(counts),
+        level_time_limit_s=args.time_limit,
+        port=args.port,
+        out_dir=Path(args.out),
+        replicas=replicas,
     )
-    print(markdown(report))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    with stdout_to_stderr():
+        report = run(cfg)
+    print_results(args, report, markdown(report), report_paths(cfg.out_dir, "serve_load"))
     return 0

@@ -24,20 +24,21 @@ For our speculative runs two predictions sit beside the measured speedup:
 ``speedup`` is end to end (prefill included, comparable with transformers' ``generate``);
 ``decode_speedup`` is the decode loop alone (prefill excluded), which is what the predictions model.
 
-Results: ``speculative.json``, ``speculative.png`` (speedup against gamma, one line per method)
-and ``speculative.md`` (the table for BENCHMARKS.md) under ``--out``; the last stdout line is
-one JSON summary.
+Results: ``speculative.json``, ``speculative.md`` (the table for BENCHMARKS.md) and
+``speculative.png`` (speedup against gamma, one line per method) under ``--out`` (default
+``runs/bench/``; ``make bench`` writes ``bench/results/``). stdout carries the table and a
+``results:`` line, or with ``--json`` the report alone (:mod:`specserve.benchmarks.arguments`).
+``--quick`` is a smoke run of about a minute (:data:`QUICK`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +46,19 @@ import torch
 from tqdm import tqdm
 
 from specserve.benchmarks.arguments import (
+    RUNS_DIR,
+    Quick,
     add_model_and_prompt_arguments,
+    add_output_arguments,
     check_max_new_tokens,
     model_and_prompt_options,
     number_list,
+    print_results,
+    stdout_to_stderr,
 )
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
+from specserve.benchmarks.tally import report_paths, save_report
 from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.attention import native_attention
 from specserve.core.draft import Drafter
@@ -64,8 +71,13 @@ from specserve.core.stats import RequestStats
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 
 NGRAM_GAMMAS = (2, 4, 8)
-HF_ASSISTED_GAMMAS = (2, 4, 6)
+HF_ASSISTED_GAMMAS = (2, 4, 6)  # greedy only, beside transformers' heuristic schedule
 HF_LOOKUP_TOKENS = (4, 10)
+QUICK = Quick(
+    {"num_prompts": 4, "max_new_tokens": 32, "temperatures": "0", "gammas": "2,4"},
+    "4 prompts × 32 new tokens, greedy; plain, the draft model at γ 2 and 4, n-gram γ 4, "
+    "transformers' generate and prompt lookup (4 tokens)",
+)
 
 
 @dataclass(frozen=True)
@@ -79,8 +91,10 @@ class BenchConfig:
     max_new_tokens: int = 128
     gammas: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     temperatures: tuple[float, ...] = (0.0, 1.0)
-    out_dir: Path = Path("bench/results")
-    quick: bool = False
+    out_dir: Path = RUNS_DIR / "bench"
+    ngram_gammas: tuple[int, ...] = NGRAM_GAMMAS
+    hf_assisted: bool = True  # transformers' assisted generation: its heuristic schedule, and HF_ASSISTED_GAMMAS
+    hf_lookup_tokens: tuple[int, ...] = HF_LOOKUP_TOKENS
     max_ngram: int = 3
     min_ngram: int = 1
     seed: int = 0
@@ -264,6 +278,52 @@ def predictions(result: MethodResult, plain_decode_tps: float, plain_step_second
 # Driver
 
 
+@dataclass(frozen=True)
+class Method:
+    """One configuration of the plan: a method at a temperature and gamma (HF prompt lookup: its tokens)."""
+
+    name: str
+    temperature: float
+    gamma: int | None = None
+
+
+def methods(cfg: BenchConfig, has_draft: bool) -> list[Method]:
+    """Every configuration the benchmark runs, in order; ``has_draft``: a draft model is loaded."""
+    plan: list[Method] = []
+    for temp in cfg.temperatures:
+        plan.append(Method("specserve/plain", temp))
+        plan += [Method("specserve/draft", temp, g) for g in cfg.gammas] if has_draft else []
+        plan += [Method("specserve/ngram", temp, g) for g in cfg.ngram_gammas]
+        plan.append(Method("hf/generate", temp))
+        if has_draft and cfg.hf_assisted:
+            plan += [Method("hf/assisted", temp, g) for g in (None, *(HF_ASSISTED_GAMMAS if temp == 0 else ()))]
+        plan += [Method("hf/prompt_lookup", temp, n) for n in cfg.hf_lookup_tokens]
+    return plan
+
+
+def run_method(
+    method: Method, target: CausalLM, draft: CausalLM | None, prompt_ids: list[list[int]], cfg: BenchConfig
+) -> MethodResult:
+    """``method`` over every prompt, with a fresh drafter (our methods) or transformers' ``generate`` (``hf/``)."""
+    temp, gamma = method.temperature, method.gamma or 0
+    if method.name == "specserve/plain":
+        return run_engine(target, NoDrafter(target.device), prompt_ids, temp, 0, cfg, method.name)
+    if method.name == "specserve/draft":
+        assert draft is not None
+        return run_engine(target, DraftModelDrafter(draft, target), prompt_ids, temp, gamma, cfg, method.name)
+    if method.name == "specserve/ngram":
+        ngram = NgramDrafter(cfg.max_ngram, cfg.min_ngram, target.device)
+        return run_engine(target, ngram, prompt_ids, temp, gamma, cfg, method.name)
+    if method.name == "hf/generate":
+        return run_hf(target, prompt_ids, temp, cfg, method.name, None)
+    if method.name == "hf/assisted":
+        assert draft is not None
+        return run_hf_assisted(target, draft, prompt_ids, temp, cfg, method.gamma)
+    if method.name == "hf/prompt_lookup":
+        return run_hf(target, prompt_ids, temp, cfg, method.name, gamma, prompt_lookup_num_tokens=gamma)
+    raise ValueError(f"unknown method {method.name!r}")
+
+
 def run(cfg: BenchConfig) -> dict[str, Any]:
     texts = load_prompts(cfg.prompts_file) if cfg.prompts_file else heldout_prompts(cfg.num_prompts)
     target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
@@ -271,55 +331,17 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     if draft is not None:
         DraftModelDrafter(draft, target)  # vocabulary check up front
     assert target.tokenizer is not None
-    prompt_ids = [list(target.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    prompt_ids = [list(target.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts[: cfg.num_prompts]]
     limit = target.info.max_positions - cfg.max_new_tokens
     prompt_ids = [ids[-limit:] for ids in prompt_ids if ids]
-    gammas = cfg.gammas if not cfg.quick else tuple(g for g in cfg.gammas if g in (1, 4))[:2] or cfg.gammas[:1]
-
-    plan: list[tuple[str, float, int | None, Callable[[], MethodResult]]] = []
-    for temp in cfg.temperatures:
-        plain = partial(run_engine, target, NoDrafter(target.device), prompt_ids, temp, 0, cfg, "specserve/plain")
-        plan.append(("specserve/plain", temp, None, plain))
-        if draft is not None:
-            for g in gammas:
-                drafter = DraftModelDrafter(draft, target)
-                plan.append(
-                    (
-                        "specserve/draft",
-                        temp,
-                        g,
-                        partial(run_engine, target, drafter, prompt_ids, temp, g, cfg, "specserve/draft"),
-                    )
-                )
-        for g in NGRAM_GAMMAS if not cfg.quick else NGRAM_GAMMAS[1:2]:
-            ngram = NgramDrafter(cfg.max_ngram, cfg.min_ngram, target.device)
-            plan.append(
-                (
-                    "specserve/ngram",
-                    temp,
-                    g,
-                    partial(run_engine, target, ngram, prompt_ids, temp, g, cfg, "specserve/ngram"),
-                )
-            )
-        plan.append(("hf/generate", temp, None, partial(run_hf, target, prompt_ids, temp, cfg, "hf/generate", None)))
-        if draft is not None:
-            assisted: tuple[int | None, ...] = (None,) + (HF_ASSISTED_GAMMAS if temp == 0 and not cfg.quick else ())
-            for ga in assisted:
-                plan.append(
-                    ("hf/assisted", temp, ga, partial(run_hf_assisted, target, draft, prompt_ids, temp, cfg, ga))
-                )
-        for n in HF_LOOKUP_TOKENS if not cfg.quick else HF_LOOKUP_TOKENS[:1]:
-            lookup = partial(run_hf, target, prompt_ids, temp, cfg, "hf/prompt_lookup", n, prompt_lookup_num_tokens=n)
-            plan.append(("hf/prompt_lookup", temp, n, lookup))
 
     results: list[MethodResult] = []
-    for name, temp, g, runner in tqdm(plan, desc="bench", unit="config"):
-        tqdm.write(f"  {name} T={temp:g} gamma={g}")
-        results.append(runner())
+    for method in tqdm(methods(cfg, draft is not None), desc="bench", unit="config", file=sys.stderr):
+        tqdm.write(f"  {method.name} T={method.temperature:g} gamma={method.gamma}", file=sys.stderr)
+        results.append(run_method(method, target, draft, prompt_ids, cfg))
 
     plain_step = decode_step_seconds(target, prompt_ids[0])
     rows = summarise(results, plain_step)
-    summary = headline(rows, cfg)
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in cfg.__dict__.items()},
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads()},
@@ -327,13 +349,9 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         "mean_prompt_tokens": sum(map(len, prompt_ids)) / len(prompt_ids),
         "plain_decode_step_seconds": plain_step,
         "rows": rows,
-        "summary": summary,
+        "summary": headline(rows, cfg),
     }
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.out_dir / "speculative.json").write_text(json.dumps(report, indent=2) + "\n")
-    (cfg.out_dir / "speculative.md").write_text(markdown(report))
-    plot(rows, cfg.out_dir / "speculative.png")
-    print(json.dumps(summary))
+    save_report(cfg.out_dir, "speculative", report, markdown(report), lambda path: plot(rows, path))
     return report
 
 
@@ -461,27 +479,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_and_prompt_arguments(parser, num_prompts=20)
     parser.add_argument("--gammas", default="1,2,3,4,5,6,7,8", help="comma-separated gammas for the draft model")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
-    parser.add_argument("--out", default="bench/results", help="directory for speculative.json/.png/.md")
-    parser.add_argument("--quick", action="store_true", help="fewer configurations (for smoke tests)")
+    add_output_arguments(parser, "bench", "speculative.json/.md/.png")
+    QUICK.add_argument(parser)
 
 
-def run_command(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The configuration the flags describe (``--quick`` applied); raises :class:`UserError` for a bad value."""
+    QUICK.apply(args)
     check_max_new_tokens(args)
     gammas = number_list(args.gammas, int, "--gammas")
     temperatures = number_list(args.temperatures, float, "--temperatures")
     if not gammas or any(not 1 <= g <= MAX_GAMMA for g in gammas):
         raise UserError(f"--gammas must be between 1 and {MAX_GAMMA}, got {args.gammas}")
-    results = run(
-        BenchConfig(
-            **model_and_prompt_options(args),
-            gammas=tuple(gammas),
-            temperatures=tuple(temperatures),
-            out_dir=Path(args.out),
-            quick=args.quick,
-            max_ngram=args.max_ngram,
-            min_ngram=args.min_ngram,
-        )
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise UserError(f"--temperatures must be numbers >= 0, got {args.temperatures!r}")
+    if args.num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    return BenchConfig(
+        **model_and_prompt_options(args),
+        gammas=tuple(gammas),
+        temperatures=tuple(temperatures),
+        out_dir=Path(args.out),
+        max_ngram=args.max_ngram,
+        min_ngram=args.min_ngram,
+        ngram_gammas=NGRAM_GAMMAS[1:2] if args.quick else NGRAM_GAMMAS,  # not flags: --quick always shrinks them
+        hf_assisted=not args.quick,
+        hf_lookup_tokens=HF_LOOKUP_TOKENS[:1] if args.quick else HF_LOOKUP_TOKENS,
     )
-    if args.json:
-        print(json.dumps(results))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    with stdout_to_stderr():
+        report = run(cfg)
+    print_results(args, report, markdown(report), report_paths(cfg.out_dir, "speculative"))
     return 0

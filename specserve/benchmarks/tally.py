@@ -2,8 +2,8 @@
 
 A benchmark cell (one configuration at one temperature) is timed over several rounds whose
 order alternates, because machine speed drifts on a shared host; :class:`Tally` pools every
-request the cell ran, and :func:`alternating` gives each round's order. Does not choose cells or
-format reports.
+request the cell ran, and :func:`alternating` gives each round's order; :func:`save_report` writes a
+report's JSON, Markdown and plot. Does not choose cells or format reports.
 """
 
 from __future__ import annotations
@@ -56,9 +56,15 @@ def alternating(rounds: int, items: Sequence[T]) -> Iterator[T]:
         yield from items if round_index % 2 == 0 else items[::-1]
 
 
+def report_paths(out_dir: Path, stem: str) -> list[Path]:
+    """What :func:`save_report` writes: ``stem.json``, ``stem.md`` and ``stem.png`` under ``out_dir``."""
+    return [out_dir / f"{stem}{suffix}" for suffix in (".json", ".md", ".png")]
+
+
 def save_report(out_dir: Path, stem: str, report: dict[str, Any], markdown: str, plot: Callable[[Path], None]) -> None:
-    """``stem.json``, ``stem.md`` and ``stem.png`` under ``out_dir``."""
+    """``stem.json``, ``stem.md`` and ``stem.png`` under ``out_dir`` (:func:`report_paths`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    (out_dir / f"{stem}.md").write_text(markdown)
-    plot(out_dir / f"{stem}.png")
+    json_path, markdown_path, plot_path = report_paths(out_dir, stem)
+    json_path.write_text(json.dumps(report, indent=2))
+    markdown_path.write_text(markdown)
+    plot(plot_path)

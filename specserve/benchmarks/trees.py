@@ -21,13 +21,15 @@ on a shared host, so each configuration runs once per round, rounds alternate th
 totals pool all rounds. The baseline of the target is the best chain *of the same run*.
 
 Results: ``trees.json``, ``trees.md`` (the table for BENCHMARKS.md) and ``trees.png`` (tokens/s
-against k per shape and temperature) under ``--out``; the last stdout line is a JSON summary.
+against k per shape and temperature) under ``--out`` (default ``runs/bench-trees/``). stdout carries
+the table and a ``results:`` line, or with ``--json`` the report alone
+(:mod:`specserve.benchmarks.arguments`). ``--quick`` is a smoke run of about a minute (:data:`QUICK`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +38,19 @@ import torch
 from tqdm import tqdm
 
 from specserve.benchmarks.arguments import (
+    RUNS_DIR,
+    Quick,
     add_model_and_prompt_arguments,
+    add_output_arguments,
     check_max_new_tokens,
     model_and_prompt_options,
     number_list,
+    print_results,
+    stdout_to_stderr,
 )
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
-from specserve.benchmarks.tally import Tally, alternating, save_report
+from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
@@ -65,6 +72,11 @@ DYNAMIC_SHAPES: dict[int, tuple[tuple[int, int, int], ...]] = {
 STATIC_DEPTHS = (16, 4)
 CALIBRATION_RANKS = 8
 TARGET_SPEEDUP = 1.2
+QUICK_CALIBRATION_PROMPTS = 2
+QUICK = Quick(
+    {"num_prompts": 2, "max_new_tokens": 32, "ks": "4", "temperatures": "0", "rounds": 1},
+    f"2 prompts × 32 new tokens, greedy, one round, k = 4 only ({QUICK_CALIBRATION_PROMPTS} calibration prompts)",
+)
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ class TreeBenchConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     rounds: int = 2
     calibration_prompts: int = 8
-    out_dir: Path = Path("bench/results")
+    out_dir: Path = RUNS_DIR / "bench-trees"
     seed: int = 0
 
 
@@ -156,7 +168,7 @@ def run(cfg: TreeBenchConfig) -> dict[str, Any]:
     for row in rows:  # warm-up: one short request per configuration
         warm = GenerationConfig(max_new_tokens=8, gamma=row.config.gamma, tree=row.config.tree)
         engine.generate(prompt_ids[0], SamplingParams(temperature=row.temperature, seed=cfg.seed), warm)
-    for row in tqdm(list(alternating(cfg.rounds, rows)), desc="bench-trees", unit="cell"):
+    for row in tqdm(list(alternating(cfg.rounds, rows)), desc="bench-trees", unit="cell", file=sys.stderr):
         row.run_requests(engine, prompt_ids, row.temperature, row.config, cfg.seed)
     summary = summarise(rows)
     report: dict[str, Any] = {
@@ -275,24 +287,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ks", default="4,8,16,32", help="comma-separated draft nodes verified per cycle")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over every configuration, order alternating")
-    parser.add_argument("--out", default="bench/results", help="directory for trees.json/.png/.md")
+    add_output_arguments(parser, "bench-trees", "trees.json/.md/.png")
+    QUICK.add_argument(parser)
 
 
-def run_command(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> TreeBenchConfig:
+    """The configuration the flags describe (``--quick`` applied); raises :class:`UserError` for a bad value."""
+    QUICK.apply(args)
     check_max_new_tokens(args)
     ks = number_list(args.ks, int, "--ks")
     if not ks or any(not 1 <= k <= MAX_GAMMA for k in ks):  # a chain of k nodes is gamma k
         raise UserError(f"--ks must be between 1 and {MAX_GAMMA}, got {args.ks}")
     if args.rounds < 1 or args.num_prompts < 1:
         raise UserError("--rounds and --num-prompts must be >= 1")
-    report = run(
-        TreeBenchConfig(
-            **model_and_prompt_options(args),
-            ks=tuple(ks),
-            temperatures=tuple(number_list(args.temperatures, float, "--temperatures")),
-            rounds=args.rounds,
-            out_dir=Path(args.out),
-        )
+    return TreeBenchConfig(
+        **model_and_prompt_options(args),
+        ks=tuple(ks),
+        temperatures=tuple(number_list(args.temperatures, float, "--temperatures")),
+        rounds=args.rounds,
+        calibration_prompts=QUICK_CALIBRATION_PROMPTS if args.quick else TreeBenchConfig.calibration_prompts,
+        out_dir=Path(args.out),
     )
-    print(json.dumps(report["headline"]) if args.json else markdown(report))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    with stdout_to_stderr():
+        report = run(cfg)
+    print_results(args, report, markdown(report), report_paths(cfg.out_dir, "trees"))
     return 0

@@ -3,7 +3,9 @@
 Order: ``--ray-address`` if given; else the cluster ``specserve cluster up`` started (found
 through its state file); else a private single-node Ray on 127.0.0.1 that declares enough of the
 "large" and "cheap" resources for the replicas asked for, shut down again on exit. Ray never reports usage
-statistics and binds to loopback when started here.
+statistics and binds to loopback when started here. A private Ray uses Ray's token authentication, chosen
+explicitly (``RAY_AUTH_MODE=token``, the setting Ray documents) so that Ray does not warn on every start that it
+chose it by itself; a mode the user set is kept.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import os
 from collections.abc import Iterator
 
 from specserve.cluster.placement import ClusterSpec
+
+PRIVATE_RAY = "private local Ray (127.0.0.1)"  # what connect_ray yields when it started Ray itself
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 @contextlib.contextmanager
@@ -38,6 +43,7 @@ def connect_ray(
         ray.init(address=address, log_to_driver=False)
         where = f"Ray cluster at {address}"
     else:
+        choose_token_auth()
         ray.init(
             # logical CPUs: what the replicas' actors reserve, and room for the caller's
             num_cpus=max(4, math.ceil(replicas * (tp_degree * spec.cpus_per_shard + spec.cpus_per_drafter)) + 2),
@@ -46,8 +52,24 @@ def connect_ray(
             _node_ip_address="127.0.0.1",
             log_to_driver=False,
         )
-        where = "private local Ray (127.0.0.1)"
+        where = PRIVATE_RAY
     try:
         yield where
     finally:
         ray.shutdown()
+
+
+def choose_token_auth() -> None:
+    """Token authentication for the Ray about to start here, unless the user chose a mode (``RAY_AUTH_MODE``).
+
+    Ray reads the mode when it is imported (ours is imported long before a private Ray starts), so the mode is set
+    the way ``ray.init`` sets its own default: in the environment, for the Ray processes it starts, and in the
+    configuration this process has cached (Ray's helper for exactly that). Were that helper to move, Ray keeps
+    choosing token authentication by itself, and says so."""
+    if AUTH_MODE_ENV in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:
+        return
+    _enable_token_auth()

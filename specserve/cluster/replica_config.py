@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Literal, Self, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -36,9 +36,12 @@ from pydantic_core import PydanticUndefined
 
 from specserve import defaults
 from specserve.cluster.placement import MAX_TP, Accelerator, ClusterSpec, DrafterPlacement
+from specserve.core.checkpoint_dir import check_checkpoint_dir
+from specserve.core.drafter_spec import absolute_spec, check_drafter_spec
 from specserve.core.errors import UserError
 
 Dtype = Literal["float32", "float64", "bfloat16", "float16"]
+Device = Literal["cpu", "cuda"]  # one GPU per process: Ray gives each actor its own (CUDA_VISIBLE_DEVICES)
 _SPEC = ClusterSpec()  # the placement defaults (resource names, CPUs per actor)
 
 # Where the command line and the Serve YAML differ from Python: left out there, they mean the shipped pair.
@@ -51,11 +54,7 @@ class InvalidSetting(UserError):
 
 def resolve_model_path(spec: str) -> str:
     """``spec`` (a target directory or any drafter spec) with the directory it names made absolute when that
-    directory exists here; anything else unchanged. The drafter registry knows which specs name a directory
-    (:func:`specserve.drafters.registry.absolute_spec`), imported here only when a config is validated so that
-    parsing flags loads no torch."""
-    from specserve.drafters.registry import absolute_spec
-
+    directory exists here; anything else unchanged (:func:`specserve.core.drafter_spec.absolute_spec`)."""
     return absolute_spec(spec)
 
 
@@ -79,7 +78,7 @@ class ReplicaConfig(BaseModel):
         "heads), or 'none'; directories are made absolute as the target's",
     )
     dtype: Dtype = Field("float32", description="weights dtype of the target and the drafter")
-    device: str = Field("cpu", description="cpu or cuda")
+    device: Device = Field("cpu", description="where the models compute; cuda: one GPU per shard and drafter")
     max_ngram: int = Field(3, ge=1, description="longest n-gram the ngram drafter matches")
     min_ngram: int = Field(1, ge=1, description="shortest n-gram the ngram drafter matches (<= max_ngram)")
 
@@ -194,6 +193,13 @@ class ReplicaConfig(BaseModel):
     def _absolute_paths(cls, value: str) -> str:
         return resolve_model_path(value)
 
+    @field_validator("tp_degree")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if not 1 <= value <= MAX_TP or value & (value - 1):
+            raise ValueError(f"must be a power of two from 1 to {MAX_TP} (the target's heads split evenly)")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> Self:
         if self.min_ngram > self.max_ngram:
@@ -207,6 +213,14 @@ class ReplicaConfig(BaseModel):
             )
         self.spec()  # tp_degree a power of two, resource names, CPUs: the placement spec checks them
         return self
+
+    def check_local_models(self) -> None:
+        """Raise a :class:`UserError` unless the target and the drafter this configuration names exist here (with
+        the download recipe for a hub id, the valid drafters and the closest for a typo). For commands that load
+        the models on this machine, before anything starts; a configuration read for a cluster whose nodes hold
+        the models elsewhere is not checked."""
+        check_checkpoint_dir(self.target, "target model directory")
+        check_drafter_spec(self.draft)
 
     @property
     def batched(self) -> bool:
@@ -246,30 +260,39 @@ class ReplicaConfig(BaseModel):
         return cls.FLAGS.get(name, "--" + name.replace("_", "-"))
 
     @classmethod
-    def add_arguments(cls, parser: argparse._ActionsContainer, names: Iterable[str]) -> None:
+    def add_arguments(cls, parser: argparse._ActionsContainer, names: Iterable[str], over: str | None = None) -> None:
         """One flag per named field, with the field's type, default, description and choices; a setting left
-        out means what it means in the Serve YAML (:data:`EDGE_DEFAULTS`: the shipped pair)."""
+        out means what it means in the Serve YAML (:data:`EDGE_DEFAULTS`: the shipped pair).
+
+        With ``over`` (what a left-out flag defers to, e.g. ``"the --config file's"``) the flags override a base
+        configuration instead: one left out is absent from the parsed namespace (``argparse.SUPPRESS``), so
+        :meth:`from_args` keeps the base's value; its help says so and names the field's default; a switch then
+        comes with its ``--no-`` form."""
         for name in names:
             field = cls.model_fields[name]
             default = EDGE_DEFAULTS.get(name, field.default)
             options: dict[str, Any] = {"dest": name, "help": (field.description or "").replace("%", "%%")}
-            if default is PydanticUndefined:
+            if over is not None:
+                options["default"] = argparse.SUPPRESS
+                options["help"] += _override_help(over, default)
+            elif default is PydanticUndefined:
                 options["required"] = True
             else:
                 options["default"] = default
-            options.update(_argument_type(name, field))
+            options.update(_argument_type(name, field, switch_off=over is not None))
             if "action" not in options and "choices" not in options:
                 options["metavar"] = cls.flag(name).removeprefix("--").replace("-", "_").upper()
             parser.add_argument(cls.flag(name), **options)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Self:
-        """The configuration the parsed flags describe (fields without a flag keep their defaults); a bad value
-        raises a :class:`UserError` naming its flag."""
+    def from_args(cls, args: argparse.Namespace, base: Mapping[str, Any] | None = None) -> Self:
+        """The configuration the parsed flags describe, over ``base`` (settings: what a field without a flag
+        keeps; default: the fields' defaults); a bad value raises a :class:`UserError` naming its flag."""
+        given = {name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)}
         try:
-            return cls(**{name: getattr(args, name) for name in cls.model_fields if hasattr(args, name)})
+            return cls(**{**(base or {}), **given})
         except ValidationError as exc:
-            reasons = [f"{_where(cls, e['loc'])}: {e['msg']}, got {e['input']!r}" for e in exc.errors()]
+            reasons = [f"{_where(cls, e['loc'])}: {_reason(e['msg'])}, got {e['input']!r}" for e in exc.errors()]
             raise InvalidSetting("; ".join(reasons)) from None
 
 
@@ -283,13 +306,14 @@ def with_edge_default(name: str) -> Any:
     return Field(EDGE_DEFAULTS[name], description=ReplicaConfig.model_fields[name].description)
 
 
-def _argument_type(name: str, field: FieldInfo) -> dict[str, Any]:
-    """argparse options for a field's annotation: a bool is a switch, a Literal gives choices."""
+def _argument_type(name: str, field: FieldInfo, switch_off: bool = False) -> dict[str, Any]:
+    """argparse options for a field's annotation: a bool is a switch (with ``switch_off``, also ``--no-...``), a
+    Literal gives choices."""
     annotation = field.annotation
     if annotation is bool:
         if field.default is not False:
             raise TypeError(f"{name}: a command-line switch needs default False")
-        return {"action": "store_true"}
+        return {"action": argparse.BooleanOptionalAction if switch_off else "store_true"}
     if get_origin(annotation) is Literal:
         choices = get_args(annotation)
         return {"type": type(choices[0]), "choices": list(choices)}
@@ -302,3 +326,14 @@ def _where(config: type[ReplicaConfig], loc: tuple[int | str, ...]) -> str:
     """The flag of the field a validation error is about (or what it is about, when that is no field)."""
     name = str(loc[0]) if loc else "settings"
     return config.flag(name) if name in config.model_fields else name
+
+
+def _reason(message: str) -> str:
+    """A validation message without pydantic's ``Value error, `` prefix (our validators' own words)."""
+    return message.removeprefix("Value error, ")
+
+
+def _override_help(over: str, default: Any) -> str:
+    """The end of an overriding flag's help: what a left-out flag means."""
+    shown = "off" if default is False else default
+    return f" (default: {over} value, else {shown})".replace("%", "%%")

@@ -9,3 +9,7 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Bad input: a missing model directory, an out-of-range parameter, an empty prompt..."""
+
+
+class InvalidRequest(UserError):
+    """The request cannot be served as given; the message says what to change."""

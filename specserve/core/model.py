@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import json
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from specserve.core.attention import RaggedBatch, ragged_batch, use_grouped_attention
-from specserve.core.errors import UserError
+from specserve.core.checkpoint_dir import ModelLoadError, check_checkpoint_dir
 from specserve.core.kv_pool import KVPool
 from specserve.core.tree import DraftTree
 
@@ -43,10 +42,6 @@ DTYPES: dict[str, torch.dtype] = {
 
 # Any of these marks a directory as carrying a tokenizer; a draft checkpoint may come without one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-class ModelLoadError(UserError):
-    """A model directory is missing, malformed or not a causal LM; the message says which."""
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -177,6 +172,7 @@ class CausalLM:
             eos_token_ids=eos_ids,
             architecture=type(model).__name__,
         )
+        _check_full_attention(model, self.info)
         # transformers 5.x renamed ``past_key_values`` to ``cache``; older models keep the old name.
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -195,7 +191,7 @@ class CausalLM:
         directory = Path(path)
         torch_dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
         torch_device = resolve_device(device)
-        _check_checkpoint_dir(directory)
+        check_checkpoint_dir(directory)
         try:
             model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch_dtype)
         # SafetensorError / UnpicklingError: a truncated or corrupt weights file (neither is an OSError).
@@ -409,18 +405,21 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _check_checkpoint_dir(directory: Path) -> None:
-    if not directory.exists():
-        raise ModelLoadError(f"model directory {directory} does not exist")
-    if not directory.is_dir():
-        raise ModelLoadError(f"{directory} is not a directory; pass a Hugging Face checkpoint directory")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{directory} has no config.json; it is not a Hugging Face checkpoint directory")
-    try:
-        json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
-    weights = list(directory.glob("*.safetensors")) + list(directory.glob("*.bin"))
-    if not weights:
-        raise ModelLoadError(f"{directory} has no weights (*.safetensors or *.bin)")
+def _check_full_attention(model: PreTrainedModel, info: ModelInfo) -> None:
+    """Refuse a model whose sliding-window attention would act inside its context.
+
+    KV rollback and compaction, tree masks and the batched engine's ragged attention all assume that every
+    position sees every earlier one: transformers' sliding-window cache layers cannot be rolled back once full,
+    and the masks specserve builds have no window, so such a model would fail mid-request or, batched, attend
+    outside its window. A window at least as long as the context never acts, so that model runs as it is.
+    """
+    layers = DynamicCache(config=model.config).layers  # the layers :class:`KVCache` would build
+    windows = [int(getattr(layer, "sliding_window", 0)) for layer in layers if getattr(layer, "is_sliding", False)]
+    if windows and min(windows) < info.max_positions:
+        raise ModelLoadError(
+            f"{info.architecture} uses sliding-window attention ({min(windows)} positions, in {len(windows)} of its "
+            f"{len(layers)} layers) inside its {info.max_positions}-token context; specserve needs full attention "
+            "(its KV rollback, tree masks and batched attention have no window). Use a checkpoint without a sliding "
+            'window (config.json "sliding_window": null, e.g. Mistral-7B-v0.3 rather than v0.1); the supported '
+            "families are listed in docs/checkpoints.md (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite)"
+        )

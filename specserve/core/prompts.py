@@ -10,12 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from specserve.core.errors import UserError
+from specserve.core.errors import InvalidRequest
 from specserve.core.model import ModelInfo
 
-
-class InvalidRequest(UserError):
-    """The request cannot be served as given; the message says what to change."""
+__all__ = ["InvalidRequest", "PromptCodec"]
 
 
 class PromptCodec:

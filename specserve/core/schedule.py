@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from specserve.core.prompts import InvalidRequest
-from specserve.core.tree import TreeSpec
+from specserve.core.errors import InvalidRequest
+from specserve.core.tree_spec import TreeSpec
 
 # The policies a request may name; ``specserve.policies`` implements them (its registry checks it agrees).
 POLICY_NAMES = ("fixed", "heuristic", "adaptive")

@@ -15,7 +15,8 @@ all-reduce. When there are fewer KV heads than ranks, each KV head is replicated
 ``world_size // num_key_value_heads`` ranks (as vLLM does), so every rank still holds whole heads.
 
 Two attribute decisions, checked against transformers 5.x ``LlamaAttention`` / ``Qwen2Attention``
-/ ``MistralAttention``:
+/ ``MistralAttention`` (``Qwen3Attention`` adds q/k norms over one head's features, which every rank
+applies whole; ``GraniteAttention`` only scales):
 
 * ``self_attn.num_key_value_groups`` is per-module state read by the eager and sdpa attention
   functions (``repeat_kv``), so it is set to (local query heads // local KV heads). ``head_dim``
@@ -32,8 +33,8 @@ order, so every rank gets bit-identical results whatever the backend's ring orde
 
 Does not: create process groups or spawn processes (the caller does), shard the vocabulary
 (embeddings and ``lm_head`` are replicated), support architectures other than the Llama family
-(they run at ``world_size == 1`` only), or load weights shard by shard (the full model is loaded
-first, then sliced; the full tensors can be freed afterwards).
+(:data:`SHARDABLE_MODEL_TYPES`; others run at ``world_size == 1`` only), or load weights shard by
+shard (the full model is loaded first, then sliced; the full tensors can be freed afterwards).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ from torch import nn
 from specserve.core.errors import UserError
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the ranks; every rank gets the sum
+
+# ``config.model_type`` of the architectures whose sharded forwards are tested equal to the full model's
+# (tests/core/test_tensor_parallel.py, tests/core/test_architectures.py). Others with the same projection names
+# may still keep state this module does not split (OLMo 2's q/k norms span all heads; StableLM reshapes by a
+# per-module head count), so they are refused rather than guessed at.
+SHARDABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite")
+SHARDABLE_FAMILIES = "Llama, Mistral, Qwen2, Qwen3 and Granite"
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -99,7 +107,7 @@ def _blocks(model: nn.Module) -> list[_Block]:
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise TensorParallelError(
             f"{name} is not a Llama-family model (no model.model.layers); tensor parallelism supports "
-            "Llama, Mistral and Qwen2 checkpoints; run this model with tensor parallel size 1"
+            f"{SHARDABLE_FAMILIES} checkpoints; run this model with tensor parallel size 1"
         )
     blocks = []
     for index, layer in enumerate(layers):
@@ -116,7 +124,7 @@ def _blocks(model: nn.Module) -> list[_Block]:
             if missing:
                 raise TensorParallelError(
                     f"{name} layer {index} has no nn.Linear {parent}.{'/'.join(missing)}; tensor parallelism supports "
-                    "Llama-family blocks (Llama, Mistral, Qwen2); run this model with tensor parallel size 1"
+                    f"Llama-family blocks ({SHARDABLE_FAMILIES}); run this model with tensor parallel size 1"
                 )
         attn, mlp = parents["self_attn"], parents["mlp"]
         assert isinstance(attn, nn.Module) and isinstance(mlp, nn.Module)  # they hold nn.Linear children
@@ -161,7 +169,8 @@ def _dims(model: nn.Module, blocks: list[_Block]) -> _Dims:
 def check_shardable(model: nn.Module, world_size: int) -> None:
     """Raise :class:`TensorParallelError` unless ``model`` can be split over ``world_size`` ranks.
 
-    Any model runs at ``world_size == 1``. Above that the model must be Llama-family, the query
+    Any model runs at ``world_size == 1``. Above that the model must be Llama-family (its
+    ``config.model_type`` one of :data:`SHARDABLE_MODEL_TYPES`), the query
     heads and the MLP intermediate size must divide by ``world_size``, and the KV heads must
     either divide by it (each rank gets some) or divide it (each is replicated on
     ``world_size // num_key_value_heads`` ranks). Example: 32 query heads and 8 KV heads shard
@@ -173,8 +182,14 @@ def check_shardable(model: nn.Module, world_size: int) -> None:
         return
     if getattr(model, "tensor_parallel", None) is not None:
         raise TensorParallelError(f"{type(model).__name__} is already sharded; shard a freshly loaded model")
-    dims = _dims(model, _blocks(model))
     name = type(model).__name__
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SHARDABLE_MODEL_TYPES:
+        raise TensorParallelError(
+            f"{name} (model_type {model_type!r}) is not a Llama-family model that tensor parallelism supports "
+            f"({SHARDABLE_FAMILIES}); run this model with tensor parallel size 1"
+        )
+    dims = _dims(model, _blocks(model))
     if dims.num_heads % world_size:
         raise TensorParallelError(
             f"{name} has {dims.num_heads} attention heads, which do not divide by tensor parallel size {world_size}; "

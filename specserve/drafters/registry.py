@@ -7,11 +7,16 @@ whose builder is :func:`build_drafter` with the same options, so a request can a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_drafter_name
+from specserve.core.drafter_spec import (
+    BUILTIN_DRAFTERS,
+    EAGLE_PREFIX,
+    LAYERSKIP_PREFIX,
+    MEDUSA_PREFIX,
+)
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.drafters.batched_model import BatchedDraftModel
@@ -21,11 +26,6 @@ from specserve.drafters.medusa import MedusaDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
-
-BUILTIN_DRAFTERS = ("none", "ngram")
-LAYERSKIP_PREFIX = "layerskip:"
-EAGLE_PREFIX = "eagle:"
-MEDUSA_PREFIX = "medusa:"
 
 
 def build_drafter(
@@ -72,26 +72,6 @@ def build_drafter(
     if spec == "ngram":
         return NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram, device=target.device)
     return DraftModelDrafter(CausalLM.load(Path(spec), dtype=dtype, device=device), target)
-
-
-def absolute_spec(spec: str) -> str:
-    """``spec`` with the directory it names made absolute when that directory exists here, so that a replica
-    started elsewhere finds it: a draft model directory, or the DIR of ``eagle:DIR``, ``medusa:DIR`` and
-    ``layerskip:DIR``. ``none``, ``ngram``, ``layerskip:L`` and missing directories are returned unchanged.
-    A new spec form that names a directory says so here, beside :func:`build_drafter`."""
-    if spec in BUILTIN_DRAFTERS:
-        return spec
-    for prefix in (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX):
-        if spec.startswith(prefix):
-            value = spec[len(prefix) :]
-            if prefix == LAYERSKIP_PREFIX and value.isdigit():
-                return spec  # a layer count, not a directory
-            return prefix + _absolute(value)
-    return _absolute(spec)
-
-
-def _absolute(path: str) -> str:
-    return os.path.abspath(path) if path and not os.path.isabs(path) and os.path.isdir(path) else path
 
 
 def build_drafter_set(

@@ -6,8 +6,9 @@ the model replicas through a ``DeploymentHandle``; in tests and tools it can hol
 and talks to it through :class:`ReplicaClient`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (whole JSON or, with
-``stream: true``, server-sent events), ``GET /v1/models``, ``GET /health`` (liveness: the
-ingress answers) and ``GET /ready`` (readiness: a model replica answered). Every refusal —
+``stream: true``, server-sent events), ``GET /v1/models`` (``created``: the Unix time the model
+replica that first answered the ingress started), ``GET /health`` (liveness: the ingress answers)
+and ``GET /ready`` (readiness: a model replica answered). Every refusal —
 bad JSON, wrong types, unknown model, over-long prompt, oversize body, missing or wrong API key,
 unknown route — is OpenAI's error JSON with a 4xx status; a failure inside generation is a 500
 (or an error event once a stream has started), and the server keeps serving.
@@ -48,7 +49,7 @@ def generation_error(exc: BaseException) -> RequestError:
         headers = {"Retry-After": str(cause.retry_after_s)}
         return RequestError(cause.message, status=429, code="queue_full", headers=headers)
     if isinstance(cause, UserError):
-        return RequestError(str(cause), status=400, code="invalid_request")
+        return RequestError.from_user_error(cause, code="invalid_request")
     return RequestError(f"generation failed: {cause}", status=500, code="internal_error")
 
 
@@ -63,6 +64,11 @@ class ReplicaClient:
         if self.local:
             return self.backend.describe()
         return await self.backend.describe.remote()
+
+    async def started_at(self) -> int:
+        if self.local:
+            return int(self.backend.started_at())
+        return int(await self.backend.started_at.remote())
 
     async def generate(self, prepared: PreparedRequest) -> AsyncGenerator[StreamChunk, None]:
         args = (prepared.prompt_ids, prepared.params, prepared.generation)
@@ -98,7 +104,8 @@ class OpenAIIngress:
     async def handler(self) -> OpenAIHandler:
         """The request handler, built on first use from the codec a model replica describes."""
         if self._handler is None:
-            self._handler = OpenAIHandler(await self.client.describe(), self.config)
+            codec, started = await self.client.describe(), await self.client.started_at()
+            self._handler = OpenAIHandler(codec, self.config, created=started)
         return self._handler
 
     # -----------------------------------------------------------------------------------------

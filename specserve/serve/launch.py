@@ -5,12 +5,19 @@ Joins Ray as every command that spawns replicas does (:func:`~specserve.cluster.
 the most model replicas the config can scale to), starts Serve's HTTP proxy on the config's host
 and port (127.0.0.1 by default), deploys the application, and prints where it answers. On exit
 — Ctrl-C, SIGTERM or an error — it deletes the application (its replicas free their shards and
-drafters) and stops Serve; a private Ray is shut down too. Does not daemonise.
+drafters) and stops Serve; a private Ray is shut down instead, Serve with it. Does not daemonise.
+
+Two of Ray's lines would mislead on a clean run, so they are avoided where they arise: deploying
+after ``serve.start`` logs that "new http_options ... will not be applied" (they were: ``serve.start``
+applied them a moment before, in this process; that one record is dropped), and ``serve.shutdown``
+reports its own controller's ``graceful_shutdown`` call as a failed task to be retried (the
+controller kills itself while answering it); a private Ray, about to go, is not asked to.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -19,6 +26,9 @@ from typing import Any
 
 from specserve.serve.app import MODEL, application
 from specserve.serve.deploy_file import ServeFile
+
+# Serve's note, when deploying after `serve.start`, that the options `serve.start` just applied "will not be applied".
+HTTP_OPTIONS_KEPT = "New http_options/controller_options will not be applied"
 
 
 def max_model_replicas(file: ServeFile) -> int:
@@ -36,14 +46,16 @@ def serving(file: ServeFile, ray_address: str | None = None) -> Iterator[dict[st
     import ray
     from ray import serve
 
-    from specserve.cluster.connect import connect_ray
+    from specserve.cluster.connect import PRIVATE_RAY, connect_ray
 
     config = file.config
     replicas = max_model_replicas(file)
     with connect_ray(ray_address, tp_degree=config.tp_degree, spec=config.spec(), replicas=replicas) as where:
         serve.start(http_options={"host": file.host, "port": file.port})
         try:
-            serve.run(application(config, file.deployment_options), name=file.app_name, route_prefix=file.route_prefix)
+            with without_record(logging.getLogger("ray.serve"), HTTP_OPTIONS_KEPT):
+                app = application(config, file.deployment_options)
+                serve.run(app, name=file.app_name, route_prefix=file.route_prefix)
             base = f"http://{file.host}:{file.port}{file.route_prefix.rstrip('/')}"
             metrics_port = ray.nodes()[0].get("MetricsExportPort")
             yield {
@@ -56,7 +68,22 @@ def serving(file: ServeFile, ray_address: str | None = None) -> Iterator[dict[st
         finally:
             with contextlib.suppress(Exception):
                 serve.delete(file.app_name)
-            serve.shutdown()
+            if where != PRIVATE_RAY:  # a private Ray's shutdown, next, takes Serve with it
+                serve.shutdown()
+
+
+@contextlib.contextmanager
+def without_record(logger: logging.Logger, words: str) -> Iterator[None]:
+    """``logger`` drops the records whose message contains ``words`` for the duration of the block."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return words not in record.getMessage()
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def wait_for_interrupt() -> None:

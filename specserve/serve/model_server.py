@@ -144,6 +144,7 @@ class ModelServer:
         runner_factory: RunnerFactory = build_runner,
         record_metrics: bool = False,
     ) -> None:
+        self.started = int(time.time())  # Unix time: GET /v1/models reports it as the model's `created`
         self.config = ServeConfig.model_validate(config)
         self.runner = runner_factory(self.config)
         self.metrics = ServeMetrics(self.config.model_name) if record_metrics else None
@@ -188,6 +189,10 @@ class ModelServer:
     def describe(self) -> PromptCodec:
         """How prompts are encoded and checked for this model (the ingress validates requests with it)."""
         return self.loop.prompts if self.loop is not None else self.runner.prompts
+
+    def started_at(self) -> int:
+        """The Unix time this replica started (the ``created`` of the model in ``GET /v1/models``)."""
+        return self.started
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -148,17 +148,17 @@ class PreparedRequest:
 
 
 class OpenAIHandler:
-    """Admits OpenAI requests for one served model whose prompts ``prompts`` encodes."""
+    """Admits OpenAI requests for one served model whose prompts ``prompts`` encodes; ``created`` is the Unix time
+    the model's deployment started (default: now)."""
 
-    def __init__(self, prompts: PromptCodec, config: ServeConfig) -> None:
+    def __init__(self, prompts: PromptCodec, config: ServeConfig, created: int | None = None) -> None:
         self.prompts = prompts
         self.config = config
+        self.created = int(time.time()) if created is None else created
 
     def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specserve"}],
-        }
+        model = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}
+        return {"object": "list", "data": [model]}
 
     def prepare(self, request: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
         if request.model != self.config.model_name:
@@ -174,11 +174,11 @@ class OpenAIHandler:
         try:
             ids = self.prompts.encode(prompt)
         except UserError as exc:
-            raise RequestError(str(exc), param="messages" if chat else "prompt") from exc
+            raise RequestError.from_user_error(exc, param="messages" if chat else "prompt") from exc
         try:
             self.prompts.check_length(ids, generation.max_new_tokens)
         except UserError as exc:
-            raise RequestError(str(exc), param="max_tokens", code="context_length_exceeded") from exc
+            raise RequestError.from_user_error(exc, param="max_tokens", code="context_length_exceeded") from exc
         return PreparedRequest(ids, request.sampling(), generation, chat, request.stream, self.config.model_name)
 
     def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:

@@ -3,8 +3,10 @@
 Requests are pydantic models whose every field carries a description; a request that violates
 one (missing prompt, ``max_tokens`` <= 0, ``temperature`` < 0, ``top_p`` outside (0, 1], ``n``
 > 1, an unknown field type) becomes a :class:`RequestError` with the OpenAI error shape
-(``{"error": {"message", "type", "param", "code"}}``) and a 4xx status. Extensions beyond the
-OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
+(``{"error": {"message", "type", "param", "code"}}``) and a 4xx status, its message in the
+client's words: without pydantic's ``Value error, `` prefix, and with the engine's names of the
+request's fields (``max_new_tokens``) replaced by the OpenAI ones the client sent (``max_tokens``).
+Extensions beyond the OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
 drafter — the deployment's configured one, ``ngram`` or ``none``; a draft model cannot be chosen
 per request —, the draft shape — a chain, a dynamic tree within a budget, or a static topology
 (:mod:`specserve.core.tree`), bounded so that no request can ask for a giant tree —,
@@ -20,6 +22,7 @@ needs the model: the coordinator's prompt codec does it), or talk to Ray.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -84,9 +87,31 @@ class RequestError(Exception):
         same_field = [error for error in errors if error["loc"][:1] == field]
         loc = _common_prefix([tuple(error["loc"]) for error in same_field])
         param = ".".join(str(part) for part in loc) or None
-        reasons = " or ".join(dict.fromkeys(str(error["msg"]) for error in same_field))
+        reasons = " or ".join(dict.fromkeys(validator_words(str(error["msg"])) for error in same_field))
         message = f"{param}: {reasons}" if param else reasons
         return cls(message, status=400, param=param, code="invalid_value")
+
+    @classmethod
+    def from_user_error(cls, exc: Exception, status: int = 400, **fields: Any) -> RequestError:
+        """A :class:`~specserve.core.errors.UserError` from below the HTTP edge, in the words of the API the client
+        speaks (:func:`openai_words`)."""
+        return cls(openai_words(str(exc)), status=status, **fields)
+
+
+# The engine's names for what the client sent under OpenAI's names (the engine's errors name its own fields).
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+def openai_words(message: str) -> str:
+    """``message`` with the engine's names of request fields replaced by the ones the client sent."""
+    for ours, theirs in OPENAI_NAMES.items():
+        message = re.sub(rf"\b{ours}\b", theirs, message)
+    return message
+
+
+def validator_words(message: str) -> str:
+    """A validation message without pydantic's ``Value error, `` prefix (what our validators said, as said)."""
+    return message.removeprefix("Value error, ")
 
 
 def _common_prefix(locs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
@@ -254,7 +279,7 @@ class SpeculationOptions(BaseModel):
             for error in exc.errors():
                 loc = error["loc"][1:] if error["loc"][:1] and error["loc"][0] in TREE_KINDS else error["loc"]
                 where = ".".join(str(part) for part in loc)
-                reason = str(error["msg"]).removeprefix("Value error, ")
+                reason = validator_words(str(error["msg"]))
                 if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
                     where, reason = "kind", "Input should be 'chain', 'dynamic' or 'static'"
                 reasons.append(f"{where}: {reason}" if where else reason)

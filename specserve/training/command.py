@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from specserve import defaults
+from specserve.core.drafter_spec import EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
 from specserve.core.errors import UserError
-from specserve.drafters.registry import EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
 
 TRAINABLE = ("pair", "eagle", "medusa", "exit-head")
 DRAFT_PREFIX = {"eagle": EAGLE_PREFIX, "medusa": MEDUSA_PREFIX, "exit-head": LAYERSKIP_PREFIX}  # how --draft loads each

@@ -57,7 +57,7 @@ def test_tiny_run_reports_every_mode_and_exact_greedy_outputs(
     table = capsys.readouterr().out
     assert "| T | c | mode | tok/s |" in table and "| 0 | 2 | batched-adaptive |" in table
     assert "1 torch thread(s)" in table
-    assert out.with_suffix(".md").read_text() == table.removesuffix("\n")
+    assert table == out.with_suffix(".md").read_text() + f"results: {out}, batch.md, batch.png\n"
     assert (tmp_path / "out" / "batch.png").stat().st_size > 1000
 
 

@@ -110,15 +110,18 @@ def test_small_live_run_then_replay(
             "--out", str(out), "--trace-out", str(trace)]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out.strip().splitlines()
-    headline = json.loads(printed[-1])
-    assert headline["mode"] == "live" and set(headline["workloads"]) == {"code-t0", "shuffled"}
+    assert printed[-1] == f"results: {out / 'experiment.json'}, experiment.md, experiment.csv, throughput.png, " + (
+        "gamma_over_time.png, alpha_by_depth.png, predicted_vs_measured.png"
+    )
     assert any(line.startswith("| code-t0 | fixed:1 |") for line in printed)
+    assert "\n".join(printed[:-1]) + "\n" == (out / "experiment.md").read_text()
 
     rows = _rows(out / "experiment.csv")
     assert [(r["workload"], r["policy"]) for r in rows] == [(w, p) for w in ("code-t0", "shuffled") for p in labels]
     for name in ("throughput.png", "gamma_over_time.png", "alpha_by_depth.png", "predicted_vs_measured.png"):
         assert (out / name).stat().st_size > 0
     report = json.loads((out / "experiment.json").read_text())
+    assert report["mode"] == "live" and set(report["workloads"]) == {"code-t0", "shuffled"}
     greedy = [r for r in report["rows"] if r["workload"] == "code-t0"]
     assert len({r["new_tokens"] for r in greedy}) == 1  # exact: every policy emits the same greedy tokens
     assert report["workloads"]["code-t0"]["greedy_outputs_identical"] is True
@@ -146,8 +149,9 @@ def test_small_live_run_then_replay(
 
     replayed = tmp_path / "replay"
     assert main(["experiment", "--replay", str(trace), "--policies", policies, "--out", str(replayed), "--json"]) == 0
-    printed = capsys.readouterr().out.strip().splitlines()
-    assert len(printed) == 1 and json.loads(printed[0])["mode"] == "replay"
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == 1 and json.loads(printed) == json.loads((replayed / "experiment.json").read_text())
+    assert json.loads(printed)["mode"] == "replay"
     rows = _rows(replayed / "experiment.csv")
     assert {(r["workload"], r["policy"]) for r in rows} == {(w, p) for w in ("code-t0", "shuffled") for p in labels}
     assert all(float(r["tokens_per_second"]) > 0 for r in rows)

@@ -1,8 +1,16 @@
-"""``specserve serve --config FILE --max-num-seqs 4``: a real process that starts its own Ray and Serve on 127.0.0.1,
-answers from a batched replica, and stops cleanly on Ctrl-C (SIGINT) with exit status 0; a bad flag is refused."""
+"""``specserve serve``: every serving setting a flag, flags over the ``--config`` YAML over the defaults, and a real
+process serving a checkpoint with no YAML.
+
+The flag tests start nothing. The process test runs ``specserve serve --target DIR --draft ngram`` on a saved tiny
+Llama checkpoint: it starts its own Ray and Serve on 127.0.0.1, answers the official ``openai`` client with
+transformers' own greedy text, and stops cleanly on Ctrl-C (SIGINT) with exit status 0, printing none of the
+lines Ray would print by itself (its token-auth notice, "new http_options ... will not be applied", a retried
+``graceful_shutdown``).
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -10,14 +18,128 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 import requests
+import torch
 import yaml
+from conftest import EOS_ID, PAD_ID
+from test_config import SAMPLES, TARGET
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specserve import cli
+from specserve.core.errors import UserError
+from specserve.serve.command import NOT_FLAGS, add_arguments, serve_file
+from specserve.serve.config import ServeConfig
 from specserve.serve.deploy_file import IMPORT_PATH
 
 pytestmark = pytest.mark.timeout(600)
+
+# the serving-only fields: a valid value other than the default (the replica fields' are test_config's SAMPLES)
+SERVE_SAMPLES: dict[str, Any] = {
+    "model_name": "tiny",
+    "gamma": 5,
+    "default_max_tokens": 64,
+    "max_ongoing_requests": 32,
+    "max_body_bytes": 4096,
+}
+# What Ray prints by itself on a clean run, and specserve avoids.
+NOISE = ("Token authentication", "will not be applied", "graceful_shutdown", "retries remaining")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def flags(settings: dict[str, Any]) -> list[str]:
+    argv: list[str] = []
+    for name, value in settings.items():
+        flag = ServeConfig.flag(name)
+        argv += [flag if value else flag.replace("--", "--no-", 1)] if isinstance(value, bool) else [flag, str(value)]
+    return argv
+
+
+def config_file(tmp_path: Path, args: dict[str, Any], port: int = 8000) -> Path:
+    raw = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "cli", "route_prefix": "/", "import_path": IMPORT_PATH, "args": args}],
+    }
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags
+
+
+def test_every_serving_setting_is_a_flag_except_the_api_key() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    actions = {a.dest: a for a in parser._actions}
+    assert set(SAMPLES) | set(SERVE_SAMPLES) | NOT_FLAGS == set(ServeConfig.model_fields)
+    assert "api_key" not in actions and "--api-key" not in parser.format_help()
+    assert "$SPECSERVE_API_KEY" in parser.format_help()
+    for name, field in ServeConfig.model_fields.items():
+        if name in NOT_FLAGS:
+            continue
+        action = actions[name]
+        assert action.option_strings[0] == ServeConfig.flag(name)
+        assert action.default is argparse.SUPPRESS  # left out, a flag does not override the YAML
+        assert action.help and action.help.startswith((field.description or "").replace("%", "%%"))
+        assert "(default: the --config file's value, else " in action.help
+
+
+@pytest.mark.parametrize("name", [*SAMPLES, *SERVE_SAMPLES])
+def test_each_flag_sets_its_field(name: str) -> None:
+    value, needs = SAMPLES[name] if name in SAMPLES else (SERVE_SAMPLES[name], {})
+    config = serve_file(parse(flags({"target": TARGET, **needs, name: value}))).config
+    assert getattr(config, name) == value
+
+
+def test_a_flag_given_beats_the_config_file_which_beats_the_default(tmp_path: Path) -> None:
+    path = config_file(tmp_path, {"target": TARGET, "draft": "ngram", "gamma": 5, "max_queue": 3, "overlap": True})
+    file = serve_file(parse(["--config", str(path), "--gamma", "7", "--no-overlap", "--port", "9001"]))
+    assert (file.config.gamma, file.config.overlap) == (7, False)  # flags given
+    assert (file.config.max_queue, file.config.target, file.config.draft) == (3, TARGET, "ngram")  # the YAML's
+    assert file.config.dtype == ServeConfig.model_fields["dtype"].default  # neither: the field's default
+    assert (file.host, file.port) == ("127.0.0.1", 9001)
+    plain = serve_file(parse(["--target", TARGET, "--draft", "ngram"])).config  # no YAML at all
+    assert plain == ServeConfig(target=TARGET, draft="ngram")
+
+
+def test_max_num_seqs_raises_max_ongoing_requests_unless_that_is_given(tmp_path: Path) -> None:
+    path = config_file(tmp_path, {"target": TARGET, "max_ongoing_requests": 8})
+    fitted = serve_file(parse(["--config", str(path), "--max-num-seqs", "16"])).config
+    assert (fitted.max_num_seqs, fitted.max_ongoing_requests) == (16, 16)
+    with pytest.raises(UserError, match="max_ongoing_requests 4 < max_num_seqs 16"):
+        serve_file(parse(["--config", str(path), "--max-num-seqs", "16", "--max-ongoing-requests", "4"]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs: Input should be greater than or equal to 1, got 0"),
+        (["--gamma", "0"], "--gamma: "),
+        (["--tp", "3"], "--tp"),
+        (["--port", "0"], "--port must be between 1 and 65535"),
+        (["--target", "/nowhere/at/all"], "/nowhere/at/all"),
+    ],
+)
+def test_bad_values_are_one_error_line_naming_the_flag(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", *argv]) == 2  # refused before Ray starts
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# A real process
 
 
 def free_port() -> int:
@@ -26,32 +148,45 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path: Path, saved_pairs: dict[str, Path]) -> None:
-    models = saved_pairs["qwen2"]
+def transformers_greedy_text(directory: Path, prompt: str, max_new_tokens: int) -> str:
+    """transformers' own greedy continuation of ``prompt`` on the checkpoint, decoded as the server decodes."""
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float64).eval()
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    out = model.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS_ID, pad_token_id=PAD_ID
+    )
+    return str(tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True))
+
+
+def wait_until_serving(process: subprocess.Popen[str], timeout_s: float) -> str:
+    lines: list[str] = []
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while not any("Press Ctrl-C" in line for line in lines):
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            raise AssertionError(f"serve exited early: {process.stderr.read() if process.stderr else ''}")
+        lines.append(line)
+        assert time.monotonic() < deadline, f"serve did not come up within {timeout_s:.0f} s"
+    return "".join(lines)
+
+
+@pytest.mark.slow
+def test_serve_a_checkpoint_without_yaml_then_stop_on_ctrl_c(tmp_path: Path, saved_pairs: dict[str, Path]) -> None:
+    target = saved_pairs["llama"] / "target"  # a random-initialised tiny Llama with its tokenizer
     port = free_port()
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [
-            {
-                "name": "cli",
-                "route_prefix": "/",
-                "import_path": IMPORT_PATH,
-                "args": {
-                    "model_name": "tiny",
-                    "target": str(models / "target"),
-                    "draft": "ngram",
-                    "dtype": "float64",
-                    "api_key": "sk-cli",
-                },
-            }
-        ],
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env |= {
+        "SPECSERVE_CLUSTER_DIR": str(tmp_path / "no-cluster"),
+        "SPECSERVE_API_KEY": "sk-cli",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
     }
-    path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"SPECSERVE_CLUSTER_DIR": str(tmp_path / "no-cluster"), "RAY_USAGE_STATS_ENABLED": "0"}
+    argv = ["--target", str(target), "--draft", "ngram", "--dtype", "float64", "--model-name", "tiny"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", "serve", "--config", str(path), "--max-num-seqs", "4"],
+        [sys.executable, "-m", "specserve.cli", "serve", *argv, "--max-num-seqs", "4", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -59,42 +194,26 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path: Path, saved_pairs: 
         start_new_session=True,  # Ctrl-C goes to this process alone, as in a terminal
     )
     try:
-        lines = []
-        assert process.stdout is not None
-        deadline = time.monotonic() + 300
-        while not any("Press Ctrl-C" in line for line in lines):
-            line = process.stdout.readline()
-            if not line and process.poll() is not None:
-                raise AssertionError(f"serve exited early: {process.stderr.read() if process.stderr else ''}")
-            lines.append(line)
-            assert time.monotonic() < deadline, "serve did not come up within 300 s"
-        assert f"at http://127.0.0.1:{port}/v1" in "".join(lines)
-        headers = {"Authorization": "Bearer sk-cli"}
-        models_list = requests.get(f"http://127.0.0.1:{port}/v1/models", headers=headers, timeout=60).json()
-        assert [m["id"] for m in models_list["data"]] == ["tiny"]
-        body = {"model": "tiny", "prompt": "abcabc", "max_tokens": 6, "temperature": 0}
-        answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=headers, timeout=120)
-        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] <= 6
+        started = time.time()
+        printed = wait_until_serving(process, timeout_s=240)
+        assert f"at http://127.0.0.1:{port}/v1" in printed
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-cli", max_retries=0, timeout=120)
+        (model,) = client.models.list()
+        assert model.id == "tiny" and started - 1 <= model.created <= time.time()
+        answer = client.completions.create(model="tiny", prompt="abcabc", max_tokens=12, temperature=0)
+        want = transformers_greedy_text(target, "abcabc", 12)
+        assert want and answer.choices[0].text == want
+        assert answer.usage is not None and 0 < answer.usage.completion_tokens <= 12
 
         process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=180)
+        stdout, stderr = process.communicate(timeout=120)
         assert process.returncode == 0, stderr
         assert "stopped" in stderr
+        output = printed + stdout + stderr
+        assert not [line for line in output.splitlines() if any(noise in line for noise in NOISE)], output
         with pytest.raises(requests.ConnectionError):
             requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-
-
-def test_a_bad_batch_size_is_refused_before_anything_starts() -> None:
-    import argparse
-
-    from specserve.core.errors import UserError
-    from specserve.serve.command import add_arguments, run_command
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    with pytest.raises(UserError, match="--max-num-seqs must be >= 1"):
-        run_command(parser.parse_args(["--max-num-seqs", "0"]))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from specserve import cli
+from specserve import cli, defaults
 from specserve.cluster.placement import InvalidClusterSpec
 from specserve.cluster.replica_config import (
     DISTRIBUTED_SETTINGS,
@@ -198,8 +198,8 @@ def test_the_draft_description_names_every_drafter_form() -> None:
 
 
 def test_our_checks_raise_their_own_errors_from_python() -> None:
-    with pytest.raises(InvalidClusterSpec, match="tp_degree must be a power of two"):
-        ReplicaConfig(target=TARGET, tp_degree=3)
+    with pytest.raises(ValueError, match=r"tp_degree\n.*must be a power of two from 1 to 64"):
+        ReplicaConfig(target=TARGET, tp_degree=3)  # a field's own check: pydantic names the field
     with pytest.raises(InvalidSetting, match=r"n-gram sizes need 1 <= min_ngram <= max_ngram, got 3\.\.2"):
         ReplicaConfig(target=TARGET, min_ngram=3, max_ngram=2)
     with pytest.raises(InvalidSetting, match=r"kv_pool_tokens 100 cannot hold one request of max_seq_len 512"):
@@ -305,3 +305,17 @@ def test_serve_sends_a_batched_replica_enough_requests_to_fill_its_batch() -> No
         ServeConfig(max_num_seqs=16)
     assert ServeConfig(max_num_seqs=16, max_ongoing_requests=32).max_num_seqs == 16
     assert not ServeConfig().batched  # one at a time, on the distributed runtime, unless asked
+
+
+def test_the_sample_files_serve_with_the_command_lines_defaults() -> None:
+    """deploy/serve.yaml and deploy/rayservice.yaml write the serving settings out; they are the defaults
+    `specserve serve` and `generate` use (a sample with γ 4 while the CLI drafts 3 would measure another server)."""
+    serve_args = yaml.safe_load(SERVE_YAML.read_text())["applications"][0]["args"]
+    manifest = yaml.safe_load((ROOT / "deploy" / "rayservice.yaml").read_text())
+    (rayservice_app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    serving = set(ServeConfig.model_fields) - set(ReplicaConfig.model_fields) - {"api_key"}
+    for args in (serve_args, rayservice_app["args"]):
+        assert {name: args[name] for name in serving} == {
+            name: ServeConfig.model_fields[name].default for name in serving
+        }
+    assert serve_args["gamma"] == defaults.DEFAULT_GAMMA

@@ -33,6 +33,7 @@ APP = "http-api"
 KEY = "sk-test-key"
 MODEL_NAME = "specserve-test"
 MAX_BODY = 4096
+STARTED = 0  # the Unix time the module's application was deployed
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):"]
 
 
@@ -40,7 +41,9 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    
 def url(serve_url: str) -> Iterator[str]:
     from ray import serve
 
+    global STARTED
     config = ServeConfig(model_name=MODEL_NAME, api_key=KEY, default_max_tokens=24, max_body_bytes=MAX_BODY)
+    STARTED = int(time.time())
     serve.run(application(config), name=APP, route_prefix="/")
     yield serve_url
     serve.delete(APP)
@@ -187,7 +190,9 @@ def test_trees_and_drafter_invariant_sampling(client: openai.OpenAI) -> None:
 
 
 def test_models_health_and_readiness(client: openai.OpenAI, url: str) -> None:
-    assert [m.id for m in client.models.list()] == [MODEL_NAME]
+    (model,) = client.models.list()
+    assert model.id == MODEL_NAME
+    assert STARTED - 1 <= model.created <= time.time()  # the Unix time the model deployment started
     assert requests.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
     ready = requests.get(f"{url}/ready", timeout=30)
     assert ready.status_code == 200 and ready.json()["model"] == MODEL_NAME
@@ -207,7 +212,7 @@ BAD_REQUESTS: list[tuple[Any, int, str | None, str]] = [
     ({"model": MODEL_NAME, "max_tokens": 4}, 400, "prompt", "prompt"),
     ({**GOOD, "prompt": ""}, 400, "prompt", "empty"),
     ({**GOOD, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
-    ({**GOOD, "max_tokens": 5000}, 400, "max_tokens", "context"),
+    ({**GOOD, "max_tokens": 5000}, 400, "max_tokens", "max_tokens (5000) exceeds the target's context"),
     ({**GOOD, "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
     ({**GOOD, "top_p": 0}, 400, "top_p", "greater than 0"),
     ({**GOOD, "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
@@ -226,6 +231,8 @@ def test_bad_requests_get_openai_errors(url: str, body: Any, status: int, param:
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert words in error["message"] and error["param"] == param and error["type"]
+    # in the client's words: the OpenAI field names, none of pydantic's prefixes
+    assert "max_new_tokens" not in error["message"] and "Value error" not in error["message"]
     assert post(url, "/v1/completions", GOOD).status_code == 200  # and the server keeps serving
 
 
@@ -251,6 +258,12 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI, url: str) -> N
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens \(5000\)") as too_long:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=5000)
+    assert "max_new_tokens" not in str(too_long.value)
+    with pytest.raises(openai.BadRequestError, match="the prompt is empty") as empty:
+        client.completions.create(model=MODEL_NAME, prompt="", max_tokens=2)
+    assert "Value error" not in str(empty.value)
     wrong_key = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)

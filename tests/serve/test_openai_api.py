@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from typing import Any
 
 import pytest
@@ -174,7 +175,14 @@ def test_refusals(handler: Api) -> None:
     with pytest.raises(RequestError) as info:
         handler.completion(CompletionRequest(model="tiny", prompt="x", max_tokens=10_000))
     assert info.value.status == 400 and info.value.param == "max_tokens" and "context" in info.value.message
-    assert handler.models()["data"][0]["id"] == "tiny"
+    assert "max_tokens (10000)" in info.value.message and "max_new_tokens" not in info.value.message
+
+
+def test_models_says_when_the_deployment_started(handler: Api) -> None:
+    (model,) = handler.models()["data"]
+    assert model["id"] == "tiny" and 0 < model["created"] <= time.time()  # default: when the handler was made
+    started = OpenAIHandler(handler.runner.prompts, CONFIG, created=1_700_000_000)
+    assert started.models()["data"][0]["created"] == 1_700_000_000
 
 
 def test_chat_uses_the_tokenizers_own_template(handler: Api) -> None:

@@ -66,6 +66,7 @@ GOOD = {"model": "m", "prompt": "hi"}
 def test_bad_fields_name_the_field(change: dict[str, object], param: str, words: str) -> None:
     error = refused({**GOOD, **change})
     assert error.status == 400 and error.param == param and words in error.message
+    assert "Value error" not in error.message, error.message  # pydantic's prefix is not the client's business
 
 
 def test_missing_fields_and_bad_json() -> None:
@@ -228,3 +229,11 @@ def test_policy_maps_to_the_generation_config(policy: str) -> None:
     assert off.generation(8, 3).policy == "fixed" and off.generation(8, 3).gamma == 0
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", "speculation": {"policy": "sometimes"}})
+
+
+def test_engine_errors_are_worded_as_the_client_sent_the_request() -> None:
+    from specserve.core.errors import UserError
+
+    error = RequestError.from_user_error(UserError("prompt (3 tokens) + max_new_tokens (9) exceed 10"), param="x")
+    assert error.message == "prompt (3 tokens) + max_tokens (9) exceed 10" and error.status == 400
+    assert refused({**GOOD, "prompt": ""}).message == "prompt: the prompt is empty; send at least one character"

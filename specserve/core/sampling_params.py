@@ -1,0 +1,101 @@
+"""A request's sampling parameters, checked when made. Torch-free.
+
+:class:`SamplingParams` is what every front end builds (the command line, the HTTP schema, the
+Python API) and every engine reads; its checks run before any model or torch loads, so a bad
+value is refused at once with a message saying what is allowed. The warps and draws that use it
+are :mod:`specserve.core.sampling`; the meaning of each mode is documented there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from specserve.core.errors import UserError
+
+MAX_TOP_K = 1 << 20
+Acceptance = Literal["exact", "typical"]
+ACCEPTANCE_MODES: tuple[Acceptance, ...] = ("exact", "typical")
+# Medusa's defaults (Cai et al. 2024; its code's posterior_threshold and posterior_alpha = sqrt(threshold)).
+TYPICAL_EPSILON = 0.09
+TYPICAL_DELTA = 0.3
+
+
+class InvalidSamplingParams(UserError):
+    """A sampling parameter is out of range; the message says which and what is allowed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k truncation
+    top_p: float = 1.0  # 1 = no nucleus truncation
+    seed: int = 0
+    # Drafter-invariant sampling (specserve.core.invariant): tokens are argmax(log p + Gumbel noise keyed
+    # by (seed, absolute position)); same seed -> same output whatever the drafter, gamma, tree or TP
+    # degree. Exact, but accepts fewer drafts than rejection sampling. No effect when greedy.
+    drafter_invariant: bool = False
+    # How drafts are accepted: "exact" (the rules of docs/verification.md) or "typical" (Medusa's typical acceptance,
+    # specserve.core.typical: LOSSY, the output is no longer distributed as the target's). "typical" runs only
+    # with lossy=True, the explicit opt-in; epsilon and delta are its threshold min(epsilon, delta * exp(-H(p))).
+    acceptance: Acceptance = "exact"
+    lossy: bool = False
+    typical_epsilon: float = TYPICAL_EPSILON
+    typical_delta: float = TYPICAL_DELTA
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise InvalidSamplingParams(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.top_k > MAX_TOP_K:
+            raise InvalidSamplingParams(f"top_k must be between 0 (off) and {MAX_TOP_K}, got {self.top_k}")
+        if not (0 <= self.seed < 2**63):
+            raise InvalidSamplingParams(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.drafter_invariant, bool):
+            raise InvalidSamplingParams(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
+        self._check_acceptance()
+
+    def _check_acceptance(self) -> None:
+        if self.acceptance not in ACCEPTANCE_MODES:
+            raise InvalidSamplingParams(f"acceptance must be 'exact' or 'typical', got {self.acceptance!r}")
+        if not isinstance(self.lossy, bool):
+            raise InvalidSamplingParams(f"lossy must be true or false, got {self.lossy!r}")
+        if not (0.0 < self.typical_epsilon < 1.0):
+            raise InvalidSamplingParams(f"typical_epsilon must be in (0, 1), got {self.typical_epsilon}")
+        if not (0.0 < self.typical_delta <= 1.0):
+            raise InvalidSamplingParams(f"typical_delta must be in (0, 1], got {self.typical_delta}")
+        if self.acceptance == "typical" and not self.lossy:
+            raise InvalidSamplingParams(
+                "typical acceptance is lossy: the output is no longer distributed as the target's; "
+                "opt in explicitly with lossy=True (CLI --lossy, HTTP speculation.lossy: true)"
+            )
+        if self.acceptance == "typical" and self.drafter_invariant:
+            raise InvalidSamplingParams(
+                "typical acceptance cannot be combined with drafter_invariant (which is exact); choose one"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def invariant_sampling(self) -> bool:
+        """Tokens come from the keyed Gumbel noise of :mod:`specserve.core.invariant` (asked for and not greedy)."""
+        return self.drafter_invariant and not self.greedy
+
+    @property
+    def lossy_acceptance(self) -> bool:
+        """A lossy acceptance rule runs (typical): every output made with these parameters must say ``lossy``."""
+        return self.acceptance != "exact"
+
+    @property
+    def mode(self) -> str:
+        """How the target's tokens are chosen, as outputs report it: ``greedy`` (temperature 0),
+        ``drafter_invariant`` (keyed Gumbel noise, :mod:`specserve.core.invariant`), ``typical`` (lossy typical
+        acceptance, :mod:`specserve.core.typical`) or ``rejection`` (speculative rejection sampling)."""
+        if self.greedy:
+            return "greedy"
+        if self.lossy_acceptance:
+            return "typical"
+        return "drafter_invariant" if self.invariant_sampling else "rejection"

@@ -1,0 +1,236 @@
+"""Which Hugging Face architecture families specserve serves, tested the way a user meets them: a checkpoint
+directory.
+
+For each family a tiny random-initialised target (2 layers, grouped-query attention, the char tokenizer's
+vocabulary) and a 1-layer draft of the same family sharing its embeddings, first block and head are saved with
+``save_pretrained`` (safetensors, ``config.json``, tokenizer files) and loaded back through
+:meth:`CausalLM.load`, as a downloaded directory would be. Then, in float64, against transformers' own greedy
+``generate`` on a freshly loaded copy (its own attention, none of specserve's):
+
+* the single-request engine, with the draft model and with n-gram lookup, in chains and dynamic trees;
+* the batched engine, with a mix of drafters and shapes in one batch, more requests than slots;
+* tensor parallelism at world size 2: equal to the full model for the families it supports, otherwise
+  refused with a message naming them.
+
+Families whose attention specserve cannot reproduce (sliding windows shorter than the context: Mistral v0.1,
+Gemma 2 and 3, Qwen2 with ``use_sliding_window``) are refused when they load, saying why. docs/checkpoints.md
+documents the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from conftest import BOS_ID, EOS_ID, MAX_POSITIONS, PAD_ID, VOCAB, char_tokenizer, hf_greedy_ids, randomise_
+from test_tensor_parallel import assert_matches_reference
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from specserve.core.batch_engine import BatchedEngine
+from specserve.core.draft import Drafter
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.model import CausalLM, ModelLoadError
+from specserve.core.sampling import SamplingParams
+from specserve.core.tensor_parallel import SHARDABLE_MODEL_TYPES, TensorParallelError, check_shardable
+from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.drafters.model import DraftModelDrafter
+from specserve.drafters.ngram import NgramDrafter
+from specserve.drafters.none import NoDrafter
+
+NEW_TOKENS = 16
+DYNAMIC = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))
+PROMPTS = ((5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7), (40, 41, 40, 41, 40, 41, 40), (17, 33, 60, 9), (70, 71, 72))
+SHAPE = {"chain": None, "tree": DYNAMIC}
+
+
+@dataclass(frozen=True)
+class Family:
+    config_class: str  # the transformers config class
+    options: dict[str, Any]  # beyond the shared tiny shape
+    architecture: str  # the class AutoModelForCausalLM builds
+
+
+# Families that run: each option is what makes the tiny model exercise the family's peculiarity.
+FAMILIES = {
+    "llama": Family("LlamaConfig", {"tie_word_embeddings": False}, "LlamaForCausalLM"),
+    "qwen2": Family("Qwen2Config", {}, "Qwen2ForCausalLM"),  # q/k/v biases (randomised), tied embeddings
+    "mistral": Family("MistralConfig", {"sliding_window": None}, "MistralForCausalLM"),  # as Mistral-7B-v0.3
+    "qwen3": Family("Qwen3Config", {"head_dim": 8}, "Qwen3ForCausalLM"),  # per-head q/k norms, explicit head_dim
+    "granite": Family(
+        "GraniteConfig",
+        {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2, "logits_scaling": 1.5},
+        "GraniteForCausalLM",
+    ),
+    "phi3": Family("Phi3Config", {}, "Phi3ForCausalLM"),  # fused qkv and gate/up projections
+    "olmo2": Family("Olmo2Config", {}, "Olmo2ForCausalLM"),  # q/k norms over all heads, norms after each sublayer
+}
+
+# Sliding-window attention over a window shorter than the context: refused at load.
+SLIDING = {
+    "mistral-v0.1": Family("MistralConfig", {"sliding_window": 16}, "MistralForCausalLM"),
+    "qwen2-sliding": Family(
+        "Qwen2Config", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, "Qwen2ForCausalLM"
+    ),
+    "gemma2": Family("Gemma2Config", {"head_dim": 8, "sliding_window": 16}, "Gemma2ForCausalLM"),
+    "gemma3": Family(
+        "Gemma3TextConfig", {"head_dim": 8, "sliding_window": 16, "sliding_window_pattern": 2}, "Gemma3ForCausalLM"
+    ),
+}
+
+
+def build(family: Family, num_layers: int, seed: int) -> PreTrainedModel:
+    config = getattr(transformers, family.config_class)(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        **family.options,
+    )
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    randomise_(model, seed)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[EOS_ID] *= 2.0  # greedy decoding reaches EOS in some contexts
+    return model
+
+
+def save(model: PreTrainedModel, directory: Path) -> Path:
+    """A checkpoint directory as a download leaves it: config, safetensors weights, tokenizer files."""
+    model.save_pretrained(directory)
+    char_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    target: CausalLM  # loaded from its directory by CausalLM.load
+    draft: CausalLM  # 1-layer, same family and vocabulary
+    reference: PreTrainedModel  # the target loaded again by transformers alone
+    greedy: dict[tuple[int, ...], list[int]]  # transformers' greedy continuation of each prompt
+
+    def new_drafter(self, name: str) -> Drafter:
+        if name == "ngram":
+            return NgramDrafter(max_ngram=3, min_ngram=1)
+        if name == "none":
+            return NoDrafter()
+        return DraftModelDrafter(self.draft, self.target)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    family = FAMILIES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    target_model = build(family, num_layers=2, seed=0)
+    draft_model = build(family, num_layers=1, seed=1)
+    shared = target_model.state_dict()  # the draft copies the target's embeddings, first block, norm and head
+    draft_model.load_state_dict(
+        {k: shared[k].clone() if k in shared else v for k, v in draft_model.state_dict().items()}
+    )
+    target_dir, draft_dir = save(target_model, root / "target"), save(draft_model, root / "draft")
+
+    reference = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=torch.float64).eval()
+    greedy = {prompt: hf_greedy_ids(reference, prompt, NEW_TOKENS) for prompt in PROMPTS}
+    tokens = [token for ids in greedy.values() for token in ids]
+    assert len(set(tokens)) > 8, f"{request.param}: degenerate greedy continuations would make the checks vacuous"
+    target = CausalLM.load(target_dir, dtype="float64")
+    draft = CausalLM.load(draft_dir, dtype="float64")
+    return Checkpoint(request.param, target, draft, reference, greedy)
+
+
+def test_a_saved_checkpoint_loads_as_its_family(checkpoint: Checkpoint) -> None:
+    info = checkpoint.target.info
+    assert info.architecture == FAMILIES[checkpoint.name].architecture
+    assert (info.vocab_size, info.max_positions, info.eos_token_ids) == (VOCAB, MAX_POSITIONS, (EOS_ID,))
+    assert checkpoint.target.dtype == torch.float64
+    # The saved tokenizer encodes as the char tokenizer does. (Not spaces everywhere: transformers 5 loads the
+    # tokenizer of a directory whose config says qwen2 as its Qwen2Tokenizer, which pre-tokenises its own way
+    # and adds <|endoftext|>; a real Qwen checkpoint's tokenizer is that class anyway.)
+    text = "f(x)=x*2;return[x]"
+    assert checkpoint.target.tokenizer is not None
+    assert checkpoint.target.tokenizer(text)["input_ids"] == char_tokenizer()(text)["input_ids"]
+    assert checkpoint.draft.model.config.num_hidden_layers == 1
+
+
+@pytest.mark.parametrize("shape", list(SHAPE))
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_speculative_greedy_equals_transformers(checkpoint: Checkpoint, drafter: str, shape: str) -> None:
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3, tree=SHAPE[shape])
+    for prompt, expected in checkpoint.greedy.items():
+        engine = SpeculativeEngine(checkpoint.target, checkpoint.new_drafter(drafter))
+        result = engine.generate(list(prompt), SamplingParams(), config)
+        assert result.output_ids == expected, f"{checkpoint.name}, {drafter} {shape}, prompt {prompt}"
+
+
+def test_batched_engine_equals_transformers(checkpoint: Checkpoint) -> None:
+    configs = [
+        GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3),
+        GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=2, drafter="ngram"),
+        GenerationConfig(max_new_tokens=NEW_TOKENS, tree=DYNAMIC),
+        GenerationConfig(max_new_tokens=NEW_TOKENS, drafter="none"),
+    ]
+    # three slots for four requests: the last waits for the first to finish
+    engine = BatchedEngine(checkpoint.target, checkpoint.new_drafter, max_num_seqs=3, max_seq_len=48, prefill_tokens=8)
+    prompts = {
+        engine.submit(list(prompt), SamplingParams(), config): prompt
+        for prompt, config in zip(PROMPTS, configs, strict=True)
+    }
+    outputs: dict[tuple[int, ...], list[int]] = {}
+    while engine.has_work:
+        for request_id, chunk in engine.step():
+            if chunk.result is not None:
+                outputs[prompts[request_id]] = chunk.result.output_ids
+    assert outputs == checkpoint.greedy
+    assert engine.pool.free_tokens == engine.pool.capacity
+
+
+def test_tensor_parallel_is_exact_or_refused(checkpoint: Checkpoint) -> None:
+    model = checkpoint.target.model
+    if model.config.model_type in SHARDABLE_MODEL_TYPES:
+        # 4 query heads and 2 KV heads over 2 ranks (threads): one KV head each, logits within 1e-10 of the full model
+        assert_matches_reference(model, world_size=2, expected_kv_heads=1)
+        return
+    with pytest.raises(TensorParallelError) as refused:
+        check_shardable(model, 2)
+    message = str(refused.value)
+    assert FAMILIES[checkpoint.name].architecture in message
+    assert "Llama, Mistral, Qwen2, Qwen3 and Granite" in message and "tensor parallel size 1" in message
+    check_shardable(model, 1)  # and it runs unsharded, as the tests above show
+
+
+def test_every_runnable_family_is_covered_here() -> None:
+    tested = {build(family, 1, 0).config.model_type for family in FAMILIES.values()}
+    assert set(SHARDABLE_MODEL_TYPES) <= tested, "a model type tensor parallelism accepts must be tested here"
+
+
+@pytest.mark.parametrize("name", list(SLIDING))
+def test_sliding_window_models_are_refused_when_they_load(name: str, tmp_path: Path) -> None:
+    family = SLIDING[name]
+    directory = save(build(family, num_layers=2, seed=0), tmp_path / name)
+    with pytest.raises(ModelLoadError) as refused:
+        CausalLM.load(directory, dtype="float64")
+    message = str(refused.value)
+    assert f"{family.architecture} uses sliding-window attention (16 positions" in message
+    assert f"{MAX_POSITIONS}-token context" in message and "docs/checkpoints.md" in message
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: build(FAMILIES["mistral"], 1, 0),  # no window at all
+        lambda: build(Family("MistralConfig", {"sliding_window": MAX_POSITIONS}, ""), 1, 0),  # as long as the context
+    ],
+    ids=["no-window", "window-spans-context"],
+)
+def test_a_window_that_never_acts_is_accepted(make: Callable[[], PreTrainedModel]) -> None:
+    CausalLM(make())
