@@ -312,3 +312,28 @@ def test_threads_sets_torch_threads_of_the_process() -> None:
             [sys.executable, "-c", script, threads], capture_output=True, text=True, timeout=300, check=True
         )
         assert proc.stdout.strip().splitlines()[-1] == f"0 {threads}", proc.stderr
+
+
+def test_serve_mistakes_are_refused_before_ray_or_torch_loads() -> None:
+    script = (
+        "import json, sys\n"
+        "from specserve.cli import main\n"
+        "codes = [main(['serve', *argv]) for argv in json.loads(sys.argv[1])]\n"
+        "print(json.dumps({'codes': codes, 'loaded': [m for m in ('torch', 'ray') if m in sys.modules]}))\n"
+    )
+    cases = {
+        "Did you mean 'ngram'?": ["--draft", "ngrams"],
+        "hf download meta-llama/Llama-3.2-1B": ["--target", "meta-llama/Llama-3.2-1B"],
+        "--tp: must be a power of two": ["--tp", "3"],
+        "--port must be between 1 and 65535": ["--port", "0"],
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(list(cases.values()))],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"codes": [2] * len(cases), "loaded": []}, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == len(cases), proc.stderr
+    for needle, line in zip(cases, lines, strict=True):
+        assert line.startswith("error: ") and needle in line, (needle, line)

@@ -17,7 +17,6 @@ import yaml
 from pydantic import ValidationError
 
 from specserve.core.errors import UserError
-from specserve.serve.app import DEPLOYMENTS
 from specserve.serve.config import ServeConfig
 
 IMPORT_PATH = "specserve.serve.app:build_app"
@@ -39,6 +38,8 @@ class ServeFile:
 
 def load_serve_file(path: str | Path) -> ServeFile:
     from ray.serve.schema import ServeDeploySchema
+
+    from specserve.serve.app import DEPLOYMENTS  # Ray Serve: imported when a file is read, not for the defaults
 
     path = Path(path)
     try:
