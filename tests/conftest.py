@@ -236,18 +236,22 @@ def saved_pair_dirs(tmp_path_factory: pytest.TempPathFactory, tiny_pairs: dict[s
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[Any]:
-    """A local Ray instance on 127.0.0.1 declaring the "large" and "cheap" resources placement uses."""
+    """A local Ray instance on 127.0.0.1 (every process of it listening on loopback, as a private Ray of
+    :func:`~specserve.cluster.connect.connect_ray` does) declaring the "large" and "cheap" resources placement uses."""
     import ray
 
+    from specserve.cluster.connect import loopback_only
+
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=16,  # logical: two replicas (one up to TP 4) must fit, whatever the real core count
-            resources={"large": 8, "cheap": 2},
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            log_to_driver=False,
-            _system_config={"metrics_report_interval_ms": 1000},  # metrics reach the exporter within ~1 s
-        )
+        with loopback_only():
+            ray.init(
+                num_cpus=16,  # logical: two replicas (one up to TP 4) must fit, whatever the real core count
+                resources={"large": 8, "cheap": 2},
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=False,
+                _system_config={"metrics_report_interval_ms": 1000},  # metrics reach the exporter within ~1 s
+            )
     yield ray
     ray.shutdown()
 

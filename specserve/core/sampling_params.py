@@ -2,8 +2,10 @@
 
 :class:`SamplingParams` is what every front end builds (the command line, the HTTP schema, the
 Python API) and every engine reads; its checks run before any model or torch loads, so a bad
-value is refused at once with a message saying what is allowed. The warps and draws that use it
-are :mod:`specserve.core.sampling`; the meaning of each mode is documented there.
+value is refused at once with a message saying what is allowed. A positive temperature below
+:data:`GREEDY_BELOW` is greedy (stored as 0), as in vLLM: dividing logits by it would overflow.
+The warps and draws that use it are :mod:`specserve.core.sampling`; the meaning of each mode is
+documented there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from typing import Literal
 from specserve.core.errors import UserError
 
 MAX_TOP_K = 1 << 20
+# A positive temperature below this samples greedily (vLLM's _SAMPLING_EPS). At 1e-5 the warped distribution is
+# one-hot to float32 precision already unless the top logits are within ~1e-3 of each other, and far below it
+# logits / temperature overflows (at ~1e-36 for float32 logits: inf, then NaN probabilities).
+GREEDY_BELOW = 1e-5
 Acceptance = Literal["exact", "typical"]
 ACCEPTANCE_MODES: tuple[Acceptance, ...] = ("exact", "typical")
 # Medusa's defaults (Cai et al. 2024; its code's posterior_threshold and posterior_alpha = sqrt(threshold)).
@@ -46,6 +52,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
             raise InvalidSamplingParams(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)  # greedy (GREEDY_BELOW), wherever the value came from
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidSamplingParams(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.top_k > MAX_TOP_K:

@@ -3,15 +3,16 @@
 :class:`ServeConfig` is the replica configuration
 (:class:`~specserve.cluster.replica_config.ReplicaConfig`: every replica setting, inherited under
 the same names) plus what only serving needs (the model's name, request defaults and limits, the
-API key). Left out of the YAML, ``target`` and ``draft`` mean the shipped default pair. Every
-field has a description (they are the documentation of ``deploy/*.yaml``). The API key may come
-from the environment (``SPECSERVE_API_KEY``) instead of the file. Does not start anything.
+API key, whether the API docs are served). Left out of the YAML, ``target`` and ``draft`` mean the
+shipped default pair. Every field has a description (they are the documentation of
+``deploy/*.yaml``). The API key may come from the environment (``SPECSERVE_API_KEY``) instead of
+the file. Does not start anything.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -45,6 +46,11 @@ class ServeConfig(ReplicaConfig):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused with 413")
     api_key: str | None = Field(
         None, description=f"require `Authorization: Bearer <key>`; default: ${API_KEY_ENV} if set, else no key"
+    )
+    api_docs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="serve /docs, /redoc and /openapi.json: `on` (behind the API key when one is set), `off` (404), "
+        "or `auto`: only when no API key is set",
     )
 
     @model_validator(mode="after")

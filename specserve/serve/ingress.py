@@ -2,16 +2,25 @@
 
 A plain class. In Serve it is the ingress deployment (:mod:`specserve.serve.app`) and reaches
 the model replicas through a ``DeploymentHandle``; in tests and tools it can hold a
-:class:`~specserve.serve.model_server.ModelServer` directly. Either way it is given a *backend*
+:class:`~specserve.serve.model_server.ModelServer` (or any object with its ``describe``,
+``started_at``, ``check_health`` and ``generate``) directly. Either way it is given a *backend*
 and talks to it through :class:`ReplicaClient`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (whole JSON or, with
 ``stream: true``, server-sent events), ``GET /v1/models`` (``created``: the Unix time the model
-replica that first answered the ingress started), ``GET /health`` (liveness: the ingress answers)
-and ``GET /ready`` (readiness: a model replica answered). Every refusal —
-bad JSON, wrong types, unknown model, over-long prompt, oversize body, missing or wrong API key,
-unknown route — is OpenAI's error JSON with a 4xx status; a failure inside generation is a 500
-(or an error event once a stream has started), and the server keeps serving.
+replica that first answered the ingress started), ``GET /health`` (liveness: the ingress answers),
+``GET /ready`` (readiness: a model replica passes its health check *now*, within
+:data:`READY_TIMEOUT_S`; nothing is remembered between probes) and, as ``api_docs`` says,
+``/docs``, ``/redoc`` and ``/openapi.json`` (behind the API key when one is set). Every refusal —
+bad JSON, a body that is not ``application/json`` (415), wrong types, unknown model, over-long
+prompt, oversize body, missing or wrong API key, unknown route — is OpenAI's error JSON with a 4xx
+status.
+
+A failure inside generation (or anywhere the ingress did not expect one) is a 500 — or an error
+event once a stream has started — whose message is only ``internal error (request id req-…); see
+the server log``: no exception text, traceback, path, address or process id reaches the client.
+The exception goes to the server log (the ``ray.serve`` logger: the replica's log in Serve) under
+the same request id, an unguessable random token (:func:`new_request_id`). The server keeps serving.
 
 Before answering, the ingress waits for the replica's first chunk (an empty one, sent as soon as
 the replica took the request), so the replica's own refusals still get a status of their own: a
@@ -21,44 +30,86 @@ slot) a 400. Errors that crossed Ray arrive wrapped; their cause is what is repo
 
 When the client disconnects, Starlette cancels the response; the cancellation reaches the
 backend's stream, which stops the generation and frees its KV.
+
+Does not: authenticate anything but the HTTP API (Serve's own ``/-/routes`` and ``/-/healthz``
+are answered by Serve's proxy before a request reaches this app; see ``docs/security.md``), or
+limit request rates.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray.exceptions import RayTaskError
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from specserve.core.engine import StreamChunk
 from specserve.core.errors import UserError
 from specserve.serve.config import ServeConfig
-from specserve.serve.model_server import ModelServer, QueueFull
+from specserve.serve.model_server import QueueFull
 from specserve.serve.openai_api import DONE_EVENT, OpenAIHandler, PreparedRequest, error_event
 from specserve.serve.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
 
+logger = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log
 
-def generation_error(exc: BaseException) -> RequestError:
-    """What a client is told about an exception from a replica's stream: its cause, with a status of its own."""
+READY_TIMEOUT_S = 5.0  # GET /ready: how long a model replica may take to pass its health check
+JSON_MEDIA_TYPE = "application/json"
+
+
+def new_request_id() -> str:
+    """An id for one request, named in its 500 and in the server log: 128 random bits, unguessable."""
+    return f"req-{secrets.token_hex(16)}"
+
+
+def internal_error(request_id: str, what: str, exc: BaseException | None = None) -> RequestError:
+    """A failure the client cannot fix: logged in full under ``request_id``; the client is told only the id."""
+    logger.error("request %s: %s", request_id, what, exc_info=exc)
+    return RequestError(
+        f"internal error (request id {request_id}); see the server log", status=500, code="internal_error"
+    )
+
+
+def generation_error(exc: BaseException, request_id: str) -> RequestError:
+    """What a client is told about an exception from a replica's stream: its cause, with a status of its own, or, for
+    a failure, only the request id (the exception is logged under it)."""
     cause = exc.cause if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException) else exc
     if isinstance(cause, QueueFull):
         headers = {"Retry-After": str(cause.retry_after_s)}
         return RequestError(cause.message, status=429, code="queue_full", headers=headers)
     if isinstance(cause, UserError):
         return RequestError.from_user_error(cause, code="invalid_request")
-    return RequestError(f"generation failed: {cause}", status=500, code="internal_error")
+    return internal_error(request_id, "generation failed", exc)
+
+
+def require_json(request: Request) -> None:
+    """POST bodies are JSON: ``Content-Type: application/json`` (any parameters, e.g. a charset), else a 415."""
+    declared = request.headers.get("content-type", "")
+    if declared.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
+        shown = f"`{declared[:80]}`" if declared else "none"
+        raise RequestError(
+            f"the request body must be JSON sent as `Content-Type: {JSON_MEDIA_TYPE}`; got {shown}",
+            status=415,
+            code="unsupported_media_type",
+        )
 
 
 class ReplicaClient:
-    """The ingress's view of the model replicas: describe the model, stream one request."""
+    """The ingress's view of the model replicas: describe the model, check one, stream one request.
+
+    ``backend`` is a Serve ``DeploymentHandle`` or, in process, the backend object itself."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
-        self.local = isinstance(backend, ModelServer)
+        self.local = not isinstance(backend, DeploymentHandle)
 
     async def describe(self) -> Any:
         if self.local:
@@ -69,6 +120,13 @@ class ReplicaClient:
         if self.local:
             return int(self.backend.started_at())
         return int(await self.backend.started_at.remote())
+
+    async def check(self) -> None:
+        """One model replica's health check, run now; raises what it raises."""
+        if self.local:  # on a thread: a check may block (a distributed runner pings its actors)
+            await asyncio.to_thread(self.backend.check_health)
+            return
+        await self.backend.check_health.remote()
 
     async def generate(self, prepared: PreparedRequest) -> AsyncGenerator[StreamChunk, None]:
         args = (prepared.prompt_ids, prepared.params, prepared.generation)
@@ -92,26 +150,61 @@ class ReplicaClient:
 
 
 class OpenAIIngress:
-    def __init__(self, config: ServeConfig | Mapping[str, Any], backend: Any) -> None:
+    def __init__(
+        self, config: ServeConfig | Mapping[str, Any], backend: Any, ready_timeout_s: float = READY_TIMEOUT_S
+    ) -> None:
         self.config = ServeConfig.model_validate(config)
         self.client = ReplicaClient(backend)
         self.api_key = self.config.resolved_api_key()
+        self.ready_timeout_s = ready_timeout_s
         self._handler: OpenAIHandler | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # Serve's late-bound ingress hook
         return self.asgi()
 
     async def handler(self) -> OpenAIHandler:
-        """The request handler, built on first use from the codec a model replica describes."""
+        """The request handler, built on first use from the codec a model replica describes (the codec does not
+        change while the deployment lives; readiness is checked afresh on every probe, see :meth:`ready`)."""
         if self._handler is None:
             codec, started = await self.client.describe(), await self.client.started_at()
             self._handler = OpenAIHandler(codec, self.config, created=started)
         return self._handler
 
+    @property
+    def serves_docs(self) -> bool:
+        """``api_docs``: ``on``, ``off``, or ``auto`` — served only when no API key is configured."""
+        return self.config.api_docs == "on" or (self.config.api_docs == "auto" and self.api_key is None)
+
+    async def ready(self) -> JSONResponse:
+        """Readiness, checked now: a model replica passes its health check within ``ready_timeout_s``."""
+
+        async def check() -> None:
+            await self.client.check()
+            await self.handler()
+
+        try:
+            await asyncio.wait_for(check(), self.ready_timeout_s)
+        except TimeoutError:
+            logger.warning("GET /ready: no model replica passed its health check within %s s", self.ready_timeout_s)
+            reason = f"no model replica answered its health check within {self.ready_timeout_s:g} s"
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        except Exception as exc:  # broken (or not started yet): the why goes to the log, not to the prober
+            request_id = new_request_id()
+            logger.warning("GET /ready (request id %s): a model replica failed its check", request_id, exc_info=exc)
+            reason = f"a model replica failed its health check (request id {request_id}); see the server log"
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ready", "model": self.config.model_name})
+
     # -----------------------------------------------------------------------------------------
 
     def asgi(self) -> FastAPI:
-        app = FastAPI(title="specserve", description="Exact speculative decoding, OpenAI-compatible API")
+        app = FastAPI(
+            title="specserve",
+            description="Exact speculative decoding, OpenAI-compatible API",
+            docs_url=None,  # served below, behind the API key, when `api_docs` says so
+            redoc_url=None,
+            openapi_url=None,
+        )
 
         @app.exception_handler(RequestError)
         async def _refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -123,17 +216,18 @@ class OpenAIIngress:
             error = RequestError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code)
             return JSONResponse(error.body(), status_code=exc.status_code)
 
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+            error = internal_error(new_request_id(), f"{request.method} {request.url.path} failed", exc)
+            return JSONResponse(error.body(), status_code=error.status)
+
         @app.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
 
         @app.get("/ready")
         async def ready() -> JSONResponse:
-            try:
-                await self.handler()
-            except Exception as exc:  # not ready yet (or broken): say why
-                return JSONResponse({"status": "not ready", "reason": str(exc)}, status_code=503)
-            return JSONResponse({"status": "ready", "model": self.config.model_name})
+            return await self.ready()
 
         @app.get("/v1/models")
         async def models(request: Request) -> dict[str, Any]:
@@ -148,7 +242,30 @@ class OpenAIIngress:
         async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
             return await self._answer(request, ChatCompletionRequest)
 
+        if self.serves_docs:
+            self._add_docs(app)
         return app
+
+    def _add_docs(self, app: FastAPI) -> None:
+        """FastAPI's ``/openapi.json``, ``/docs`` and ``/redoc``, each behind the API key when one is set."""
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request) -> JSONResponse:
+            self._authorize(request)
+            return JSONResponse(app.openapi())
+
+        def schema_url(request: Request) -> str:
+            return f"{request.scope.get('root_path', '').rstrip('/')}/openapi.json"
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs(request: Request) -> HTMLResponse:
+            self._authorize(request)
+            return get_swagger_ui_html(openapi_url=schema_url(request), title=f"{app.title} - docs")
+
+        @app.get("/redoc", include_in_schema=False)
+        async def redoc(request: Request) -> HTMLResponse:
+            self._authorize(request)
+            return get_redoc_html(openapi_url=schema_url(request), title=f"{app.title} - ReDoc")
 
     # -----------------------------------------------------------------------------------------
 
@@ -167,30 +284,37 @@ class OpenAIIngress:
         self, request: Request, kind: type[CompletionRequest] | type[ChatCompletionRequest]
     ) -> JSONResponse | StreamingResponse:
         self._authorize(request)
+        require_json(request)
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
         body = await request.body()
         prepared = (await self.handler()).prepare(parse_request(kind, body, limit))
+        request_id = new_request_id()
         chunks = self.client.generate(prepared)
         try:
             first = await anext(chunks)  # the replica took the request, or refused it
         except StopAsyncIteration:
-            raise RequestError("generation ended without a result", status=500, code="internal_error") from None
+            raise internal_error(request_id, "generation ended without a result") from None
         except Exception as exc:  # a full replica (429), a request it cannot hold (400), a failure (500)
-            raise generation_error(exc) from exc
+            raise generation_error(exc, request_id) from exc
         if prepared.stream:
-            return StreamingResponse(self._events(prepared, first, chunks), media_type="text/event-stream")
+            events = self._events(prepared, first, chunks, request_id)
+            return StreamingResponse(events, media_type="text/event-stream")
         try:
             return JSONResponse(prepared.collect([first, *[chunk async for chunk in chunks]]))
         except Exception as exc:  # a replica failed mid-generation: a status that says so; the server serves on
-            raise generation_error(exc) from exc
+            raise generation_error(exc, request_id) from exc
         finally:
             await chunks.aclose()
 
     async def _events(
-        self, prepared: PreparedRequest, first: StreamChunk, chunks: AsyncGenerator[StreamChunk, None]
+        self,
+        prepared: PreparedRequest,
+        first: StreamChunk,
+        chunks: AsyncGenerator[StreamChunk, None],
+        request_id: str,
     ) -> AsyncIterator[str]:
         for opening in prepared.opening_events():
             yield opening
@@ -202,7 +326,7 @@ class OpenAIIngress:
                     yield event
                 chunk = await anext(chunks, None)
         except Exception as exc:  # the status line is sent: report in-band, then end the stream properly
-            yield error_event(generation_error(exc))
+            yield error_event(generation_error(exc, request_id))
         finally:
             await chunks.aclose()  # a client that left: the replica stops the generation and frees its KV
         yield DONE_EVENT

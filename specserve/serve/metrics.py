@@ -11,7 +11,8 @@ Recorded per request when it finishes (counts and per-request histograms; the bu
 cycle is tagged with the cycle's batch size, as a power-of-two bucket, so a dashboard shows γ
 against batch size), at its first token (time to first token), whenever the replica's queue
 changes, and, on a batched replica, after every engine step (requests verified together, tokens
-committed). Needs a connected Ray: the
+committed). The queue gauges read 0 from the moment a replica creates its metrics, so an idle
+replica's series are there, at 0, before its first request. Needs a connected Ray: the
 Serve deployment creates a :class:`ServeMetrics`; in-process runs pass none. Does not compute
 anything that :class:`~specserve.core.stats.RequestStats` does not already hold.
 """
@@ -99,6 +100,7 @@ class ServeMetrics:
             "specserve_queue_length", "requests waiting in this replica to generate (batched: for a KV slot)", TAGS
         )
         self.running = Gauge("specserve_running_requests", "requests this replica is generating right now", TAGS)
+        self.queue(0, 0)  # idle: exported at 0 from the start, not missing until the first request
 
     def queue(self, waiting: int, running: int) -> None:
         self.queue_length.set(waiting, self.tags)

@@ -170,7 +170,11 @@ class OpenAIHandler:
             )
         chat = isinstance(request, ChatCompletionRequest)
         prompt = self.chat_prompt(request.messages) if isinstance(request, ChatCompletionRequest) else request.prompt
-        generation = request.generation(self.config.default_max_tokens, self.config.gamma)
+        try:  # the schema's bounds imply the engine's checks; should one still fail, it is the client's 400
+            params = request.sampling()
+            generation = request.generation(self.config.default_max_tokens, self.config.gamma)
+        except UserError as exc:
+            raise RequestError.from_user_error(exc) from exc
         try:
             ids = self.prompts.encode(prompt)
         except UserError as exc:
@@ -179,7 +183,7 @@ class OpenAIHandler:
             self.prompts.check_length(ids, generation.max_new_tokens)
         except UserError as exc:
             raise RequestError.from_user_error(exc, param="max_tokens", code="context_length_exceeded") from exc
-        return PreparedRequest(ids, request.sampling(), generation, chat, request.stream, self.config.model_name)
+        return PreparedRequest(ids, params, generation, chat, request.stream, self.config.model_name)
 
     def chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
         tokenizer = self.prompts.tokenizer

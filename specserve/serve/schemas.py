@@ -1,11 +1,19 @@
 """OpenAI-compatible request bodies, validated at the HTTP edge, and their translation to engine settings.
 
-Requests are pydantic models whose every field carries a description; a request that violates
-one (missing prompt, ``max_tokens`` <= 0, ``temperature`` < 0, ``top_p`` outside (0, 1], ``n``
-> 1, an unknown field type) becomes a :class:`RequestError` with the OpenAI error shape
-(``{"error": {"message", "type", "param", "code"}}``) and a 4xx status, its message in the
-client's words: without pydantic's ``Value error, `` prefix, and with the engine's names of the
-request's fields (``max_new_tokens``) replaced by the OpenAI ones the client sent (``max_tokens``).
+Requests are pydantic models whose every field carries a description. The edge is strict and
+bounded: types are JSON's own (no ``true`` for a number, no ``"16"`` for an integer; an integer is
+a number, as JSON clients send ``"temperature": 1``), every number has bounds (``seed`` in
+[0, 2**63), ``top_k`` at most :data:`~specserve.core.sampling_params.MAX_TOP_K`, ``max_tokens`` at
+most :data:`MAX_TOKENS`, no NaN or infinity...), an OpenAI field this server does not implement
+(``logprobs``, ``logit_bias``, ``tools``, ``echo``, ``n`` > 1...) is refused unless it asks for
+nothing (absent, ``null`` or its no-op value), and a field that is no OpenAI field nor one of
+ours is refused as unknown. ``user`` and ``stream_options`` are accepted and ignored (harmless).
+A request that breaks a rule becomes a :class:`RequestError` with the OpenAI error shape
+(``{"error": {"message", "type", "param", "code"}}``) and a 4xx status, its message naming the
+field in the client's words: without pydantic's ``Value error, `` prefix, and with the engine's
+names of the request's fields (``max_new_tokens``) replaced by the OpenAI ones the client sent
+(``max_tokens``).
+
 Extensions beyond the OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
 drafter — the deployment's configured one, ``ngram`` or ``none``; a draft model cannot be chosen
 per request —, the draft shape — a chain, a dynamic tree within a budget, or a static topology
@@ -16,8 +24,10 @@ true as well).
 
 What a validated request means for the engine — sampling parameters and the generation config —
 is decided here once (:meth:`CompletionRequest.sampling` / :meth:`CompletionRequest.generation`),
-so the HTTP layer, tests and tools agree. Does not tokenise, check the context length (that
-needs the model: the coordinator's prompt codec does it), or talk to Ray.
+so the HTTP layer, tests and tools agree: a temperature below :data:`GREEDY_BELOW` is greedy, as
+in vLLM, and ``top_k`` beyond the vocabulary (or -1, vLLM's "off") truncates nothing. Does not
+tokenise, check the context length or the prompt's token ids (that needs the model: the
+coordinator's prompt codec does it), or talk to Ray.
 """
 
 from __future__ import annotations
@@ -38,10 +48,15 @@ from pydantic_core import PydanticCustomError
 
 from specserve.core.engine import GenerationConfig
 from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
+from specserve.core.sampling_params import GREEDY_BELOW, MAX_TOP_K
 from specserve.core.schedule import MAX_GAMMA
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # characters in one stop string (a stream holds back up to that much text)
+MAX_TOKENS = 1 << 24  # far beyond any context (the prompt codec refuses more than the model's); keeps ints int64
+MAX_SEED = 1 << 63  # exclusive: seeds are non-negative int64, what a torch.Generator takes
+MAX_TEMPERATURE = 100.0
 # The largest draft tree a request may ask for: every node is a position of the target's verify pass.
 MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 8
@@ -87,7 +102,9 @@ class RequestError(Exception):
         same_field = [error for error in errors if error["loc"][:1] == field]
         loc = _common_prefix([tuple(error["loc"]) for error in same_field])
         param = ".".join(str(part) for part in loc) or None
-        reasons = " or ".join(dict.fromkeys(validator_words(str(error["msg"])) for error in same_field))
+        reasons = " or ".join(dict.fromkeys(error_words(error) for error in same_field))
+        if not loc and errors[0]["type"] == "model_type":  # a JSON array, string, number or null
+            reasons = "the request body must be a JSON object"
         message = f"{param}: {reasons}" if param else reasons
         return cls(message, status=400, param=param, code="invalid_value")
 
@@ -114,6 +131,16 @@ def validator_words(message: str) -> str:
     return message.removeprefix("Value error, ")
 
 
+UNKNOWN_FIELD = "unknown field: this route takes the OpenAI fields and extensions listed in docs/usage.md"
+
+
+def error_words(error: Any) -> str:
+    """One pydantic error (an ``ErrorDetails``) as the client is told it."""
+    if error["type"] == "extra_forbidden":
+        return UNKNOWN_FIELD
+    return validator_words(str(error["msg"]))
+
+
 def _common_prefix(locs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
     prefix = locs[0]
     for loc in locs[1:]:
@@ -125,13 +152,68 @@ def _common_prefix(locs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Strictness and the OpenAI fields this server does not implement
+
+# JSON's own types (an integer is also a number), finite numbers, no field that is not declared.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+# OpenAI fields this server does not implement, and the values that ask for nothing (some clients send them as
+# defaults): absent, null or one of these is accepted; anything else is refused, naming the field, never ignored.
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),  # completions: an integer (0 still asks for the sampled token's); chat: a boolean
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "max_completion_tokens": (),
+    # fields of a chat message
+    "name": (),
+    "tool_calls": ([],),
+    "tool_call_id": (),
+    "refusal": (),
+    "annotations": ([],),
+}
+UNSUPPORTED_HINTS = {"max_completion_tokens": "send max_tokens instead"}
+
+
+def unsupported(what: str) -> Any:
+    """A declared OpenAI field that this server refuses unless it asks for nothing (:func:`refuse_unsupported`)."""
+    return Field(None, description=f"OpenAI's {what}: not supported; refused unless absent, null or a no-op value")
+
+
+def _same(value: Any, no_op: Any) -> bool:
+    return type(value) is type(no_op) and bool(value == no_op)  # so that 0 is no False, 1 no True
+
+
+def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
+    """The field validator of :func:`unsupported` fields: a value that asks for something is refused."""
+    name = str(info.field_name)
+    if value is None or any(_same(value, no_op) for no_op in NO_OP_VALUES[name]):
+        return value
+    raise ValueError(f"not supported by this server; {UNSUPPORTED_HINTS.get(name, 'leave it out')}")
+
+
+# ---------------------------------------------------------------------------------------------
 # The ``speculation`` extension
 
 
 class ChainTree(BaseModel):
     """``{"kind": "chain"}``: one chain of ``gamma`` draft tokens per cycle (the default)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     kind: Literal["chain"] = Field(..., description="a chain of gamma draft tokens per cycle")
 
@@ -142,7 +224,7 @@ class ChainTree(BaseModel):
 class DynamicTree(BaseModel):
     """``{"kind": "dynamic", ...}``: a tree grown per cycle within a budget, as EAGLE-2 does."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     kind: Literal["dynamic"] = Field(..., description="a tree grown each cycle from the draft's confidence")
     depth: int = Field(4, ge=1, le=MAX_TREE_DEPTH, description="levels below the last committed token")
@@ -163,7 +245,7 @@ TreePath = Annotated[list[TreeRank], Field(min_length=1, max_length=MAX_TREE_DEP
 class StaticTree(BaseModel):
     """``{"kind": "static", "paths": [[0], [1], [0, 0]]}``: one fixed topology as index paths (Medusa's form)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     kind: Literal["static"] = Field(..., description="the same tree shape every cycle")
     paths: list[TreePath] = Field(
@@ -193,7 +275,7 @@ TreeOptions = Annotated[ChainTree | DynamicTree | StaticTree, Field(discriminato
 class SpeculationOptions(BaseModel):
     """The ``speculation`` extension object: how this request drafts."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     enabled: bool = Field(True, description="draft and verify (true) or decode plainly (false); output is the same")
     gamma: int | None = Field(
@@ -279,7 +361,7 @@ class SpeculationOptions(BaseModel):
             for error in exc.errors():
                 loc = error["loc"][1:] if error["loc"][:1] and error["loc"][0] in TREE_KINDS else error["loc"]
                 where = ".".join(str(part) for part in loc)
-                reason = validator_words(str(error["msg"]))
+                reason = error_words(error)
                 if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
                     where, reason = "kind", "Input should be 'chain', 'dynamic' or 'static'"
                 reasons.append(f"{where}: {reason}" if where else reason)
@@ -288,20 +370,58 @@ class SpeculationOptions(BaseModel):
             ) from exc
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, logprobs: null...)
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: accepted and ignored (the last event of a stream carries ``usage`` anyway)."""
 
-    model: str = Field(..., min_length=1, description="the served model's name (see GET /v1/models)")
-    max_tokens: int | None = Field(None, ge=1, description="new tokens to generate at most; default: the server's")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy; otherwise sampling temperature")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool | None = Field(None, description="ignored: usage is always sent with the last event")
+
+
+class _Request(BaseModel):
+    model_config = STRICT
+
+    model: str = Field(..., min_length=1, max_length=256, description="the served model's name (see GET /v1/models)")
+    max_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="new tokens to generate at most; default: the server's"
+    )
+    temperature: float = Field(
+        1.0,
+        ge=0.0,
+        le=MAX_TEMPERATURE,
+        description=f"0 = greedy; otherwise the sampling temperature (below {GREEDY_BELOW:g}: greedy, as in vLLM)",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass in (0, 1]")
-    top_k: int = Field(0, ge=0, description="extension: keep the k most likely tokens (0 = off)")
-    seed: int | None = Field(None, ge=0, description="makes sampling reproducible for the same request")
-    stop: str | list[str] | None = Field(None, description="up to 4 strings; generation stops before them")
+    top_k: int = Field(
+        0,
+        ge=-1,
+        le=MAX_TOP_K,
+        description="extension: keep the k most likely tokens (0 or -1 = off; beyond the vocabulary: no truncation)",
+    )
+    seed: int | None = Field(
+        None, ge=0, lt=MAX_SEED, description="in [0, 2**63); makes sampling reproducible for the same request"
+    )
+    stop: str | list[str] | None = Field(
+        None,
+        description=f"up to {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters;"
+        " generation stops before them",
+    )
     n: int = Field(1, description="number of choices; only 1 is supported")
     stream: bool = Field(False, description="stream the answer as server-sent events")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-sequence token")
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions, description="extension")
+    # accepted and ignored
+    user: str | None = Field(None, max_length=256, description="OpenAI's end-user id: accepted and ignored")
+    stream_options: StreamOptions | None = Field(None, description="accepted and ignored")
+    # refused unless they ask for nothing
+    logprobs: Any = unsupported("log probabilities")
+    logit_bias: Any = unsupported("logit biases")
+    presence_penalty: Any = unsupported("presence penalty")
+    frequency_penalty: Any = unsupported("frequency penalty")
+
+    _unsupported = field_validator("logprobs", "logit_bias", "presence_penalty", "frequency_penalty")(
+        refuse_unsupported
+    )
 
     @field_validator("n")
     @classmethod
@@ -314,18 +434,21 @@ class _Request(BaseModel):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters"
+            )
         return stop
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling(self) -> SamplingParams:
+        """The engine's sampling parameters: a temperature below :data:`GREEDY_BELOW` is greedy, top_k -1 is 0."""
         return SamplingParams(
-            temperature=self.temperature,
+            temperature=self.temperature,  # below GREEDY_BELOW: SamplingParams makes it greedy
             top_p=self.top_p,
-            top_k=self.top_k,
+            top_k=max(self.top_k, 0),
             seed=self.seed or 0,
             drafter_invariant=self.speculation.drafter_invariant,
             acceptance=self.speculation.acceptance,
@@ -352,6 +475,11 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] = Field(..., description="the prompt text (or its token ids)")
+    echo: Any = unsupported("echo of the prompt")
+    best_of: Any = unsupported("best of several completions")
+    suffix: Any = unsupported("suffix (insertion)")
+
+    _unsupported_completion = field_validator("echo", "best_of", "suffix")(refuse_unsupported)
 
     @field_validator("prompt")
     @classmethod
@@ -362,16 +490,58 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant"] = Field(..., description="who said it")
     content: str = Field(..., description="what was said")
+    name: Any = unsupported("participant name")
+    tool_calls: Any = unsupported("tool calls")
+    tool_call_id: Any = unsupported("tool call id")
+    function_call: Any = unsupported("function call")
+    refusal: Any = unsupported("refusal")
+    annotations: Any = unsupported("annotations")
+    audio: Any = unsupported("audio")
+
+    _unsupported = field_validator(
+        "name", "tool_calls", "tool_call_id", "function_call", "refusal", "annotations", "audio"
+    )(refuse_unsupported)
+
+
+CHAT_UNSUPPORTED = (
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "max_completion_tokens",
+)
 
 
 class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(..., min_length=1, description="the conversation so far")
+    parallel_tool_calls: bool | None = Field(None, description="accepted and ignored (tools are not supported)")
+    top_logprobs: Any = unsupported("top log probabilities")
+    response_format: Any = unsupported("response format (JSON mode, structured output)")
+    tools: Any = unsupported("tools")
+    tool_choice: Any = unsupported("tool choice")
+    functions: Any = unsupported("functions (deprecated tools)")
+    function_call: Any = unsupported("function call (deprecated tool choice)")
+    modalities: Any = unsupported("output modalities")
+    audio: Any = unsupported("audio output")
+    prediction: Any = unsupported("predicted output")
+    reasoning_effort: Any = unsupported("reasoning effort")
+    web_search_options: Any = unsupported("web search")
+    max_completion_tokens: Any = unsupported("max_completion_tokens (send max_tokens)")
+
+    _unsupported_chat = field_validator(*CHAT_UNSUPPORTED)(refuse_unsupported)
 
 
 def parse_request(kind: type[_Request], body: bytes, max_body_bytes: int) -> Any:

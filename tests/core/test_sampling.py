@@ -23,6 +23,7 @@ from specserve.core.sampling import (
     sample,
     warp_probs,
 )
+from specserve.core.sampling_params import GREEDY_BELOW
 
 ALPHA = 1e-4  # per-test significance of every chi-square test in this module
 
@@ -268,3 +269,11 @@ def test_make_generators_leave_global_rng_alone() -> None:
     draws(gens.verify)
     draws(gens.draft)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-36, GREEDY_BELOW / 2])
+def test_a_temperature_below_the_floor_is_greedy(temperature: float) -> None:
+    """Dividing logits by such a temperature overflows (NaN probabilities); it is greedy instead, as in vLLM."""
+    params = SamplingParams(temperature=temperature)
+    assert params.temperature == 0.0 and params.greedy and params.mode == "greedy"
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy

@@ -44,6 +44,7 @@ SERVE_SAMPLES: dict[str, Any] = {
     "default_max_tokens": 64,
     "max_ongoing_requests": 32,
     "max_body_bytes": 4096,
+    "api_docs": "off",
 }
 # What Ray prints by itself on a clean run, and specserve avoids.
 NOISE = ("Token authentication", "will not be applied", "graceful_shutdown", "retries remaining")

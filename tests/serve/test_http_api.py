@@ -5,8 +5,10 @@ actors) serves the shipped default models with an API key for the whole module. 
 answers equal ``specserve generate`` and transformers' greedy decoding token for token; streamed
 text equals the whole answer; draft trees give the chain's answer, and drafter-invariant sampling
 the same text whoever drafts; every bad request gets OpenAI's error JSON with a 4xx and the
-server keeps serving; the API key; a client that disconnects mid-stream cancels its generation
-and frees its KV; Prometheus metrics reach Ray's exporter.
+server keeps serving; the API key, a body that is not JSON (415) and the API docs (off: a key is
+set); what Serve's own proxy routes answer; a client that disconnects mid-stream cancels its
+generation and frees its KV; Prometheus metrics, the idle queue gauges among them, reach Ray's
+exporter.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def client(url: str) -> openai.OpenAI:
 
 
 def post(url: str, path: str, body: Any, key: str | None = KEY, **kwargs: Any) -> requests.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return requests.post(f"{url}{path}", data=data, headers=headers, timeout=120, **kwargs)
 
@@ -279,6 +281,22 @@ def test_api_key(url: str) -> None:
     assert requests.get(f"{url}/health", timeout=30).status_code == 200  # probes need no key
 
 
+def test_bodies_must_be_json_and_docs_are_off_with_a_key(url: str) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"}
+    answer = requests.post(f"{url}/v1/completions", data=json.dumps(GOOD), headers=headers, timeout=30)
+    assert answer.status_code == 415 and answer.json()["error"]["code"] == "unsupported_media_type"
+    for path in ("/docs", "/redoc", "/openapi.json"):  # api_docs "auto": off, since a key is set
+        assert requests.get(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 404
+
+
+def test_what_serves_own_proxy_routes_reveal(url: str) -> None:
+    """Serve's proxy answers these before a request reaches the app, key or no key (docs/security.md)."""
+    routes = requests.get(f"{url}/-/routes", timeout=30)
+    assert routes.status_code == 200 and routes.json()["/"] == APP  # route prefixes and application names
+    healthz = requests.get(f"{url}/-/healthz", timeout=30)
+    assert healthz.status_code == 200 and healthz.text == "success"
+
+
 # ---------------------------------------------------------------------------------------------
 # Disconnects and metrics
 
@@ -313,6 +331,7 @@ def test_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any) -> No
         "ray_specserve_tokens_per_second_bucket",
         "ray_specserve_time_to_first_token_seconds_bucket",
         "ray_specserve_queue_length",
+        "ray_specserve_running_requests",
     }
     seen: set[str] = set()
 

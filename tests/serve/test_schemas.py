@@ -10,19 +10,30 @@ import yaml
 from pydantic import ValidationError
 
 from specserve.core.engine import REQUEST_DRAFTERS
+from specserve.core.model import ModelInfo
+from specserve.core.prompts import PromptCodec
+from specserve.core.sampling_params import MAX_TOP_K
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.serve.config import API_KEY_ENV, ServeConfig
+from specserve.serve.openai_api import OpenAIHandler
 from specserve.serve.schemas import (
+    GREEDY_BELOW,
+    MAX_STOP_CHARS,
+    MAX_TEMPERATURE,
+    MAX_TOKENS,
     MAX_TREE_DEPTH,
     MAX_TREE_NODES,
     MAX_TREE_WIDTH,
+    NO_OP_VALUES,
     ChainTree,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DynamicTree,
     RequestError,
     SpeculationOptions,
     StaticTree,
+    StreamOptions,
     parse_request,
 )
 
@@ -58,7 +69,7 @@ GOOD = {"model": "m", "prompt": "hi"}
         ({"prompt": ""}, "prompt", "empty"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"speculation": {"gamma": 0}}, "speculation.gamma", "greater than or equal to 1"),
-        ({"speculation": {"gama": 3}}, "speculation.gama", "Extra inputs"),
+        ({"speculation": {"gama": 3}}, "speculation.gama", "unknown field"),
         ({"speculation": {"drafter": "eagle"}}, "speculation.drafter", "'default', 'ngram' or 'none'"),
         ({"speculation": {"drafter": "models/draft"}}, "speculation.drafter", "'default', 'ngram' or 'none'"),
     ],
@@ -155,7 +166,7 @@ TOO_DEEP = [[0] * (MAX_TREE_DEPTH + 1)]
         ({"kind": "dynamic", "depth": MAX_TREE_DEPTH + 1}, f"depth: {LE} {MAX_TREE_DEPTH}"),
         ({"kind": "dynamic", "width": MAX_TREE_WIDTH + 1}, f"width: {LE} {MAX_TREE_WIDTH}"),
         ({"kind": "dynamic", "nodes": MAX_TREE_NODES + 1}, f"nodes: {LE} {MAX_TREE_NODES}"),
-        ({"kind": "chain", "depth": 3}, "depth: Extra inputs are not permitted"),
+        ({"kind": "chain", "depth": 3}, "depth: unknown field"),
         ({"kind": "static"}, "paths: Field required"),
         ({"kind": "static", "paths": []}, "paths: List should have at least 1 item"),
         ({"kind": "static", "paths": [[0], [0, 1, 0]]}, "paths: topology path (0, 1, 0) has no parent path (0, 1)"),
@@ -237,3 +248,292 @@ def test_engine_errors_are_worded_as_the_client_sent_the_request() -> None:
     error = RequestError.from_user_error(UserError("prompt (3 tokens) + max_new_tokens (9) exceed 10"), param="x")
     assert error.message == "prompt (3 tokens) + max_tokens (9) exceed 10" and error.status == 400
     assert refused({**GOOD, "prompt": ""}).message == "prompt: the prompt is empty; send at least one character"
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 17: strict, bounded bodies. First the operator's probe, one regression test per finding.
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_probe_seed_of_2_to_the_63_is_a_400_not_a_500() -> None:
+    error = refused({**GOOD, "seed": 2**63})
+    assert error.status == 400 and error.param == "seed" and "less than 9223372036854775808" in error.message
+    last = parse({**GOOD, "seed": 2**63 - 1})
+    assert isinstance(last, CompletionRequest) and last.sampling().seed == 2**63 - 1
+    assert refused({**GOOD, "seed": 10**400}).param == "seed"  # arbitrarily large JSON integers too
+    assert refused({**GOOD, "seed": -1}).param == "seed"
+
+
+def test_probe_top_k_above_max_top_k_is_a_400_and_beyond_the_vocabulary_truncates_nothing() -> None:
+    error = refused({**GOOD, "top_k": MAX_TOP_K + 1})  # 1048577, the probe's value
+    assert error.status == 400 and error.param == "top_k" and f"less than or equal to {MAX_TOP_K}" in error.message
+    for top_k in (MAX_TOP_K, 1000):  # beyond any test vocabulary: accepted, and warp_probs keeps every token
+        request = parse({**GOOD, "top_k": top_k})
+        assert isinstance(request, CompletionRequest) and request.sampling().top_k == top_k
+    off = parse({**GOOD, "top_k": -1})  # vLLM's "off"
+    assert isinstance(off, CompletionRequest) and off.sampling().top_k == 0
+    assert refused({**GOOD, "top_k": -2}).param == "top_k"
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, GREEDY_BELOW / 2])
+def test_probe_a_temperature_below_the_floor_is_greedy(temperature: float) -> None:
+    request = parse({**GOOD, "temperature": temperature})
+    assert isinstance(request, CompletionRequest)
+    params = request.sampling()
+    assert params.greedy and params.mode == "greedy" and params.temperature == 0.0
+
+
+def test_the_temperature_floor_itself_samples() -> None:
+    request = parse({**GOOD, "temperature": GREEDY_BELOW})
+    assert isinstance(request, CompletionRequest)
+    assert request.sampling().temperature == GREEDY_BELOW and not request.sampling().greedy
+    assert refused({**GOOD, "temperature": 100.5}).param == "temperature"
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"temperature": True}, "temperature", "valid number"),
+        ({"max_tokens": "16"}, "max_tokens", "valid integer"),
+        ({"speculation": {"enabled": "no"}}, "speculation.enabled", "valid boolean"),
+    ],
+)
+def test_probe_wrong_json_types_are_refused_not_coerced(change: dict[str, object], param: str, words: str) -> None:
+    error = refused({**GOOD, **change})
+    assert error.status == 400 and error.param == param and words in error.message, error.message
+
+
+# Strict types ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": False}, "temperature"),
+        ({"top_p": True}, "top_p"),
+        ({"top_k": 5.0}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"seed": 3.0}, "seed"),
+        ({"seed": "3"}, "seed"),
+        ({"max_tokens": 16.0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"n": 1.0}, "n"),
+        ({"n": True}, "n"),
+        ({"stream": "true"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"ignore_eos": 0}, "ignore_eos"),
+        ({"model": 5}, "model"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": [1, 2.0]}, "prompt"),
+        ({"prompt": {"text": "x"}}, "prompt"),
+        ({"stop": 5}, "stop"),
+        ({"stop": [1]}, "stop"),
+        ({"speculation": {"gamma": "3"}}, "speculation.gamma"),
+        ({"speculation": {"gamma": 3.0}}, "speculation.gamma"),
+        ({"speculation": {"drafter_invariant": 1}}, "speculation.drafter_invariant"),
+        ({"speculation": {"typical_epsilon": "0.1"}}, "speculation.typical_epsilon"),
+        ({"speculation": {"tree": {"kind": "dynamic", "depth": True}}}, "speculation.tree"),
+        ({"speculation": "on"}, "speculation"),
+    ],
+)
+def test_types_are_json_s_own(change: dict[str, object], param: str) -> None:
+    error = refused({**GOOD, **change})
+    assert error.status == 400 and error.param == param, error.message
+    assert error.message.startswith(f"{param}: ")
+
+
+def test_integers_are_numbers() -> None:
+    request = parse({**GOOD, "temperature": 1, "top_p": 1, "speculation": {"typical_delta": 1}})
+    assert isinstance(request, CompletionRequest) and request.temperature == 1.0 and request.top_p == 1.0
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e400", str(10**400).encode()])
+def test_numbers_are_finite(literal: bytes) -> None:
+    for field in (b"temperature", b"top_p"):
+        error = refused(b'{"model": "m", "prompt": "x", "' + field + b'": ' + literal + b"}")
+        assert error.param == field.decode(), error.message
+
+
+@pytest.mark.parametrize("body", [b"[]", b"null", b"1", b'"text"', b"true"])
+def test_the_body_is_a_json_object(body: bytes) -> None:
+    error = refused(body)
+    assert error.param is None and error.message == "the request body must be a JSON object"
+
+
+@pytest.mark.parametrize("body", [b"", b"\xff\xfe", b"{" * 10_000, b"[" * 3000 + b"]" * 3000, b'{"model": "m",}'])
+def test_junk_bodies_are_invalid_json(body: bytes) -> None:
+    error = refused(body) if len(body) <= LIMIT else refused_big(body)
+    assert error.code == "invalid_json" and error.param is None
+
+
+def refused_big(body: bytes) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        parse_request(CompletionRequest, body, len(body))
+    return info.value
+
+
+# Bounds ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"max_tokens": MAX_TOKENS + 1}, "max_tokens", f"less than or equal to {MAX_TOKENS}"),
+        ({"max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
+        ({"temperature": MAX_TEMPERATURE * 2}, "temperature", "less than or equal to 100"),
+        ({"top_p": -1e-300}, "top_p", "greater than 0"),
+        ({"n": 0}, "n", "only n = 1"),
+        ({"n": 10**30}, "n", "only n = 1"),
+        ({"stop": ""}, "stop", "non-empty"),
+        ({"stop": ["a", ""]}, "stop", "non-empty"),
+        ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop", f"at most {MAX_STOP_CHARS} characters"),
+        ({"model": ""}, "model", "at least 1 character"),
+        ({"model": "m" * 257}, "model", "at most 256 characters"),
+        ({"user": "u" * 257}, "user", "at most 256 characters"),
+        ({"speculation": {"gamma": 65}}, "speculation.gamma", "less than or equal to 64"),
+        ({"speculation": {"gamma": -(2**70)}}, "speculation.gamma", "greater than or equal to 1"),
+        ({"speculation": {"typical_epsilon": 1}}, "speculation.typical_epsilon", "less than 1"),
+        ({"speculation": {"typical_delta": 0}}, "speculation.typical_delta", "greater than 0"),
+        ({"speculation": {"tree": {"kind": "dynamic", "expand": 9}}}, "speculation.tree", "less than or equal to 8"),
+    ],
+)
+def test_every_number_is_bounded(change: dict[str, object], param: str, words: str) -> None:
+    error = refused({**GOOD, **change})
+    assert error.status == 400 and error.param == param and words in error.message, error.message
+
+
+def test_stop_strings_at_the_bounds_are_accepted() -> None:
+    stops = ["x" * MAX_STOP_CHARS] * 4
+    request = parse({**GOOD, "stop": stops})
+    assert isinstance(request, CompletionRequest) and request.stop_strings() == tuple(stops)
+
+
+def test_engine_checks_that_still_fail_are_a_400_from_prepare() -> None:
+    """Defence in depth: a request the schema let through but the engine refuses is the client's 400, never a 500."""
+    info = ModelInfo(path="<none>", vocab_size=10, max_positions=1024, eos_token_ids=(2,), architecture="x")
+    handler = OpenAIHandler(PromptCodec(info, tokenizer=None), ServeConfig(model_name="m"))
+    request = CompletionRequest.model_construct(model="m", prompt=[3, 4], seed=2**64)  # skips validation
+    with pytest.raises(RequestError) as error:
+        handler.prepare(request)
+    assert error.value.status == 400 and "seed" in error.value.message
+    prepared = handler.prepare(
+        CompletionRequest.model_validate({"model": "m", "prompt": [3, 4], "temperature": 1e-300})
+    )
+    assert prepared.params.greedy
+
+
+# Fields this server does not implement, and unknown fields ------------------------------------
+
+UNSUPPORTED_COMPLETION = [
+    ("echo", True),
+    ("logprobs", 0),
+    ("logprobs", 5),
+    ("logit_bias", {"50256": -100}),
+    ("best_of", 2),
+    ("suffix", "}"),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", -1),
+    ("frequency_penalty", False),  # a boolean is no 0
+]
+UNSUPPORTED_CHAT = [
+    ("logprobs", True),
+    ("top_logprobs", 3),
+    ("logit_bias", {"1": 1}),
+    ("presence_penalty", 1.5),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("reasoning_effort", "low"),
+    ("web_search_options", {}),
+    ("max_completion_tokens", 16),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), UNSUPPORTED_COMPLETION)
+def test_unsupported_completion_fields_are_refused(field: str, value: object) -> None:
+    error = refused({**GOOD, field: value})
+    assert error.status == 400 and error.param == field and error.code == "invalid_value"
+    assert error.message == f"{field}: not supported by this server; leave it out", error.message
+
+
+@pytest.mark.parametrize(("field", "value"), UNSUPPORTED_CHAT)
+def test_unsupported_chat_fields_are_refused(field: str, value: object) -> None:
+    error = refused({**CHAT, field: value}, ChatCompletionRequest)
+    assert error.status == 400 and error.param == field
+    assert f"{field}: not supported by this server; " in error.message, error.message
+    if field == "max_completion_tokens":
+        assert "send max_tokens instead" in error.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("name", "bob"), ("tool_calls", [{"id": "1"}]), ("tool_call_id", "1"), ("refusal", "no")]
+)
+def test_unsupported_message_fields_are_refused(field: str, value: object) -> None:
+    body = {**CHAT, "messages": [{"role": "assistant", "content": "x", field: value}]}
+    error = refused(body, ChatCompletionRequest)
+    assert error.param == f"messages.0.{field}" and "not supported by this server" in error.message
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted() -> None:
+    """What clients send as defaults asks for nothing: accepted."""
+    completion = {
+        "echo": False, "logprobs": None, "logit_bias": {}, "best_of": 1, "suffix": None,
+        "presence_penalty": 0, "frequency_penalty": 0.0,
+    }  # fmt: skip
+    assert isinstance(parse({**GOOD, **completion}), CompletionRequest)
+    chat = {
+        "logprobs": False, "top_logprobs": None, "logit_bias": None, "response_format": {"type": "text"},
+        "tools": [], "tool_choice": "none", "functions": None, "modalities": ["text"], "parallel_tool_calls": True,
+        "max_completion_tokens": None,
+    }  # fmt: skip
+    message = {"role": "assistant", "content": "x", "name": None, "tool_calls": [], "refusal": None}
+    request = parse({**CHAT, **chat, "messages": [message]}, ChatCompletionRequest)
+    assert isinstance(request, ChatCompletionRequest)
+
+
+def test_harmless_fields_are_accepted_and_ignored() -> None:
+    for kind, base in ((CompletionRequest, GOOD), (ChatCompletionRequest, CHAT)):
+        request = parse({**base, "user": "u-1", "stream": True, "stream_options": {"include_usage": True}}, kind)
+        assert isinstance(request, kind) and request.stream
+    assert refused({**GOOD, "stream_options": {"include_usage": "yes"}}).param == "stream_options.include_usage"
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        (CompletionRequest, {**GOOD, "foo": 1}, "foo"),
+        (CompletionRequest, {**GOOD, "repetition_penalty": 1.1}, "repetition_penalty"),  # vLLM's, not ours
+        (CompletionRequest, {**GOOD, "tools": []}, "tools"),  # a chat field, not a completions one
+        (CompletionRequest, {**GOOD, "messages": []}, "messages"),
+        (ChatCompletionRequest, {**CHAT, "prompt": "x"}, "prompt"),
+        (ChatCompletionRequest, {**CHAT, "echo": False}, "echo"),
+        (ChatCompletionRequest, {**CHAT, "messages": [{"role": "user", "content": "x", "x": 1}]}, "messages.0.x"),
+    ],
+)
+def test_unknown_fields_are_refused_by_name(kind: type, body: dict[str, object], param: str) -> None:
+    error = refused(body, kind)
+    assert error.status == 400 and error.param == param
+    assert (
+        error.message
+        == f"{param}: unknown field: this route takes the OpenAI fields and extensions listed in docs/usage.md"
+    )
+
+
+def test_every_field_is_documented() -> None:
+    for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, SpeculationOptions, StreamOptions):
+        undocumented = [name for name, field in model.model_fields.items() if not field.description]
+        assert not undocumented, f"{model.__name__}: {undocumented}"
+    unsupported = [
+        name
+        for name, field in ChatCompletionRequest.model_fields.items()
+        if "refused unless" in (field.description or "")
+    ]
+    assert set(unsupported) <= set(NO_OP_VALUES)

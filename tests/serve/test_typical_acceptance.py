@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 import pytest
-import ray.util.metrics
 from conftest import TinyPair
+from metric_helpers import record_metrics
 
 from specserve.core.engine import SpeculativeEngine
 from specserve.core.stats import RequestStats
@@ -71,22 +71,8 @@ def test_answers_say_lossy(pair: TinyPair) -> None:
     assert exact["speculation"]["lossy"] is False and exact["speculation"]["sampling"] == "rejection"
 
 
-class FakeMetric:
-    """Records (value, tags) of every update instead of exporting it."""
-
-    def __init__(self, name: str, *args: Any, **kwargs: Any) -> None:
-        self.name = name
-        self.updates: list[tuple[float, dict[str, str]]] = []
-
-    def inc(self, value: float, tags: dict[str, str]) -> None:
-        self.updates.append((value, tags))
-
-    observe = set = inc
-
-
 def test_request_metrics_carry_the_requests_lossy_tag(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(ray.util.metrics, name, FakeMetric)
+    record_metrics(monkeypatch)
     metrics = ServeMetrics("tiny")
     stats = RequestStats()
     stats.new_tokens = 3
