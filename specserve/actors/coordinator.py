@@ -17,6 +17,14 @@ The request's ``policy`` (fixed, heuristic or adaptive: ``specserve.policies``),
 ``tree`` budget, and its ``drafter`` (configured, ``ngram`` or ``none``) go to the drafter actor,
 which decides each cycle's budget there (its replica's estimates are shared by its requests); trees
 are verified with tree attention on every shard.
+The drafter is an optimisation, so losing it costs speed, never the request: when the drafter actor
+dies mid-request (Ray restarts it for later requests, :data:`~specserve.actors.replica.DRAFTER_MAX_RESTARTS`),
+the coordinator finishes the request itself without speculation (:meth:`Coordinator._decode_plainly`):
+it takes the tokens rank 0 committed that the drafter never reported, then asks rank 0 for one
+plain cycle (an empty draft) at a time. Greedy output is therefore the same tokens; a sampled
+request stays distributed as the target's, and with drafter-invariant sampling it is the same
+tokens as without the fault (the verifier's random stream otherwise depends on the drafts it saw).
+
 A replica with ``max_num_seqs`` > 1 serves that many requests at once: call :meth:`~Coordinator.stream`
 from as many threads; rank 0 verifies their drafts together, one forward per step, and the drafter
 actor runs their loops side by side. Otherwise a replica serves one request at a time (its drafter
@@ -25,6 +33,8 @@ holds one request's state), and concurrent callers wait their turn in the drafte
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -33,11 +43,15 @@ from typing import Any
 from specserve.actors.drafter import CycleReport, DraftJob
 from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
 from specserve.core.detokenize import TextStream
+from specserve.core.draft import Draft
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput
 from specserve.core.model import load_tokenizer
 from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
+
+logger = logging.getLogger(__name__)
+PROGRESS_TIMEOUT_S = 60.0  # a plain cycle or a progress query on rank 0 (a live rank 0 answers within a step)
 
 
 class Coordinator(GenerationFrontend):
@@ -68,11 +82,13 @@ class Coordinator(GenerationFrontend):
         return list(ray.get(self.replica.rank0.active_requests.remote(), timeout=30))
 
     def check_health(self, timeout_s: float = 30.0) -> None:
-        """Raises when any of the replica's actors is dead or does not answer within ``timeout_s``."""
+        """Raises when any of the replica's actors is dead or does not answer within ``timeout_s``. A drafter that
+        Ray is restarting is no failure: its requests go on without speculation meanwhile."""
         import ray
 
-        actors = [*self.replica.shards, self.replica.drafter]
-        ray.get([actor.node_id.remote() for actor in actors], timeout=timeout_s)
+        ray.get([shard.node_id.remote() for shard in self.replica.shards], timeout=timeout_s)
+        with contextlib.suppress(ray.exceptions.ActorUnavailableError):
+            ray.get(self.replica.drafter.node_id.remote(), timeout=timeout_s)
 
     # -----------------------------------------------------------------------------------------
 
@@ -118,14 +134,44 @@ class Coordinator(GenerationFrontend):
             reports = replica.drafter.run.options(num_returns="streaming").remote(job, [started])
             ray.get(started)
             stats.prefill_seconds = time.perf_counter() - start
-            for ref in reports:
-                batch: list[CycleReport] = ray.get(ref)
-                for report in batch:
-                    stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
-                    yield out.push(report.new_tokens, report.finish)  # the target's finish reason, from the wire
-                    if out.finish is not None:
-                        return
+            try:
+                for ref in reports:
+                    batch: list[CycleReport] = ray.get(ref)
+                    for report in batch:
+                        stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
+                        yield out.push(report.new_tokens, report.finish)  # the target's finish reason, from the wire
+                        if out.finish is not None:
+                            return
+            except ray.exceptions.RayActorError as exc:  # the drafter died (or is restarting): go on without it
+                logger.warning("request %s lost its drafter (%s); it continues without speculation", request_id, exc)
+                yield from self._decode_plainly(request_id, out)
         finally:
             if out.finish not in ("eos", "length"):  # stopped early, failed or abandoned by the caller
                 replica.drafter.cancel.remote(request_id)
             replica.rank0.finish_request.remote(request_id)
+
+    def _decode_plainly(self, request_id: str, out: RequestOutput) -> ChunkStream:
+        """Finish a request whose drafter is gone: rank 0's committed tokens the drafter never reported, then one
+        plain cycle (an empty draft: one token from the target's distribution) at a time until it finishes."""
+        import ray
+
+        from specserve.rpc.verifier import UnknownRequest
+
+        rank0 = self.replica.rank0
+        cycle = 0
+        while out.finish is None:
+            committed, finish = ray.get(rank0.progress.remote(request_id), timeout=PROGRESS_TIMEOUT_S)
+            missed = committed[len(out.prompt_ids) + len(out.tokens) :]  # cycles whose reports died with the drafter
+            if missed or finish is not None:
+                yield out.push(missed, finish)
+                continue
+            try:
+                outcome = ray.get(rank0.verify.remote(request_id, cycle, Draft.empty()), timeout=PROGRESS_TIMEOUT_S)
+            except UnknownRequest:  # the lost drafter's last draft is still queued, or it finished the request
+                time.sleep(0.01)
+                continue  # progress says what it committed
+            cycle += 1
+            if outcome.committed_length - len(outcome.new_tokens) != len(out.prompt_ids) + len(out.tokens):
+                continue  # a cycle of the lost drafter committed first: progress has its tokens and this one's
+            out.stats.record_cycle(0, 0, 0.0, outcome.verify_seconds, allreduce_seconds=outcome.allreduce_seconds)
+            yield out.push(outcome.new_tokens, outcome.finish)

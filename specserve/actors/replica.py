@@ -7,7 +7,8 @@ or a separate group on the "cheap" resource for the drafter. The shard actors jo
 every rank's ``init_tensor_parallel`` is submitted before any is awaited, since each blocks until all have joined — and
 rank 0 starts the gRPC verifier the drafter streams to. A batched replica (``max_num_seqs`` > 1) gives every rank a KV
 pool of ``kv_pool_tokens`` positions (by default room for that many requests of ``max_seq_len``) and the drafter as many
-concurrent request loops; rank 0 then verifies its running requests' drafts together.
+concurrent request loops; rank 0 then verifies its running requests' drafts together. Ray restarts a drafter that dies
+(:data:`DRAFTER_MAX_RESTARTS` times); the shards are not restarted.
 
 Needs a connected Ray (``ray.init``) whose nodes declare the custom resources the spec names;
 a cluster that lacks them gets a clear error after ``ready_timeout_s`` instead of a hang.
@@ -26,6 +27,10 @@ from specserve.cluster.placement import replica_placement
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
 from specserve.core.model import ModelInfo
+
+# Times Ray restarts a replica's drafter actor after it dies; its requests meanwhile finish without speculation
+# (specserve.actors.coordinator), later ones draft again.
+DRAFTER_MAX_RESTARTS = 3
 
 
 class ReplicaStartError(UserError):
@@ -134,6 +139,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             group, bundle = groups[1], 0
             resources = dict(plan.drafter.bundles[0])
         drafter: Any = drafter_cls.options(
+            max_restarts=DRAFTER_MAX_RESTARTS,  # a lost drafter costs its requests speed; later ones get it back
             num_cpus=resources.pop("CPU", 0.0),
             num_gpus=resources.pop("GPU", 0.0),
             resources=resources,

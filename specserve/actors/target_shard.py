@@ -46,7 +46,7 @@ from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.target import CycleOutcome, PooledSequence, TargetVerifier
+from specserve.core.target import CycleOutcome, FinishReason, PooledSequence, TargetVerifier
 from specserve.core.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
 from specserve.core.tree import DraftTree
 from specserve.rpc.verifier import UnknownRequest, VerifierServer
@@ -594,6 +594,15 @@ class TargetShardActor:
     def committed(self, request_id: str) -> list[int]:
         with self._lock:
             return list(self._requests[request_id].verifier.committed)
+
+    def progress(self, request_id: str) -> tuple[list[int], FinishReason | None]:
+        """A running request's committed tokens (prompt + output) and its finish reason (``None`` while it runs):
+        where a coordinator that lost the request's drafter takes over (:meth:`Coordinator._decode_plainly`)."""
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                raise UnknownRequest(f"request {request_id!r} is not running on this replica")
+            return list(request.verifier.committed), request.verifier.finish
 
     def sequence_id(self, request_id: str) -> int:
         """Where a request's KV lives on every rank: its cache's id, or its sequence in the pool (batched replicas)."""
