@@ -24,8 +24,7 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: install demo test lint typecheck pytest bench bench-batch train protos clean
 
 # The torch step is keyed by TORCH_SPEC and TORCH_INDEX: changing either (a CUDA build after a CPU one) reinstalls
-# torch, then the rest; pyproject.toml changes reinstall the rest only. The editable install is setuptools' "compat"
-# mode (a .pth file naming this directory): its default mode warns on every install.
+# torch, then the rest; pyproject.toml changes reinstall the rest only.
 TORCH_KEY := $(shell printf '%s %s' '$(TORCH_SPEC)' '$(TORCH_INDEX)' | cksum | cut -d' ' -f1)
 TORCH_STAMP := $(VENV)/.torch-$(TORCH_KEY)
 
@@ -39,8 +38,7 @@ $(TORCH_STAMP):
 
 $(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
 	@echo "==> [2/2] specserve and its dependencies (transformers, Ray Serve, gRPC, test tools): about 2 minutes"
-	$(BIN)/python -m pip install --progress-bar on --config-settings editable_mode=compat -e ".[dev]" \
-		| { grep -v "^Requirement already satisfied" || true; }
+	$(BIN)/python -m pip install --progress-bar on -e ".[dev]" | { grep -v "^Requirement already satisfied" || true; }
 	$(BIN)/python -c "import specserve, torch, transformers, ray; print('==> installed: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
 	touch $@
 

@@ -122,6 +122,7 @@ class Coordinator(GenerationFrontend):
             gamma=config.gamma,
             max_new_tokens=config.max_new_tokens,
             verifier_address=replica.verifier_address,
+            verifier_token=replica.verifier_token,
             overlap=replica.config.overlap,
             drafter=config.drafter,
             tree=config.tree,

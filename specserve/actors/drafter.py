@@ -70,6 +70,7 @@ class DraftJob:
     gamma: int
     max_new_tokens: int
     verifier_address: str
+    verifier_token: str = ""  # presented to the verifier (its replica's secret); empty: a verifier without one
     overlap: bool = False
     report_interval_s: float = 0.1  # after the first cycle, reports are batched at most this often
     drafter: str = "default"  # the configured drafter, "ngram" or "none" (REQUEST_DRAFTERS)
@@ -214,7 +215,7 @@ class DrafterActor:
             ray.get(list(target_ready))  # raises the target's error if it could not admit the request
         gatherer = self._gatherer
         shares = gatherer is not None and isinstance(drafter, BatchedDrafter) and not job.overlap and job.tree is None
-        stream = VerifierStream(self._channel(job.verifier_address))
+        stream = VerifierStream(self._channel(job.verifier_address), token=job.verifier_token or None)
         # Reports not yet sent to the caller. Each yield costs about a millisecond of CPU in this process and
         # the caller's, which on a small machine slows the target's verify: after the first cycle (time to
         # first token) they go out in batches, at most every report_interval_s, while the target verifies.

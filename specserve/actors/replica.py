@@ -45,6 +45,7 @@ class Replica:
     groups: list[Any]  # placement groups
     verifier_address: str
     target_info: ModelInfo
+    verifier_token: str = ""  # what the replica's drafters present to rank 0's verifier
     feature_layers: tuple[int, ...] = ()  # the configured drafter reads these target features (EAGLE, Medusa)
 
     @property
@@ -129,6 +130,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
         host, port = ray.get(shards[0].rendezvous.remote())
         ray.get([shard.init_tensor_parallel.remote(host, port, config.collective_timeout_s) for shard in shards])
         address: str = ray.get(shards[0].start_server.remote(config.verifier_host))
+        token: str = ray.get(shards[0].verifier_token.remote())
         info: ModelInfo = ray.get(shards[0].describe.remote())
 
         if plan.drafter is None:
@@ -169,7 +171,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
         for group in groups:
             remove_placement_group(group)
         raise
-    return Replica(config, shards, drafter, groups, address, info, feature_layers)
+    return Replica(config, shards, drafter, groups, address, info, verifier_token=token, feature_layers=feature_layers)
 
 
 def _actor_env(threads: int) -> dict[str, str]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -310,6 +311,7 @@ class TargetShardActor:
         self._requests: dict[str, _Request] = {}  # rank 0 only
         self._next_sequence = 0
         self._server: VerifierServer | None = None
+        self._token = secrets.token_urlsafe(32)  # rank 0's verifier serves only streams that present it
         self._loop: Future[object] | None = None
         self._stopped = threading.Event()  # set by shutdown(): rank 0's heartbeat stops
         self._heartbeat_s = 20.0
@@ -391,7 +393,7 @@ class TargetShardActor:
             # batched: each stream's handler thread waits for its step (the batcher runs steps on the compute thread)
             run_in = None if self._batcher is not None else self.compute.run
             self._server = VerifierServer(
-                self, host=host, port=port, run_in=run_in, max_workers=self._max_num_seqs + 16
+                self, host=host, port=port, run_in=run_in, max_workers=self._max_num_seqs + 16, token=self._token
             )
             self._server.start()
         address = self._server.address
@@ -400,6 +402,11 @@ class TargetShardActor:
 
             address = f"{ray.util.get_node_ip_address()}:{address.rsplit(':', 1)[1]}"
         return address
+
+    def verifier_token(self) -> str:
+        """Rank 0: the secret the replica's drafters present to its verifier (made when the actor starts)."""
+        self._require_rank0()
+        return self._token
 
     def describe(self) -> ModelInfo:
         return self.target.info

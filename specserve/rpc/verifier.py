@@ -7,15 +7,18 @@ received is unpickled. Message-size limits are set explicitly on both ends
 (:data:`~specserve.rpc.codec.MAX_MESSAGE_BYTES`); a malformed tree ends the stream with
 ``INVALID_ARGUMENT``, an unknown request with ``NOT_FOUND``, and the server keeps serving.
 
-The server binds to 127.0.0.1 unless told otherwise. What verification means is the backend's
-business (:class:`VerifierBackend`, which returns the core
-:class:`~specserve.core.target.CycleOutcome`); this module only carries messages, and only
+The server binds to 127.0.0.1 unless told otherwise. Given a ``token`` (a replica's rank 0 makes one
+per replica), it serves only streams whose metadata carries it (:data:`TOKEN_KEY`, compared in
+constant time); any other stream ends at once with ``UNAUTHENTICATED``, before a message is read.
+What verification means is the backend's business (:class:`VerifierBackend`, which returns the
+core :class:`~specserve.core.target.CycleOutcome`); this module only carries messages, and only
 :mod:`specserve.rpc` encodes protobuf.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import queue
 from collections.abc import Callable, Iterator
@@ -41,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE = "specserve.v1.Verifier"
 SPECULATE = f"/{SERVICE}/Speculate"
+TOKEN_KEY = "x-specserve-verifier-token"  # the stream metadata that carries the replica's secret
 
 
 def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -82,10 +86,13 @@ class VerifierServer:
         max_workers: int = 16,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         run_in: Callable[[Callable[[], bytes]], bytes] | None = None,
+        token: str | None = None,
     ) -> None:
         """``run_in`` runs each message's decode + verify + encode somewhere else than the gRPC
-        handler thread (an actor passes its compute thread); by default it runs in place."""
+        handler thread (an actor passes its compute thread); by default it runs in place. With ``token``, only
+        streams that present it are served."""
         self.backend = backend
+        self._token = token
         self._run_in = run_in or (lambda fn: fn())
         executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="verifier")
         self._server = grpc.server(executor, options=grpc_options(max_message_bytes))
@@ -106,6 +113,8 @@ class VerifierServer:
         self._server.stop(grace).wait()
 
     def _speculate(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        if self._token is not None and not self._authentic(context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this verifier serves its replica's drafters only")
         for data in requests:
             try:
                 reply = self._run_in(functools.partial(self._handle, data))
@@ -119,6 +128,11 @@ class VerifierServer:
                 logger.exception("verification failed")
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             yield reply
+
+    def _authentic(self, context: grpc.ServicerContext) -> bool:
+        assert self._token is not None
+        presented = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
+        return isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._token.encode())
 
     def _handle(self, data: bytes) -> bytes:
         request_id, cycle, proposal = parse_draft(data, self.backend.vocab_size)
@@ -136,10 +150,11 @@ class VerifierStream:
     verifies (overlap mode) and collect the verdict afterwards.
     """
 
-    def __init__(self, channel: grpc.Channel, timeout: float | None = None) -> None:
+    def __init__(self, channel: grpc.Channel, timeout: float | None = None, token: str | None = None) -> None:
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         call = channel.stream_stream(SPECULATE)
-        self._call = call(iter(self._outbox.get, _END), timeout=timeout)
+        metadata = ((TOKEN_KEY, token),) if token else None
+        self._call = call(iter(self._outbox.get, _END), timeout=timeout, metadata=metadata)
 
     def send(self, request_id: str, cycle: int, proposal: Proposal) -> None:
         self.send_raw(encode_draft(request_id, cycle, proposal).SerializeToString())

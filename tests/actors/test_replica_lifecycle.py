@@ -47,7 +47,7 @@ def test_every_shard_holds_exactly_the_committed_kv(
         ray.get(replica.rank0.start_request.remote("r", list(prompt), params, 24, [EOS_ID]))
         drafter = DraftModelDrafter(pair.draft, pair.target)
         drafter.start(prompt, params, make_generators(params.seed).draft)
-        stream = VerifierStream(open_channel(replica.verifier_address))
+        stream = VerifierStream(open_channel(replica.verifier_address), token=replica.verifier_token)
         committed = list(prompt)
         sequence = ray.get(replica.rank0.sequence_id.remote("r"))
         spec = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))

@@ -84,15 +84,19 @@ class ExplodingBackend(TargetBackend):
 class Served:
     """A started server, its backend and a channel to it; ``stream()`` opens streams closed at teardown."""
 
-    def __init__(self, backend: TargetBackend, max_message_bytes: int = codec.MAX_MESSAGE_BYTES) -> None:
+    def __init__(
+        self, backend: TargetBackend, max_message_bytes: int = codec.MAX_MESSAGE_BYTES, token: str | None = None
+    ) -> None:
         self.backend = backend
-        self.server = VerifierServer(backend, max_message_bytes=max_message_bytes)
+        self.token = token
+        self.server = VerifierServer(backend, max_message_bytes=max_message_bytes, token=token)
         self.address = self.server.start()
         self.channel = open_channel(self.address)
         self._streams: list[VerifierStream] = []
 
-    def stream(self) -> VerifierStream:
-        stream = VerifierStream(self.channel, timeout=STREAM_TIMEOUT)
+    def stream(self, token: str | None = None) -> VerifierStream:
+        """A stream presenting ``token`` (default: the server's own, when it has one)."""
+        stream = VerifierStream(self.channel, timeout=STREAM_TIMEOUT, token=token or self.token)
         self._streams.append(stream)
         return stream
 
@@ -333,3 +337,22 @@ def test_tree_after_the_request_finished_gives_not_found(served_llama: Served) -
     stream.send("short", 1, Draft.empty())
     assert receive_error(stream).code == grpc.StatusCode.NOT_FOUND
     assert_serves(served_llama, "after-short")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("presented", [None, "", "wrong-secret", "s3cret-but-longer"])
+def test_a_verifier_with_a_token_refuses_streams_without_it(llama: TinyPair, presented: str | None) -> None:
+    """A replica's verifier serves its own drafters only: a stream without the secret, or with another, ends with
+    UNAUTHENTICATED before any draft is verified; the right secret is served."""
+    served = Served(TargetBackend(llama.target), token="s3cret")
+    try:
+        served.backend.start("guarded", [5, 6, 7], SamplingParams(), 4)
+        stream = VerifierStream(served.channel, timeout=STREAM_TIMEOUT, token=presented)
+        stream.send("guarded", 0, Draft(torch.tensor([8, 9]), None))
+        error = receive_error(stream)
+        stream.close()
+        assert error.code == grpc.StatusCode.UNAUTHENTICATED
+        assert list(served.backend._requests["guarded"].committed) == [5, 6, 7]  # nothing was verified
+        assert_serves(served, "with-the-token")
+    finally:
+        served.close()
