@@ -292,7 +292,9 @@ class ReplicaConfig(BaseModel):
         try:
             return cls(**{**(base or {}), **given})
         except ValidationError as exc:
-            reasons = [f"{_where(cls, e['loc'])}: {_reason(e['msg'])}, got {e['input']!r}" for e in exc.errors()]
+            reasons = [
+                f"{_where(cls, e['loc'])}: {validator_words(e['msg'])}, got {e['input']!r}" for e in exc.errors()
+            ]
             raise InvalidSetting("; ".join(reasons)) from None
 
 
@@ -328,8 +330,9 @@ def _where(config: type[ReplicaConfig], loc: tuple[int | str, ...]) -> str:
     return config.flag(name) if name in config.model_fields else name
 
 
-def _reason(message: str) -> str:
-    """A validation message without pydantic's ``Value error, `` prefix (our validators' own words)."""
+def validator_words(message: str) -> str:
+    """A validation message without pydantic's ``Value error, `` prefix (what our validators said, as said); the
+    command line and the HTTP edge both report them so."""
     return message.removeprefix("Value error, ")
 
 

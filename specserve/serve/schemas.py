@@ -46,6 +46,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from specserve.cluster.replica_config import validator_words
 from specserve.core.engine import GenerationConfig
 from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
 from specserve.core.sampling_params import GREEDY_BELOW, MAX_TOP_K
@@ -124,11 +125,6 @@ def openai_words(message: str) -> str:
     for ours, theirs in OPENAI_NAMES.items():
         message = re.sub(rf"\b{ours}\b", theirs, message)
     return message
-
-
-def validator_words(message: str) -> str:
-    """A validation message without pydantic's ``Value error, `` prefix (what our validators said, as said)."""
-    return message.removeprefix("Value error, ")
 
 
 UNKNOWN_FIELD = "unknown field: this route takes the OpenAI fields and extensions listed in docs/usage.md"
