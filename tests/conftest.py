@@ -16,7 +16,9 @@ holds prompts whose greedy continuation ends with EOS a few tokens in.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -284,3 +286,19 @@ def saved_pairs(tmp_path_factory: pytest.TempPathFactory, tiny_pairs: dict[str, 
             lm.tokenizer.save_pretrained(directory)
         out[family] = root / family
     return out
+
+
+LONG_CONTEXT = 2048  # positions the long-context pair's configs declare
+
+
+@pytest.fixture(scope="session")
+def long_context_pair(saved_pairs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama target and draft, their configs saying LONG_CONTEXT positions (rotary: any length works), so
+    that a served request can outlive a test's other calls."""
+    root = tmp_path_factory.mktemp("long-context")
+    for role in ("target", "draft"):
+        shutil.copytree(saved_pairs["llama"] / role, root / role)
+        path = root / role / "config.json"
+        config = json.loads(path.read_text())
+        path.write_text(json.dumps({**config, "max_position_embeddings": LONG_CONTEXT}))
+    return root

@@ -45,6 +45,11 @@ class TextStream:
         self.text = full
         return self._flush(self._safe_length(full)), len(new_ids)
 
+    def emitted_up_to(self, chars: int) -> None:
+        """Treat the first ``chars`` characters of the text as handed out already (a resumed request's client has
+        them); later deltas start there."""
+        self._emitted = min(max(chars, 0), len(self.text))
+
     def finish(self) -> str:
         """The rest of the text once generation has ended."""
         return self._flush(len(self.text))

@@ -13,3 +13,8 @@ class UserError(ValueError):
 
 class InvalidRequest(UserError):
     """The request cannot be served as given; the message says what to change."""
+
+
+class ReplicaLost(RuntimeError):
+    """A replica's target is gone (a shard died or froze): the request did not finish here, but may resume on a
+    healthy replica from the tokens it already streamed (``specserve.core.resume``). Not the caller's fault."""

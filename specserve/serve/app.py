@@ -30,6 +30,9 @@ from specserve.serve.config import ServeConfig
 from specserve.serve.ingress import OpenAIIngress
 from specserve.serve.model_server import ModelServer, build_runner
 
+# How often Serve checks a model replica. A replica that lost a shard fails its check at once and Serve replaces it;
+# until then it refuses requests at once and the ingress resumes them elsewhere (the check is a few actor pings).
+HEALTH_CHECK_PERIOD_S = 2
 INGRESS = "OpenAIIngress"
 MODEL = "ModelServer"
 DEPLOYMENTS = (INGRESS, MODEL)
@@ -51,7 +54,7 @@ def application(config: ServeConfig, deployment_options: Mapping[str, Mapping[st
         name=MODEL,
         ray_actor_options=model_actor_options(config),
         max_ongoing_requests=config.max_ongoing_requests,
-        health_check_period_s=10,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,
     )(ModelServer).options(**options.get(MODEL, {}))

@@ -30,7 +30,13 @@ Either way the replica holds at most ``at_once + max_queue`` requests (generatin
 is refused at once with :class:`QueueFull`, which the ingress answers with HTTP 429 and
 ``Retry-After``. Every stream first yields an empty chunk once the replica has taken the request
 (on the batched path: once the engine accepted it), so the ingress knows before answering whether
-the request was refused. Metrics (:class:`~specserve.serve.metrics.ServeMetrics`): per request, and
+the request was refused.
+
+A replica whose runner loses its target (:class:`~specserve.core.errors.ReplicaLost`: a shard died or
+froze) remembers it: its health check fails from then on, so Serve replaces it, and it refuses every
+new request at once with ``ReplicaLost``, which the ingress resumes on a healthy replica. Given a
+:class:`~specserve.core.resume.Resume`, :meth:`ModelServer.generate` continues a request another replica
+lost, streaming only what its client lacks. Metrics (:class:`~specserve.serve.metrics.ServeMetrics`): per request, and
 on the batched path per engine step (batch size, tokens committed).
 
 Does not: parse HTTP or OpenAI requests (the ingress does), place actors itself (the coordinator
@@ -52,8 +58,9 @@ from typing import Any
 
 from specserve.cluster.replica_config import InvalidSetting
 from specserve.core.engine import GenerationConfig, GenerationFrontend, StreamChunk
-from specserve.core.errors import UserError
+from specserve.core.errors import ReplicaLost, UserError
 from specserve.core.prompts import PromptCodec
+from specserve.core.resume import Resume, ResumedOutput, continuation
 from specserve.core.sampling import SamplingParams
 from specserve.serve.config import ServeConfig
 from specserve.serve.engine_loop import BatchEngine, EngineLoop, merge_chunks
@@ -166,6 +173,7 @@ class ModelServer:
         self._running = 0  # runner path: generating
         self._finished: Counter[str] = Counter()  # stop, length, eos, cancelled, error, invalid, queue_full
         self._seconds_per_request = 0.0  # moving average of a finished request's time here (for Retry-After)
+        self.lost: ReplicaLost | None = None  # set when the runner lost its target: every request fails fast after
         logger.info("ModelServer %r: %s", self.config.model_name, self.path_description())
 
     @property
@@ -224,6 +232,8 @@ class ModelServer:
 
     def check_health(self) -> None:
         """Serve's periodic health check: raises when the replica's actors are gone, or its engine loop is broken."""
+        if self.lost is not None:
+            raise self.lost
         if self.loop is not None:
             self.loop.check_health()
         check = getattr(self.runner, "check_health", None)
@@ -245,11 +255,19 @@ class ModelServer:
     # -----------------------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        generation: GenerationConfig,
+        resume: Resume | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request's chunks: first an empty one once the replica took it, the last with the result.
-        Raises :class:`QueueFull` when the replica is full; stops (and frees KV) if closed early."""
+        Raises :class:`QueueFull` when the replica is full; stops (and frees KV) if closed early. With ``resume``
+        it continues a request another replica lost (:mod:`specserve.core.resume`): only what the client lacks
+        is streamed. Raises :class:`~specserve.core.errors.ReplicaLost` once its target is gone."""
         arrived = time.perf_counter()
+        if self.lost is not None:
+            raise ReplicaLost(f"this replica lost its target earlier and serves no more requests: {self.lost}")
         if self._held >= self.capacity:
             self._count("queue_full", params)
             raise self._queue_full()
@@ -258,9 +276,9 @@ class ModelServer:
         finish = "cancelled"
         first = True
         chunks = (
-            self.loop.stream(prompt_ids, params, generation)
-            if self.loop is not None
-            else self._on_runner(prompt_ids, params, generation)
+            self._chunks(prompt_ids, params, generation)
+            if resume is None
+            else self._resumed(prompt_ids, params, generation, resume)
         )
         try:
             async with aclosing(chunks):
@@ -277,6 +295,12 @@ class ModelServer:
         except UserError:
             finish = "invalid"
             raise
+        except ReplicaLost as exc:
+            finish = "error"
+            if self.lost is None:
+                logger.error("the replica lost its target; it fails fast until Serve replaces it: %s", exc)
+                self.lost = exc
+            raise
         except Exception:
             finish = "error"
             raise
@@ -287,6 +311,29 @@ class ModelServer:
             else:
                 self._finished[finish] += 1
             self._report_queue()
+
+    def _chunks(
+        self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig
+    ) -> AsyncGenerator[StreamChunk, None]:
+        if self.loop is not None:
+            return self.loop.stream(prompt_ids, params, generation)
+        return self._on_runner(prompt_ids, params, generation)
+
+    async def _resumed(
+        self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig, resume: Resume
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """The continuation of ``resume``, mapped onto the original request; closed early when a stop string in the
+        whole text ends the request first."""
+        output = ResumedOutput(prompt_ids, resume, self.describe().decode, generation.stop)
+        if len(resume.output_ids) >= generation.max_new_tokens:  # every token is out; only the result was lost
+            yield output.map(StreamChunk("", []))
+            yield output.finish("length")
+            return
+        async with aclosing(self._chunks(*continuation(prompt_ids, params, generation, resume))) as chunks:
+            async for chunk in chunks:
+                yield output.map(chunk)
+                if output.finished:
+                    return
 
     async def _on_runner(
         self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig

@@ -33,6 +33,7 @@ coordinator's prompt codec does it), or talk to Ray.
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -395,7 +396,10 @@ class _Request(BaseModel):
         description="extension: keep the k most likely tokens (0 or -1 = off; beyond the vocabulary: no truncation)",
     )
     seed: int | None = Field(
-        None, ge=0, lt=MAX_SEED, description="in [0, 2**63); makes sampling reproducible for the same request"
+        None,
+        ge=0,
+        lt=MAX_SEED,
+        description="in [0, 2**63); makes sampling reproducible for the same request (none: a random seed each time)",
     )
     stop: str | list[str] | None = Field(
         None,
@@ -445,7 +449,7 @@ class _Request(BaseModel):
             temperature=self.temperature,  # below GREEDY_BELOW: SamplingParams makes it greedy
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
-            seed=self.seed or 0,
+            seed=self.seed if self.seed is not None else secrets.randbits(63),  # no seed: fresh randomness
             drafter_invariant=self.speculation.drafter_invariant,
             acceptance=self.speculation.acceptance,
             lossy=self.speculation.lossy,

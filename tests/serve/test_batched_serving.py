@@ -12,8 +12,6 @@ size and tokens per step reach Ray's Prometheus exporter.
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +21,7 @@ from typing import Any
 import openai
 import pytest
 import requests
+from conftest import LONG_CONTEXT as CONTEXT
 
 from specserve.serve.app import MODEL, application
 from specserve.serve.config import ServeConfig
@@ -31,23 +30,11 @@ pytestmark = pytest.mark.timeout(600)
 
 APP = "batched"
 MODEL_NAME = "tiny-batched"
-AT_ONCE, QUEUE, MAX_SEQ_LEN, CONTEXT = 2, 1, 1024, 2048
+AT_ONCE, QUEUE, MAX_SEQ_LEN = 2, 1, 1024
 KV_TOKENS = AT_ONCE * MAX_SEQ_LEN  # the default pool: room for max_num_seqs requests of max_seq_len
 PROMPTS = ["abcabcabc", "hello wor", "xyz xyz x", "0123 0123"]
 NO_EOS = {"ignore_eos": True}
 ENDLESS: dict[str, Any] = {"max_tokens": 1000, "temperature": 0, "extra_body": NO_EOS}
-
-
-@pytest.fixture(scope="module")
-def long_context_pair(saved_pairs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama target and draft, their configs saying CONTEXT positions (rotary: any length works)."""
-    root = tmp_path_factory.mktemp("long-context")
-    for role in ("target", "draft"):
-        shutil.copytree(saved_pairs["llama"] / role, root / role)
-        path = root / role / "config.json"
-        config = json.loads(path.read_text())
-        path.write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
-    return root
 
 
 @pytest.fixture(scope="module")
