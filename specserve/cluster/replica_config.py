@@ -112,6 +112,13 @@ class ReplicaConfig(BaseModel):
         gt=0,
         description="seconds to wait for the cluster to place the replica before failing with what it lacks",
     )
+    stall_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a request waits for its drafter's next cycle (or for rank 0's prefill) before "
+        "probing the replica: a frozen drafter is restarted and the request goes on without speculation; a "
+        "target shard that is dead or does not answer fails the request (ReplicaLost)",
+    )
 
     # ---- batching and the queue (`specserve generate` runs one request and ignores these)
     max_num_seqs: int = Field(

@@ -44,6 +44,24 @@ class ServeConfig(ReplicaConfig):
         "the excess with 429",
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused with 413")
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a request body may take to arrive whole (a body shorter than its Content-Length, or "
+        "trickled in); past it the request is refused with 408 and the connection closed",
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="seconds a request may take from its arrival to its last token; past it the generation is "
+        "stopped (its KV freed) and the client gets 504, or an error event when it streams",
+    )
+    resume_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long a request whose replica was lost (a shard or the replica died) waits for a healthy "
+        "replica to resume it from its streamed tokens; past it the client gets an error",
+    )
     api_key: str | None = Field(
         None, description=f"require `Authorization: Bearer <key>`; default: ${API_KEY_ENV} if set, else no key"
     )

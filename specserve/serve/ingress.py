@@ -31,6 +31,20 @@ slot) a 400. Errors that crossed Ray arrive wrapped; their cause is what is repo
 When the client disconnects, Starlette cancels the response; the cancellation reaches the
 backend's stream, which stops the generation and frees its KV.
 
+When the replica generating a request is lost (it lost a target shard, died, or is shutting down:
+:func:`replica_lost`), :class:`ReplicaClient` sends the request again with what the client already
+has (:class:`~specserve.core.resume.Resume`), backing off, until a healthy replica continues it or
+``resume_timeout_s`` passes (then a 503 with ``Retry-After``, or an error event): the client sees
+one stream with a pause, no token lost or repeated (``docs/faults.md``).
+
+Bounded at the edge: a body is read as it streams (:mod:`specserve.serve.body`): more than
+``max_body_bytes`` is a 413 as soon as the count passes it, a body not whole within
+``body_timeout_s`` a 408, both with ``Connection: close``. JSON parsing and tokenisation run on the
+ingress's one worker thread, so a big prompt does not stall ``/health``, ``/ready`` or other
+streams. A request still unfinished ``request_timeout_s`` after it arrived is stopped (its stream
+closed: the replica frees its KV) and answered 504, or, once streaming, with an error event and
+``[DONE]``.
+
 Does not: authenticate anything but the HTTP API (Serve's own ``/-/routes`` and ``/-/healthz``
 are answered by Serve's proxy before a request reaches this app; see ``docs/security.md``), or
 limit request rates.
@@ -42,8 +56,10 @@ import asyncio
 import hmac
 import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from typing import Any
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -53,8 +69,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
 from specserve.core.engine import StreamChunk
-from specserve.core.errors import UserError
+from specserve.core.errors import ReplicaLost, UserError
+from specserve.core.resume import Resume
+from specserve.serve.body import read_body
 from specserve.serve.config import ServeConfig
+from specserve.serve.engine_loop import EngineStopped
 from specserve.serve.model_server import QueueFull
 from specserve.serve.openai_api import DONE_EVENT, OpenAIHandler, PreparedRequest, error_event
 from specserve.serve.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
@@ -62,7 +81,11 @@ from specserve.serve.schemas import ChatCompletionRequest, CompletionRequest, Re
 logger = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log
 
 READY_TIMEOUT_S = 5.0  # GET /ready: how long a model replica may take to pass its health check
+RESUME_FIRST_PAUSE_S = 0.1  # before sending a lost request again; doubles per try up to RESUME_MAX_PAUSE_S
+RESUME_MAX_PAUSE_S = 2.0
+LOST_RETRY_AFTER_S = 10  # Retry-After of a request no replica could resume (Serve replaces a broken one meanwhile)
 JSON_MEDIA_TYPE = "application/json"
+T = TypeVar("T")
 
 
 def new_request_id() -> str:
@@ -81,13 +104,50 @@ def internal_error(request_id: str, what: str, exc: BaseException | None = None)
 def generation_error(exc: BaseException, request_id: str) -> RequestError:
     """What a client is told about an exception from a replica's stream: its cause, with a status of its own, or, for
     a failure, only the request id (the exception is logged under it)."""
+    if isinstance(exc, RequestError):  # the ingress's own verdict (the request ran out of time): as it is
+        return exc
     cause = exc.cause if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException) else exc
     if isinstance(cause, QueueFull):
         headers = {"Retry-After": str(cause.retry_after_s)}
         return RequestError(cause.message, status=429, code="queue_full", headers=headers)
     if isinstance(cause, UserError):
         return RequestError.from_user_error(cause, code="invalid_request")
+    if replica_lost(exc):  # and no replica resumed it in time: the service is degraded, not the request bad
+        logger.error("request %s: no replica could finish it", request_id, exc_info=exc)
+        return RequestError(
+            f"no healthy model replica could finish the request (request id {request_id}); retry later",
+            status=503,
+            code="replica_unavailable",
+            headers={"Retry-After": str(LOST_RETRY_AFTER_S)},
+        )
     return internal_error(request_id, "generation failed", exc)
+
+
+def request_timeout(limit_s: float) -> RequestError:
+    """A request that outlived ``request_timeout_s``: stopped, and told so (504, or an error event in a stream)."""
+    return RequestError(
+        f"the request did not finish within {limit_s:g} s and was stopped; ask for fewer max_tokens, or raise the "
+        "server's `request_timeout_s`",
+        status=504,
+        code="timeout",
+    )
+
+
+async def within(deadline: float, awaitable: Awaitable[T], limit_s: float) -> T:
+    """What ``awaitable`` gives, awaited in this task; past ``deadline`` (the event loop's clock) it is cancelled —
+    a stream's generator is closed on the way, which stops its generation — and :func:`request_timeout` raised."""
+    timeout = asyncio.timeout_at(deadline)
+    try:
+        async with timeout:
+            return await awaitable
+    except TimeoutError:
+        if not timeout.expired():  # not ours: something below timed out
+            raise
+        raise request_timeout(limit_s) from None
+
+
+async def drain(chunks: AsyncIterator[StreamChunk]) -> list[StreamChunk]:
+    return [chunk async for chunk in chunks]
 
 
 def require_json(request: Request) -> None:
@@ -128,17 +188,53 @@ class ReplicaClient:
             return
         await self.backend.check_health.remote()
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncGenerator[StreamChunk, None]:
+    async def generate(
+        self, prepared: PreparedRequest, resume_timeout_s: float = 60.0
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """Stream one request; when its replica is lost (:func:`replica_lost`), resume it — on a healthy replica
+        once Serve routes there — from what was streamed (:mod:`specserve.core.resume`), for up to
+        ``resume_timeout_s`` after the loss. The caller sees one stream: at most a pause, no token twice."""
+        tokens: list[int] = []
+        text: list[str] = []
+        resume: Resume | None = None
+        lost_at: float | None = None
+        pause = RESUME_FIRST_PAUSE_S
+        while True:
+            try:
+                async for chunk in self._attempt(prepared, resume):
+                    if lost_at is not None:  # a replica took the continuation
+                        logger.info("a request resumed after %.2f s", time.monotonic() - lost_at)
+                        lost_at, pause = None, RESUME_FIRST_PAUSE_S
+                    tokens.extend(chunk.token_ids)
+                    text.append(chunk.text)
+                    yield chunk
+                return
+            except Exception as exc:
+                if not resumable(exc, answered=resume is not None):
+                    raise
+                now = time.monotonic()
+                lost_at = lost_at or now
+                if now - lost_at > resume_timeout_s:
+                    raise ReplicaLost(
+                        f"no replica could resume the request within {resume_timeout_s:g} s (resume_timeout_s)"
+                    ) from exc
+                logger.warning("a request's replica was lost after %d tokens; resuming: %r", len(tokens), exc)
+                resume = Resume.of(tokens, "".join(text)) if tokens else None  # nothing out yet: send it afresh
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, RESUME_MAX_PAUSE_S)
+
+    async def _attempt(self, prepared: PreparedRequest, resume: Resume | None) -> AsyncGenerator[StreamChunk, None]:
         args = (prepared.prompt_ids, prepared.params, prepared.generation)
+        kwargs = {} if resume is None else {"resume": resume}
         if self.local:
-            chunks = self.backend.generate(*args)
+            chunks = self.backend.generate(*args, **kwargs)
             try:
                 async for chunk in chunks:
                     yield chunk
             finally:
                 await chunks.aclose()
             return
-        response = self.backend.options(stream=True).generate.remote(*args)
+        response = self.backend.options(stream=True).generate.remote(*args, **kwargs)
         finished = False
         try:
             async for chunk in response:
@@ -147,6 +243,22 @@ class ReplicaClient:
         finally:
             if not finished:
                 response.cancel()  # the replica closes the generation: drafting stops, KV is freed
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """The replica generating a request is gone, not the request at fault: its target lost a shard
+    (:class:`~specserve.core.errors.ReplicaLost`), its engine loop was stopped, or the replica actor died."""
+    from ray.exceptions import RayActorError
+
+    cause = exc.cause if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException) else exc
+    return isinstance(cause, ReplicaLost | EngineStopped | RayActorError) or isinstance(exc, RayActorError)
+
+
+def resumable(exc: BaseException, answered: bool) -> bool:
+    """Whether to send the request again: its replica was lost, or — once tokens went out — the replica a
+    continuation reached is full (the caller waits rather than losing the stream)."""
+    cause = exc.cause if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException) else exc
+    return replica_lost(exc) or (answered and isinstance(cause, QueueFull))
 
 
 class OpenAIIngress:
@@ -158,6 +270,15 @@ class OpenAIIngress:
         self.api_key = self.config.resolved_api_key()
         self.ready_timeout_s = ready_timeout_s
         self._handler: OpenAIHandler | None = None
+        # JSON parsing and tokenisation run here, off the event loop (which keeps answering /health, /ready and the
+        # streams), on ONE thread: a Hugging Face fast tokenizer used from several threads at once may raise
+        # "Already borrowed", and one at a time is how the event loop ran them before.
+        self._prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-prepare")
+
+    def __del__(self) -> None:  # Serve gives the ingress no shutdown hook: the thread goes with the ingress
+        pool = getattr(self, "_prepare_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def __serve_build_asgi_app__(self) -> FastAPI:  # Serve's late-bound ingress hook
         return self.asgi()
@@ -283,31 +404,39 @@ class OpenAIIngress:
     async def _answer(
         self, request: Request, kind: type[CompletionRequest] | type[ChatCompletionRequest]
     ) -> JSONResponse | StreamingResponse:
+        loop = asyncio.get_running_loop()
+        limit_s = self.config.request_timeout_s
+        deadline = loop.time() + limit_s  # from its arrival to its last token
         self._authorize(request)
         require_json(request)
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
-        body = await request.body()
-        prepared = (await self.handler()).prepare(parse_request(kind, body, limit))
+        body = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)  # or 413, 408
+        handler = await within(deadline, self.handler(), limit_s)
+        preparing = loop.run_in_executor(self._prepare_pool, self._prepare, handler, kind, body)
+        prepared = await within(deadline, preparing, limit_s)  # cancelled while it waits its turn: never runs
         request_id = new_request_id()
-        chunks = self.client.generate(prepared)
+        chunks = self.client.generate(prepared, self.config.resume_timeout_s)
         try:
-            first = await anext(chunks)  # the replica took the request, or refused it
+            first = await within(deadline, anext(chunks), limit_s)  # the replica took the request, or refused it
         except StopAsyncIteration:
             raise internal_error(request_id, "generation ended without a result") from None
-        except Exception as exc:  # a full replica (429), a request it cannot hold (400), a failure (500)
+        except Exception as exc:  # a full replica (429), a request it cannot hold (400), a failure (500), time (504)
+            await chunks.aclose()
             raise generation_error(exc, request_id) from exc
         if prepared.stream:
-            events = self._events(prepared, first, chunks, request_id)
+            events = self._events(prepared, first, chunks, request_id, deadline)
             return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            return JSONResponse(prepared.collect([first, *[chunk async for chunk in chunks]]))
-        except Exception as exc:  # a replica failed mid-generation: a status that says so; the server serves on
+        try:  # out of time, the generator is closed inside drain: the replica stops the generation, frees its KV
+            return JSONResponse(prepared.collect([first, *await within(deadline, drain(chunks), limit_s)]))
+        except Exception as exc:  # a replica failed mid-generation, or time ran out: a status that says so
             raise generation_error(exc, request_id) from exc
         finally:
             await chunks.aclose()
+
+    def _prepare(
+        self, handler: OpenAIHandler, kind: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes
+    ) -> PreparedRequest:
+        """Parse, validate and tokenise, on the ingress's one worker thread."""
+        return handler.prepare(parse_request(kind, body, self.config.max_body_bytes))
 
     async def _events(
         self,
@@ -315,6 +444,7 @@ class OpenAIIngress:
         first: StreamChunk,
         chunks: AsyncGenerator[StreamChunk, None],
         request_id: str,
+        deadline: float,
     ) -> AsyncIterator[str]:
         for opening in prepared.opening_events():
             yield opening
@@ -324,8 +454,8 @@ class OpenAIIngress:
                 event = prepared.chunk_event(chunk)
                 if event is not None:
                     yield event
-                chunk = await anext(chunks, None)
-        except Exception as exc:  # the status line is sent: report in-band, then end the stream properly
+                chunk = await within(deadline, anext(chunks, None), self.config.request_timeout_s)
+        except Exception as exc:  # the status line is sent: report in-band (time ran out too), then end properly
             yield error_event(generation_error(exc, request_id))
         finally:
             await chunks.aclose()  # a client that left: the replica stops the generation and frees its KV

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import threading
 import time
 from collections import Counter
@@ -219,6 +220,8 @@ class ModelServer:
             active = getattr(self.runner, "active_requests", None)
             if active is not None:
                 out["active_requests"] = active()
+        processes = getattr(self.runner, "processes", None)  # the distributed runtime's actors
+        out["processes"] = processes() if processes is not None else {"engine": os.getpid()}
         return out
 
     @property

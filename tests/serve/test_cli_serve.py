@@ -44,6 +44,9 @@ SERVE_SAMPLES: dict[str, Any] = {
     "default_max_tokens": 64,
     "max_ongoing_requests": 32,
     "max_body_bytes": 4096,
+    "body_timeout_s": 2.5,
+    "request_timeout_s": 30.0,
+    "resume_timeout_s": 45.0,
     "api_docs": "off",
 }
 # What Ray prints by itself on a clean run, and specserve avoids.

@@ -53,6 +53,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "verifier_host": ("0.0.0.0", {}),
     "collective_timeout_s": (6.5, {}),
     "ready_timeout_s": (30.0, {}),
+    "stall_timeout_s": (2.5, {}),
     "large_resource": ("a100", {}),
     "cheap_resource": ("t4", {}),
     "cpus_per_shard": (2.0, {}),
