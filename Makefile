@@ -21,7 +21,7 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck pytest bench bench-batch train protos clean
+.PHONY: install demo test lint typecheck pytest bench bench-batch bench-chaos train protos clean
 
 # The torch step is keyed by TORCH_SPEC and TORCH_INDEX: changing either (a CUDA build after a CPU one) reinstalls
 # torch, then the rest; pyproject.toml changes reinstall the rest only.
@@ -74,6 +74,11 @@ bench: install
 # a smoke run that leaves them alone: .venv/bin/specserve bench-batch --quick (writes runs/bench-batch/).
 bench-batch: install
 	$(BIN)/specserve bench-batch --out bench/results/batch.json $(ARGS)
+
+# A 60 s soak of the HTTP API, 64 streaming clients, the drafter killed at 15 s and a target shard at 35 s, into
+# bench/results/chaos.{json,md,png}; a smoke run that leaves them alone: .venv/bin/specserve bench-chaos --quick.
+bench-chaos: install
+	$(BIN)/specserve bench-chaos --out bench/results $(ARGS)
 
 train: install
 	$(BIN)/specserve train

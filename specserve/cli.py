@@ -68,6 +68,9 @@ COMMANDS: dict[str, Command] = {
     "bench-serve": Command(
         "specserve.benchmarks.serve_load", "load test of the HTTP API: speculation on vs off by concurrency"
     ),
+    "bench-chaos": Command(
+        "specserve.benchmarks.chaos", "a soak of the HTTP API with a drafter and a shard killed during it"
+    ),
     "bench-batch": Command(
         "specserve.benchmarks.batch",
         "batched serving in process by concurrency: one at a time, batched γ, transformers",

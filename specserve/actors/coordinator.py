@@ -25,6 +25,21 @@ plain cycle (an empty draft) at a time. Greedy output is therefore the same toke
 request stays distributed as the target's, and with drafter-invariant sampling it is the same
 tokens as without the fault (the verifier's random stream otherwise depends on the drafts it saw).
 
+Every wait has a deadline. The coordinator waits at most ``stall_timeout_s``
+(:class:`~specserve.cluster.replica_config.ReplicaConfig`) for the drafter's next report, then probes
+the replica's actors (a trivial call each, :data:`PROBE_TIMEOUT_S`): when every shard answers, the
+drafter is frozen — it is killed, Ray restarts it, and the request goes on without speculation as
+above (a drafter that is restarting, or that this coordinator killed and has not seen back since, is
+not killed again: each kill costs one of its restarts). A target shard that is dead or does not
+answer a probe loses the replica: the request raises :class:`~specserve.core.errors.ReplicaLost`
+(naming the rank and why), and from then on so do every new request and :meth:`~Coordinator.check_health`,
+at once (:attr:`Coordinator.lost`). The same holds when a call to rank 0 (admission and prefill,
+probed every ``stall_timeout_s`` for at most :data:`START_TIMEOUT_S`; a progress query or a plain
+cycle, :data:`PROGRESS_TIMEOUT_S`) finds it dead or outlives its deadline, and when the drafter's
+loop fails while a shard is gone (its verifier went with it); any other failure of the drafter's
+loop is raised as it is. Does not restart shards, nor resume a lost request elsewhere (the front end
+does: :mod:`specserve.core.resume`).
+
 A replica with ``max_num_seqs`` > 1 serves that many requests at once: call :meth:`~Coordinator.stream`
 from as many threads; rank 0 verifies their drafts together, one forward per step, and the drafter
 actor runs their loops side by side. Otherwise a replica serves one request at a time (its drafter
@@ -33,7 +48,6 @@ holds one request's state), and concurrent callers wait their turn in the drafte
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -45,6 +59,7 @@ from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
 from specserve.core.detokenize import TextStream
 from specserve.core.draft import Draft
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput
+from specserve.core.errors import ReplicaLost, UserError
 from specserve.core.model import load_tokenizer
 from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
@@ -52,6 +67,14 @@ from specserve.core.stats import RequestStats
 
 logger = logging.getLogger(__name__)
 PROGRESS_TIMEOUT_S = 60.0  # a plain cycle or a progress query on rank 0 (a live rank 0 answers within a step)
+PROBE_TIMEOUT_S = 5.0  # a probe of an actor (a trivial call its compute does not delay): a live one answers at once
+QUICK_PROBE_S = 0.1  # is a drafter that was down back? asked as a request starts; silence: it starts without one
+# rank 0 admits (a batched replica may first wait for KV room) and prefills a request; the shards are probed meanwhile
+START_TIMEOUT_S = 1800.0
+# a drafter this coordinator killed is presumed dying (Ray kills a frozen process within seconds) or restarting, its
+# silence no new freeze, until it shows itself alive again (answers a probe, reports a request started after the
+# kill) or this long has passed; a restarting drafter answers a probe with ActorUnavailableError anyway
+DRAFTER_KILL_SETTLE_S = 15.0
 
 
 class Coordinator(GenerationFrontend):
@@ -59,6 +82,11 @@ class Coordinator(GenerationFrontend):
         self.replica = replica
         self.prompts = PromptCodec(replica.target_info, load_tokenizer(replica.config.target))
         self._slots = threading.BoundedSemaphore(replica.config.max_num_seqs)  # callers beyond them wait here
+        self.lost: str | None = None  # why the replica's target is gone, once seen: every later request fails at once
+        self._lock = threading.Lock()
+        # time.monotonic() of this coordinator's last kill of the drafter, and of the latest sign that the drafter
+        # answering then was alive (a probe sent then answered, or a request submitted then reported)
+        self._drafter_killed_at = self._drafter_alive_at = -DRAFTER_KILL_SETTLE_S
 
     @classmethod
     def spawn(cls, config: ReplicaConfig) -> Coordinator:
@@ -72,6 +100,10 @@ class Coordinator(GenerationFrontend):
     def placement(self) -> dict[str, Any]:
         return self.replica.placement()
 
+    def processes(self) -> dict[str, Any]:
+        """The process id of each of the replica's actors (shards in rank order, drafter)."""
+        return self.replica.processes()
+
     def shutdown(self) -> None:
         self.replica.shutdown()
 
@@ -82,24 +114,40 @@ class Coordinator(GenerationFrontend):
         return list(ray.get(self.replica.rank0.active_requests.remote(), timeout=30))
 
     def check_health(self, timeout_s: float = 30.0) -> None:
-        """Raises when any of the replica's actors is dead or does not answer within ``timeout_s``. A drafter that
-        Ray is restarting is no failure: its requests go on without speculation meanwhile."""
+        """Raises :class:`ReplicaLost` when the replica's target is gone: seen before, or a shard is dead or does not
+        answer within ``timeout_s``; raises when the drafter is dead for good. A drafter that does not answer (frozen)
+        is killed, and Ray restarts it; one Ray is restarting is no failure either: requests go on without
+        speculation meanwhile."""
         import ray
 
-        ray.get([shard.node_id.remote() for shard in self.replica.shards], timeout=timeout_s)
-        with contextlib.suppress(ray.exceptions.ActorUnavailableError):
-            ray.get(self.replica.drafter.node_id.remote(), timeout=timeout_s)
+        self._check_not_lost()
+        sent = time.monotonic()
+        answers = self._probe([*self.replica.shards, self.replica.drafter], timeout_s)
+        self._raise_if_lost(answers[:-1], timeout_s, "at a health check")
+        drafter = answers[-1]
+        if drafter is None:
+            self._drafter_alive(sent)
+        elif isinstance(drafter, ray.exceptions.GetTimeoutError):
+            self._kill_drafter(f"did not answer a health check within {timeout_s:g}s")
+        elif not isinstance(drafter, ray.exceptions.ActorUnavailableError):
+            raise drafter  # dead for good (its restarts spent), or broken
 
     # -----------------------------------------------------------------------------------------
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
+        self._check_not_lost()  # here, not in the generator: stream() itself raises
+        return self._run_in_turn(prompt_ids, params, config)
+
+    def _run_in_turn(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
         with self._slots:
+            self._check_not_lost()  # lost while this request waited its turn
             yield from self._run_admitted(prompt_ids, params, config)
 
     def _run_admitted(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
         import ray
 
         replica = self.replica
+        stall_s = replica.config.stall_timeout_s
         request_id = uuid.uuid4().hex
         eos = () if config.ignore_eos else replica.target_info.eos_token_ids
         stats = RequestStats()
@@ -130,14 +178,26 @@ class Coordinator(GenerationFrontend):
         )
         out = RequestOutput(prompt_ids, text, stats, start)
         try:
+            if self._drafter_down():  # it died or was killed and has not come back yet: do not wait for it
+                logger.info("request %s starts without speculation: the drafter is restarting", request_id)
+                self._wait_for_start(started, request_id)
+                stats.prefill_seconds = time.perf_counter() - start
+                yield from self._decode_plainly(request_id, out)
+                return
             # The drafter prefills while the target does (the ref travels inside a list, so Ray does not wait
             # for it before starting the drafter's task); the drafter waits for the target before drafting.
+            submitted = time.monotonic()
             reports = replica.drafter.run.options(num_returns="streaming").remote(job, [started])
-            ray.get(started)
+            self._wait_for_start(started, request_id)
             stats.prefill_seconds = time.perf_counter() - start
             try:
-                for ref in reports:
-                    batch: list[CycleReport] = ray.get(ref)
+                while ray.wait([reports], timeout=stall_s)[0]:
+                    try:
+                        ref = next(reports)
+                    except StopIteration:
+                        return  # the loop ended without the target finishing the request (cancelled)
+                    batch: list[CycleReport] = ray.get(ref, timeout=PROBE_TIMEOUT_S)  # ready: here already
+                    self._drafter_alive(submitted)
                     for report in batch:
                         stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
                         yield out.push(report.new_tokens, report.finish)  # the target's finish reason, from the wire
@@ -145,29 +205,199 @@ class Coordinator(GenerationFrontend):
                             return
             except ray.exceptions.RayActorError as exc:  # the drafter died (or is restarting): go on without it
                 logger.warning("request %s lost its drafter (%s); it continues without speculation", request_id, exc)
+                self._drafter_seen_down()
                 yield from self._decode_plainly(request_id, out)
+                return
+            except ray.exceptions.RayError as exc:  # the drafter's loop failed: was its verifier (rank 0) lost?
+                # (an error that cannot be unpickled here arrives as an UnserializableException, not a RayTaskError)
+                cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+                when = f"after request {request_id}'s drafter failed ({type(cause).__name__})"
+                self._raise_if_lost(self._probe(replica.shards), PROBE_TIMEOUT_S, when)
+                raise
+            # no report for stall_s: a shard is gone (raises ReplicaLost), or the drafter is frozen (killed)
+            self._drafter_stalled(request_id, stall_s)
+            yield from self._decode_plainly(request_id, out)
         finally:
             if out.finish not in ("eos", "length"):  # stopped early, failed or abandoned by the caller
                 replica.drafter.cancel.remote(request_id)
-            replica.rank0.finish_request.remote(request_id)
+            if self.lost is None:  # a lost target's KV is moot (and freeing it would fail on a broken process group)
+                replica.rank0.finish_request.remote(request_id)
+
+    def _wait_for_start(self, started: Any, request_id: str) -> None:
+        """Until rank 0 has admitted and prefilled the request (raising its error if it could not), probing the
+        shards every ``stall_timeout_s`` meanwhile, for at most :data:`START_TIMEOUT_S`."""
+        import ray
+
+        stall_s = self.replica.config.stall_timeout_s
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ray.wait([started], timeout=max(0.0, min(stall_s, deadline - time.monotonic())))[0]:
+            when = f"during request {request_id}'s admission and prefill"
+            self._raise_if_lost(self._probe(self.replica.shards), PROBE_TIMEOUT_S, when)
+            if time.monotonic() >= deadline:
+                raise self._lose(f"rank 0 did not admit and prefill a request within {START_TIMEOUT_S:g}s (stuck)")
+        self._get_from_rank0(started, "admission and prefill", PROGRESS_TIMEOUT_S)
+
+    def _drafter_stalled(self, request_id: str, stall_s: float) -> None:
+        """No report from the request's drafter for ``stall_s``: raises :class:`ReplicaLost` when a shard is gone;
+        otherwise the drafter is frozen, and is killed (Ray restarts it) unless it is restarting already, or this
+        coordinator killed it and has not seen it back since (another request's stall, a health check)."""
+        import ray
+
+        sent = time.monotonic()
+        answers = self._probe([*self.replica.shards, self.replica.drafter])
+        self._raise_if_lost(answers[:-1], PROBE_TIMEOUT_S, f"while request {request_id} waited for its drafter")
+        drafter = answers[-1]
+        if isinstance(drafter, ray.exceptions.RayActorError):  # restarting (or dead): nothing to kill
+            logger.warning(
+                "request %s: no report from its drafter for %gs, which is restarting or dead (%s); the request "
+                "continues without speculation",
+                request_id,
+                stall_s,
+                type(drafter).__name__,
+            )
+            return
+        state = "does not answer a probe" if drafter is not None else "answers a probe but its loop is stuck"
+        logger.warning(
+            "request %s: no report from its drafter for %gs, and it %s; every target shard answers; the request "
+            "continues without speculation",
+            request_id,
+            stall_s,
+            state,
+        )
+        if drafter is None:
+            self._drafter_alive(sent)
+        self._kill_drafter(f"sent request {request_id} no report for {stall_s:g}s")
+
+    def _kill_drafter(self, why: str) -> None:
+        """Kill a frozen drafter so that Ray restarts it (one of its restarts), unless this coordinator killed it
+        already and it has not shown itself alive since (for at most :data:`DRAFTER_KILL_SETTLE_S`): that one is
+        still dying, or restarting, and a kill now would cost another restart."""
+        import ray
+
+        with self._lock:
+            now = time.monotonic()
+            killed = self._drafter_killed_at
+            if self._drafter_down_locked():
+                logger.warning("the replica's drafter %s; it was killed %.1fs ago and is restarting", why, now - killed)
+                return
+            self._drafter_killed_at = now
+        logger.warning("the replica's drafter %s: killing it (Ray restarts it)", why)
+        ray.kill(self.replica.drafter, no_restart=False)
+
+    def _drafter_seen_down(self) -> None:
+        """A request found the drafter dead (Ray restarts it): later requests start without it until it is back."""
+        with self._lock:
+            if not self._drafter_down_locked():
+                self._drafter_killed_at = time.monotonic()
+
+    def _drafter_down(self) -> bool:
+        """The drafter was killed or found dead, has not shown itself alive since (for at most
+        :data:`DRAFTER_KILL_SETTLE_S`), and does not answer a quick probe now: requests starting now go without
+        speculation rather than wait for it."""
+        with self._lock:
+            if not self._drafter_down_locked():
+                return False
+        sent = time.monotonic()
+        if self._probe([self.replica.drafter], QUICK_PROBE_S)[0] is None:
+            self._drafter_alive(sent)
+            return False
+        return True
+
+    def _drafter_down_locked(self) -> bool:
+        killed = self._drafter_killed_at
+        return killed >= self._drafter_alive_at and time.monotonic() - killed < DRAFTER_KILL_SETTLE_S
+
+    def _drafter_alive(self, since: float) -> None:
+        """The drafter answered a probe sent at ``since``, or reported a request submitted then: if that was after
+        this coordinator's last kill, Ray has restarted it, and a new silence is a new freeze."""
+        with self._lock:
+            if since > self._drafter_killed_at:
+                self._drafter_alive_at = max(self._drafter_alive_at, since)
+
+    # ---- the target's health
+
+    def _probe(self, actors: list[Any], timeout_s: float = PROBE_TIMEOUT_S) -> list[BaseException | None]:
+        """Ask each actor a trivial question at once; per actor, ``None`` when it answered within ``timeout_s``, else
+        what went wrong (a ``GetTimeoutError`` when it did not answer, a ``RayActorError`` when it is dead)."""
+        import ray
+
+        refs = [actor.node_id.remote() for actor in actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        answers: list[BaseException | None] = []
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=0)
+                answers.append(None)
+            except Exception as exc:
+                answers.append(exc)
+        return answers
+
+    def _raise_if_lost(self, shards: list[BaseException | None], timeout_s: float, when: str) -> None:
+        """Raise :class:`ReplicaLost` (and remember it) when a shard's probe found it dead or silent."""
+        import ray
+
+        for rank, problem in enumerate(shards):
+            if problem is None:
+                continue
+            if isinstance(problem, ray.exceptions.GetTimeoutError):
+                why = f"rank {rank} does not answer within {timeout_s:g}s (frozen or unreachable)"
+            elif isinstance(problem, ray.exceptions.RayActorError):
+                why = f"rank {rank} died ({type(problem).__name__})"
+            else:
+                why = f"rank {rank} failed a probe ({type(problem).__name__}: {problem})"
+            raise self._lose(f"{why} {when}") from problem
+
+    def _get_from_rank0(self, ref: Any, what: str, timeout_s: float) -> Any:
+        """``ray.get`` of a call to rank 0 with a deadline: a dead rank 0, a call past its deadline, or a failure
+        while a shard is gone raises :class:`ReplicaLost`; the request's own errors (a ``UserError``) and failures
+        of a healthy replica are raised as they are."""
+        import ray
+
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.RayActorError as exc:
+            raise self._lose(f"rank 0 died ({type(exc).__name__}) during {what}") from exc
+        except ray.exceptions.GetTimeoutError as exc:
+            self._raise_if_lost(self._probe(self.replica.shards), PROBE_TIMEOUT_S, f"during {what}")
+            raise self._lose(f"rank 0 did not complete {what} within {timeout_s:g}s (its compute is stuck)") from exc
+        except ray.exceptions.RayError as exc:  # RayTaskError, or UnserializableException (an error not unpickled)
+            if not isinstance(exc, UserError):
+                self._raise_if_lost(self._probe(self.replica.shards), PROBE_TIMEOUT_S, f"after {what} failed")
+            raise
+
+    def _lose(self, why: str) -> ReplicaLost:
+        """Remember that the replica's target is gone (the first reason seen); the error to raise."""
+        with self._lock:
+            first = self.lost is None
+            if first:
+                self.lost = why
+        if first:
+            logger.error("replica lost: %s; its requests fail from now on", why)
+        return ReplicaLost(f"the replica's target is gone: {why}")
+
+    def _check_not_lost(self) -> None:
+        if self.lost is not None:
+            raise ReplicaLost(f"the replica's target is gone: {self.lost}")
 
     def _decode_plainly(self, request_id: str, out: RequestOutput) -> ChunkStream:
         """Finish a request whose drafter is gone: rank 0's committed tokens the drafter never reported, then one
         plain cycle (an empty draft: one token from the target's distribution) at a time until it finishes."""
-        import ray
-
         from specserve.rpc.verifier import UnknownRequest
 
         rank0 = self.replica.rank0
         cycle = 0
         while out.finish is None:
-            committed, finish = ray.get(rank0.progress.remote(request_id), timeout=PROGRESS_TIMEOUT_S)
+            committed, finish = self._get_from_rank0(
+                rank0.progress.remote(request_id), "a progress query", PROGRESS_TIMEOUT_S
+            )
             missed = committed[len(out.prompt_ids) + len(out.tokens) :]  # cycles whose reports died with the drafter
             if missed or finish is not None:
                 yield out.push(missed, finish)
                 continue
             try:
-                outcome = ray.get(rank0.verify.remote(request_id, cycle, Draft.empty()), timeout=PROGRESS_TIMEOUT_S)
+                outcome = self._get_from_rank0(
+                    rank0.verify.remote(request_id, cycle, Draft.empty()), "a plain cycle", PROGRESS_TIMEOUT_S
+                )
             except UnknownRequest:  # the lost drafter's last draft is still queued, or it finished the request
                 time.sleep(0.01)
                 continue  # progress says what it committed

@@ -8,7 +8,9 @@ every rank's ``init_tensor_parallel`` is submitted before any is awaited, since 
 rank 0 starts the gRPC verifier the drafter streams to. A batched replica (``max_num_seqs`` > 1) gives every rank a KV
 pool of ``kv_pool_tokens`` positions (by default room for that many requests of ``max_seq_len``) and the drafter as many
 concurrent request loops; rank 0 then verifies its running requests' drafts together. Ray restarts a drafter that dies
-(:data:`DRAFTER_MAX_RESTARTS` times); the shards are not restarted.
+(:data:`DRAFTER_MAX_RESTARTS` times), and one the coordinator kills because it froze; the shards are not restarted: a
+dead or frozen shard loses the replica (its coordinator raises :class:`~specserve.core.errors.ReplicaLost` from then on,
+and its health check fails).
 
 Needs a connected Ray (``ray.init``) whose nodes declare the custom resources the spec names;
 a cluster that lacks them gets a clear error after ``ready_timeout_s`` instead of a hang.
@@ -28,8 +30,8 @@ from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
 from specserve.core.model import ModelInfo
 
-# Times Ray restarts a replica's drafter actor after it dies; its requests meanwhile finish without speculation
-# (specserve.actors.coordinator), later ones draft again.
+# Times Ray restarts a replica's drafter actor after it dies (or its coordinator kills it, frozen); its requests
+# meanwhile finish without speculation (specserve.actors.coordinator), later ones draft again.
 DRAFTER_MAX_RESTARTS = 3
 
 
@@ -52,12 +54,23 @@ class Replica:
     def rank0(self) -> Any:
         return self.shards[0]
 
-    def placement(self) -> dict[str, Any]:
-        """Which node each actor of this replica runs on."""
+    def placement(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Which node each actor of this replica runs on (a ``GetTimeoutError`` when one does not answer in time)."""
         import ray
 
-        nodes = ray.get([shard.node_id.remote() for shard in self.shards] + [self.drafter.node_id.remote()])
+        refs = [shard.node_id.remote() for shard in self.shards] + [self.drafter.node_id.remote()]
+        nodes = ray.get(refs, timeout=timeout_s)
         return {"shards": nodes[:-1], "drafter": nodes[-1], "verifier": self.verifier_address}
+
+    def processes(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The process id of each actor of this replica (operators and chaos tests signal them)."""
+        import os
+
+        import ray
+
+        refs = [actor.__ray_call__.remote(lambda actor: os.getpid()) for actor in [*self.shards, self.drafter]]
+        pids = ray.get(refs, timeout=timeout_s)
+        return {"shards": pids[:-1], "drafter": pids[-1]}
 
     def shutdown(self) -> None:
         import ray

@@ -55,12 +55,17 @@ class UnknownRequest(UserError):
     """A tree names a request the target has not been told about (or has already finished)."""
 
 
-class VerifierError(UserError):
-    """The verifier ended the stream with an error status; the message carries its details."""
+class VerifierError(RuntimeError):
+    """The verifier ended the stream with an error status; the message carries its details. Never the HTTP client's
+    fault (drafts are the replica's own), so not a ``UserError``."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"verifier returned {code.name}: {details}")
         self.code = code
+        self.details = details
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray by pickle: rebuild from both arguments
+        return (type(self), (self.code, self.details))
 
 
 class VerifierBackend(Protocol):

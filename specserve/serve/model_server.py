@@ -34,7 +34,9 @@ the request was refused.
 
 A replica whose runner loses its target (:class:`~specserve.core.errors.ReplicaLost`: a shard died or
 froze) remembers it: its health check fails from then on, so Serve replaces it, and it refuses every
-new request at once with ``ReplicaLost``, which the ingress resumes on a healthy replica. Given a
+new request at once with ``ReplicaLost``, which the ingress resumes on a healthy replica. It shuts the
+runner down at once (its live actors and their resources), so that the replacement can be placed
+without waiting for Serve to stop this replica. Given a
 :class:`~specserve.core.resume.Resume`, :meth:`ModelServer.generate` continues a request another replica
 lost, streaming only what its client lacks. Metrics (:class:`~specserve.serve.metrics.ServeMetrics`): per request, and
 on the batched path per engine step (batch size, tokens committed).
@@ -175,6 +177,8 @@ class ModelServer:
         self._finished: Counter[str] = Counter()  # stop, length, eos, cancelled, error, invalid, queue_full
         self._seconds_per_request = 0.0  # moving average of a finished request's time here (for Retry-After)
         self.lost: ReplicaLost | None = None  # set when the runner lost its target: every request fails fast after
+        self._release_lock = threading.Lock()
+        self._released = False  # the runner was shut down
         logger.info("ModelServer %r: %s", self.config.model_name, self.path_description())
 
     @property
@@ -241,18 +245,42 @@ class ModelServer:
             self.loop.check_health()
         check = getattr(self.runner, "check_health", None)
         if check is not None:
-            check()
+            try:
+                check()
+            except ReplicaLost as exc:
+                self._lose(exc)
+                raise
+
+    def _lose(self, exc: ReplicaLost) -> None:
+        """The runner lost its target: fail fast from now on, and release what is left of it (its live actors and
+        their resources) at once, on a thread, so that the replica Serve starts in its place can be placed."""
+        with self._release_lock:
+            if self.lost is not None:
+                return
+            self.lost = exc
+        logger.error("the replica lost its target; it fails fast until Serve replaces it: %s", exc)
+        threading.Thread(target=self._release_runner, name="specserve-release", daemon=True).start()
+
+    def _release_runner(self) -> None:
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:
+                logger.exception("releasing the lost runner failed")
 
     def shutdown(self) -> None:
         if self.loop is not None:
             self.loop.shutdown()
         self._worker.shutdown(wait=False, cancel_futures=True)
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self._release_runner()
 
     def __del__(self) -> None:  # Serve calls it when it stops a replica (downscaling, redeploy)
-        if hasattr(self, "_worker"):
+        if hasattr(self, "_released"):  # built whole
             self.shutdown()
 
     # -----------------------------------------------------------------------------------------
@@ -300,9 +328,7 @@ class ModelServer:
             raise
         except ReplicaLost as exc:
             finish = "error"
-            if self.lost is None:
-                logger.error("the replica lost its target; it fails fast until Serve replaces it: %s", exc)
-                self.lost = exc
+            self._lose(exc)
             raise
         except Exception:
             finish = "error"

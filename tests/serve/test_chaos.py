@@ -5,6 +5,10 @@ One application whose single ModelServer replica batches in process (the tiny fl
 (``ray.kill``: its process, engine and KV are gone). Serve starts a new replica, and the ingress resumes
 the request there from what the client already has: the client's text equals an undisturbed run's, greedy
 and with drafter-invariant sampling, with no error event — it saw a pause, nothing else.
+
+Then a TP 2 application on the distributed runtime (target shards and drafter as Ray actors): rank 1's process is
+killed while two streams run. The replica fails fast (``ReplicaLost``), ``/ready`` says 503 while it is broken,
+Serve replaces it, and both streams complete with their undisturbed text.
 """
 
 from __future__ import annotations
@@ -106,3 +110,77 @@ def test_a_killed_model_replicas_stream_resumes_exactly(url: str, sampling: dict
     assert text == want["choices"][0]["text"] and tokens == want["usage"]["completion_tokens"] == 900
     wait_until_ready(url)
     assert model_replica()[0] != before  # a new replica finished it
+
+
+# ---------------------------------------------------------------------------------------------
+# A target shard killed: the distributed runtime at TP 2
+
+
+TP_APP = "chaos-tp"
+
+
+@pytest.fixture(scope="module")
+def tp_url(url: str, long_context_pair: Path) -> Iterator[str]:
+    from ray import serve
+
+    serve.delete(APP)  # one application at a time on the session's cluster
+    config = ServeConfig(
+        model_name=MODEL_NAME,
+        target=str(long_context_pair / "target"),
+        draft=str(long_context_pair / "draft"),
+        dtype="float64",
+        gamma=3,
+        tp_degree=2,
+        max_num_seqs=2,
+        max_seq_len=1024,
+        max_ongoing_requests=4,
+        stall_timeout_s=5.0,
+    )
+    serve.run(application(config), name=TP_APP, route_prefix="/")
+    yield url
+    serve.delete(TP_APP)
+
+
+def replica_processes(app: str) -> dict[str, Any]:
+    from ray import serve
+
+    status: dict[str, Any] = serve.get_deployment_handle(MODEL, app_name=app).status.remote().result()
+    return dict(status["processes"])
+
+
+def test_a_killed_shards_streams_resume_exactly_and_ready_says_so(tp_url: str) -> None:
+    """Two streams (greedy, drafter-invariant sampling) on a TP 2 replica; rank 1's process is killed after a few
+    events: /ready turns 503 while the replica is broken, and both streams complete with their undisturbed text."""
+    import os
+    import signal
+    import threading
+
+    bodies = [{**BODY, **sampling} for sampling in SAMPLINGS.values()]
+    answers = [requests.post(f"{tp_url}/v1/completions", json=body, timeout=300).json() for body in bodies]
+    wants = [answer["choices"][0]["text"] for answer in answers]
+    shard = replica_processes(TP_APP)["shards"][1]
+    results: dict[int, tuple[str, list[Any], int]] = {}
+    started = threading.Barrier(len(bodies) + 1)
+
+    def client(index: int) -> None:
+        started.wait()
+        results[index] = stream(tp_url, bodies[index])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    time.sleep(1.0)  # both streams are running (each takes well over this undisturbed)
+    os.kill(shard, signal.SIGKILL)
+    assert not results  # neither stream had finished
+    deadline = time.monotonic() + 60
+    while requests.get(f"{tp_url}/ready", timeout=30).status_code == 200:
+        assert time.monotonic() < deadline, "/ready never reported the broken replica"
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(timeout=300)
+    for index, want in enumerate(wants):
+        text, errors, tokens = results[index]
+        assert errors == [] and text == want and tokens == 900
+    wait_until_ready(tp_url)
+    assert replica_processes(TP_APP)["shards"][1] != shard  # a new replica finished them
