@@ -39,7 +39,7 @@ first (the wait for a first token, queueing included, is reported apart as the l
 wait). A **silence** is an interval in which no stream got any text while some request was in flight
 throughout: its client waited at least that long, before its first token or after (under a saturated
 closed loop there is none without a fault). Per kill, over the requests **in flight** at it (sent before
-it, not ended): the longest stall; the longest silence that ended after the kill (and by the next
+it, not ended): the longest stall and the longest silence that ended after the kill (and by the next
 kill); the **longest stall a client saw** — the larger of the two, which the targets judge (a shard
 killed while every request in flight still waits for its first token shows in the silence alone); the
 longest first-token wait; and the recovery — from the kill to the first and to the last moment a
@@ -506,7 +506,8 @@ def kill_impact(records: Sequence[StreamRecord], kill: dict[str, Any], until: fl
     waits = [r.first - r.sent for r in flying if r.first is not None and r.first > at]
     new = [r.ended for r in records if r.sent > at and r.completed and r.ended is not None]
     quiet = silence(records, at, until)
-    stall = max((r.longest_stall for r in flying), default=0.0)
+    # pauses of the requests in flight that ended after this kill and by the next (a later kill's pause is its own)
+    stall = max((length for r in flying for length, end in r.gaps() if at < end <= until), default=0.0)
     first_resumed = min(resumed) - at if resumed else None
     last_resumed = max(resumed) - at if resumed else None
     first_new = min(new) - at if new else None

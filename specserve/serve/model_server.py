@@ -19,8 +19,9 @@ chosen by its configuration, logged when it starts and reported by :meth:`ModelS
   :class:`~specserve.actors.coordinator.Coordinator` (:func:`spawn_coordinator`) over the replica's
   target shards and drafter placed as Ray actors, so drafters scale with their replicas. The runner
   is synchronous; it generates one request at a time unless it says it takes more
-  (``max_concurrency``, as a distributed runtime that batches does). Requests wait their turn on an
-  ``asyncio.Semaphore`` of that size, and each chosen one runs on a worker thread; chunks cross to
+  (``max_concurrency``, as a distributed runtime that batches does). Requests wait their turn on
+  :class:`~specserve.serve.slots.PrioritySlots` of that size (a request resumed from a lost replica,
+  whose client is mid-stream, first), and each chosen one runs on a worker thread; chunks cross to
   the event loop through a queue (piled-up chunks are merged). When the consumer goes away, the
   generation is closed on its own thread: the coordinator cancels the drafter and frees the
   request's KV on every shard before the next request is admitted.
@@ -68,6 +69,7 @@ from specserve.core.sampling import SamplingParams
 from specserve.serve.config import ServeConfig
 from specserve.serve.engine_loop import BatchEngine, EngineLoop, merge_chunks
 from specserve.serve.metrics import ServeMetrics
+from specserve.serve.slots import PrioritySlots
 
 __all__ = ["ModelServer", "QueueFull", "build_runner", "load_batched_engine", "merge_chunks", "spawn_coordinator"]
 
@@ -75,6 +77,7 @@ logger = logging.getLogger("ray.serve")  # Serve writes this logger to the repli
 
 RunnerFactory = Callable[[ServeConfig], GenerationFrontend]
 MAX_RETRY_AFTER_S = 60
+RESUMED, FRESH = 0, 1  # who takes a freed generation slot first: a resumed request's client is mid-stream
 
 
 class QueueFull(Exception):
@@ -170,7 +173,7 @@ class ModelServer:
         else:  # a runner that is not the in-process batched engine says how many requests it takes at once
             self.at_once = max(1, int(getattr(self.runner, "max_concurrency", 1)))
         self.capacity = self.at_once + self.config.max_queue
-        self._slot = asyncio.Semaphore(self.at_once)
+        self._slot = PrioritySlots(self.at_once)  # a resumed request (its client mid-stream) goes first
         self._worker = ThreadPoolExecutor(max_workers=self.at_once, thread_name_prefix="specserve-generation")
         self._held = 0  # requests taken and not finished (generating or waiting)
         self._running = 0  # runner path: generating
@@ -342,11 +345,11 @@ class ModelServer:
             self._report_queue()
 
     def _chunks(
-        self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig
+        self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig, priority: int = FRESH
     ) -> AsyncGenerator[StreamChunk, None]:
         if self.loop is not None:
             return self.loop.stream(prompt_ids, params, generation)
-        return self._on_runner(prompt_ids, params, generation)
+        return self._on_runner(prompt_ids, params, generation, priority)
 
     async def _resumed(
         self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig, resume: Resume
@@ -358,17 +361,18 @@ class ModelServer:
             yield output.map(StreamChunk("", []))
             yield output.finish("length")
             return
-        async with aclosing(self._chunks(*continuation(prompt_ids, params, generation, resume))) as chunks:
+        resumed = self._chunks(*continuation(prompt_ids, params, generation, resume), priority=RESUMED)
+        async with aclosing(resumed) as chunks:
             async for chunk in chunks:
                 yield output.map(chunk)
                 if output.finished:
                     return
 
     async def _on_runner(
-        self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig
+        self, prompt_ids: list[int], params: SamplingParams, generation: GenerationConfig, priority: int = FRESH
     ) -> AsyncGenerator[StreamChunk, None]:
         yield StreamChunk("", [])  # taken: it waits its turn here
-        await self._slot.acquire()
+        await self._slot.acquire(priority)
         try:
             self._running += 1
             self._report_queue()
