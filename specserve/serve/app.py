@@ -63,7 +63,7 @@ def application(config: ServeConfig, deployment_options: Mapping[str, Mapping[st
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=1024,  # the ingress only forwards; the model replicas' queues bound the work
     )(serve.ingress()(OpenAIIngress)).options(**options.get(INGRESS, {}))
-    return ingress.bind(args, model.bind(args, build_runner, True))
+    return ingress.bind(args, model.bind(args, build_runner, True, True))  # metrics; end a lost replica's actor
 
 
 def model_actor_options(config: ServeConfig) -> dict[str, Any]:

@@ -37,7 +37,8 @@ A replica whose runner loses its target (:class:`~specserve.core.errors.ReplicaL
 froze) remembers it: its health check fails from then on, so Serve replaces it, and it refuses every
 new request at once with ``ReplicaLost``, which the ingress resumes on a healthy replica. It shuts the
 runner down at once (its live actors and their resources), so that the replacement can be placed
-without waiting for Serve to stop this replica. Given a
+without waiting for Serve to stop this replica; a Serve replica (``exit_when_lost``) then ends its own
+actor, which Serve replaces at its next health check (a failing check must fail three times in a row). Given a
 :class:`~specserve.core.resume.Resume`, :meth:`ModelServer.generate` continues a request another replica
 lost, streaming only what its client lacks. Metrics (:class:`~specserve.serve.metrics.ServeMetrics`): per request, and
 on the batched path per engine step (batch size, tokens committed).
@@ -77,6 +78,7 @@ logger = logging.getLogger("ray.serve")  # Serve writes this logger to the repli
 
 RunnerFactory = Callable[[ServeConfig], GenerationFrontend]
 MAX_RETRY_AFTER_S = 60
+EXIT_GRACE_S = 0.5  # a lost Serve replica ends its actor this long after releasing its runner
 RESUMED, FRESH = 0, 1  # who takes a freed generation slot first: a resumed request's client is mid-stream
 
 
@@ -156,6 +158,7 @@ class ModelServer:
         config: ServeConfig | Mapping[str, Any],
         runner_factory: RunnerFactory = build_runner,
         record_metrics: bool = False,
+        exit_when_lost: bool = False,
     ) -> None:
         self.started = int(time.time())  # Unix time: GET /v1/models reports it as the model's `created`
         self.config = ServeConfig.model_validate(config)
@@ -182,6 +185,7 @@ class ModelServer:
         self.lost: ReplicaLost | None = None  # set when the runner lost its target: every request fails fast after
         self._release_lock = threading.Lock()
         self._released = False  # the runner was shut down
+        self.exit_when_lost = exit_when_lost  # a Serve replica: end its actor once the lost runner is released
         logger.info("ModelServer %r: %s", self.config.model_name, self.path_description())
 
     @property
@@ -275,6 +279,17 @@ class ModelServer:
                 shutdown()
             except Exception:
                 logger.exception("releasing the lost runner failed")
+        if self.exit_when_lost and self.lost is not None:
+            self._exit_actor()
+
+    def _exit_actor(self) -> None:
+        """End this Serve replica's actor: Serve sees a crashed replica at its next health check and replaces it at
+        once (a failing check must fail three times in a row first). Its in-flight requests already failed."""
+        import ray
+
+        time.sleep(EXIT_GRACE_S)  # the in-flight requests' errors reach the ingress first
+        logger.error("the replica lost its target: ending its actor so that Serve replaces it now")
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def shutdown(self) -> None:
         if self.loop is not None:

@@ -1,14 +1,15 @@
 """Hostile bodies against the real HTTP server: every answer is a 2xx or OpenAI's 4xx error JSON, never a 5xx or a hang.
 
-One application (the tiny float64 llama pair, a 128-token context, the default one-at-a-time
-replica with its target shard and drafter as Ray actors) on the session's Serve. First the
+One application (the tiny float64 llama pair, a 128-token context) on the session's Serve, twice: with
+the default one-at-a-time replica (its target shard and drafter as Ray actors), then with a replica
+batching 4 requests in its own process; everything below runs against each. First the
 operator's probe from issue 17, each finding as a named request; then a hypothesis fuzzer that
 posts generated JSON bodies to ``/v1/completions`` and ``/v1/chat/completions``: mixtures of valid
 fields and mutated ones (wrong types, huge and non-finite numbers, NaN-like strings, empty and long
 strings, nested junk, random extra keys, unsupported OpenAI fields), some whole, some streamed.
 The fuzzer is derandomised (the same examples on every run, so CI is reproducible) and bounded
-(``MAX_EXAMPLES`` in all — ``$SPECSERVE_FUZZ_EXAMPLES`` for a longer hunt —, ``max_tokens`` small, a
-timeout on every request). Afterwards the server still answers ``/health`` and a normal request.
+(``MAX_EXAMPLES`` in all, half per replica — ``$SPECSERVE_FUZZ_EXAMPLES`` for a longer hunt —,
+``max_tokens`` small, a timeout on every request). Afterwards the server still answers ``/health`` and a normal request.
 """
 
 from __future__ import annotations
@@ -35,15 +36,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 APP = "fuzz-http"
 MODEL_NAME = "tiny-fuzz"
 MAX_BODY = 8192
-MAX_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "150"))  # more, for a longer hunt
+MAX_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "150"))  # in all; more, for a longer hunt
+PER_REPLICA = max(1, MAX_EXAMPLES // 2)  # each replica kind gets half
 TIMEOUT_S = (10, 60)  # connect, read: a hang fails the test instead of the session
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 ERROR_KEYS = {"message", "type", "param", "code"}
 STATUSES: Counter[int] = Counter()  # what the fuzzer's requests were answered
 
 
-@pytest.fixture(scope="module")
-def url(serve_url: str, saved_pairs: dict[str, Path]) -> Iterator[str]:
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
+def url(request: pytest.FixtureRequest, serve_url: str, saved_pairs: dict[str, Path]) -> Iterator[str]:
+    """The application with a one-at-a-time replica (target shard and drafter as Ray actors), then with a replica
+    batching 4 requests in its own process."""
     from ray import serve
 
     models = saved_pairs["llama"]
@@ -55,7 +59,9 @@ def url(serve_url: str, saved_pairs: dict[str, Path]) -> Iterator[str]:
         gamma=3,
         default_max_tokens=4,  # a body without max_tokens stays cheap
         max_body_bytes=MAX_BODY,
+        max_num_seqs=request.param,
     )
+    STATUSES.clear()  # what this replica's fuzzing was answered
     serve.run(application(config), name=APP, route_prefix="/")
     yield serve_url
     serve.delete(APP)
@@ -282,7 +288,7 @@ def cheap(body: Any) -> bool:
 
 
 @settings(
-    max_examples=MAX_EXAMPLES,
+    max_examples=PER_REPLICA,
     deadline=None,
     derandomize=True,
     database=None,
@@ -300,7 +306,7 @@ def test_hostile_bodies_get_a_2xx_or_an_openai_4xx(url: str, request: tuple[str,
 
 def test_the_server_still_serves_after_the_fuzzing(url: str) -> None:
     if STATUSES:  # the fuzzer ran: a good share of its bodies generated text, the rest were refused
-        assert STATUSES[200] >= MAX_EXAMPLES // 5 and set(STATUSES) - {200} <= {400, 404, 413}, STATUSES
+        assert STATUSES[200] >= PER_REPLICA // 5 and set(STATUSES) - {200} <= {400, 404, 413}, STATUSES
     assert requests.get(f"{url}/health", timeout=TIMEOUT_S).json() == {"status": "ok"}
     answer = post(url, ROUTES[0], {**GOOD, "temperature": 0})
     assert answer.status_code == 200 and check_answer(answer)
