@@ -36,9 +36,10 @@ answer a probe loses the replica: the request raises :class:`~specserve.core.err
 at once (:attr:`Coordinator.lost`). The same holds when a call to rank 0 (admission and prefill,
 probed every ``stall_timeout_s`` for at most :data:`START_TIMEOUT_S`; a progress query or a plain
 cycle, :data:`PROGRESS_TIMEOUT_S`) finds it dead or outlives its deadline, and when the drafter's
-loop fails while a shard is gone (its verifier went with it); any other failure of the drafter's
-loop is raised as it is. Does not restart shards, nor resume a lost request elsewhere (the front end
-does: :mod:`specserve.core.resume`).
+loop fails while a shard is gone (its verifier went with it). Any other failure of the drafter's loop — a
+bug, or a draft the verifier refused as garbage (which changes nothing on rank 0) — costs the request its
+speculation, not the request; only the request's own errors (a ``UserError``) are raised. Does not restart
+shards, nor resume a lost request elsewhere (the front end does: :mod:`specserve.core.resume`).
 
 A replica with ``max_num_seqs`` > 1 serves that many requests at once: call :meth:`~Coordinator.stream`
 from as many threads; rank 0 verifies their drafts together, one forward per step, and the drafter
@@ -213,7 +214,18 @@ class Coordinator(GenerationFrontend):
                 cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
                 when = f"after request {request_id}'s drafter failed ({type(cause).__name__})"
                 self._raise_if_lost(self._probe(replica.shards), PROBE_TIMEOUT_S, when)
-                raise
+                if isinstance(cause, UserError):  # the request's own (a drafter it named cannot serve it)
+                    raise
+                # the target is fine: the drafter failed or sent garbage (refused by the verifier, which changed
+                # nothing); the request goes on without it
+                logger.warning(
+                    "request %s: its drafter failed (%s: %s); it continues without speculation",
+                    request_id,
+                    type(cause).__name__,
+                    cause,
+                )
+                yield from self._decode_plainly(request_id, out)
+                return
             # no report for stall_s: a shard is gone (raises ReplicaLost), or the drafter is frozen (killed)
             self._drafter_stalled(request_id, stall_s)
             yield from self._decode_plainly(request_id, out)

@@ -244,3 +244,56 @@ def test_a_frozen_shard_loses_the_replica(tp2_coordinator: Coordinator, tiny_pai
                     os.kill(pid, signal.SIGSTOP)
         assert "does not answer" in str(lost.value)
         assert_lost_for_good(tp2_coordinator, prompt, config)
+
+
+def corrupt_drafts_from_cycle(actor: Any, cycle: int) -> None:
+    """Make the drafter actor send drafts whose tokens lie outside the vocabulary from ``cycle`` on (the verifier
+    refuses them); :func:`restore_drafts` undoes it."""
+    import ray
+
+    def corrupt(self: Any, start: int) -> None:
+        import specserve.actors.drafter as module
+
+        original = getattr(module, "_honest_encode_draft", module.encode_draft)
+        module._honest_encode_draft = original  # type: ignore[attr-defined]
+
+        def garbage(request_id: str, at: int, proposal: Any) -> Any:
+            message = original(request_id, at, proposal)
+            if at >= start:
+                message.token_ids[:] = [2**31 - 1] * len(message.token_ids)
+            return message
+
+        module.encode_draft = garbage
+
+    ray.get(actor.__ray_call__.remote(corrupt, cycle), timeout=30)
+
+
+def restore_drafts(actor: Any) -> None:
+    import ray
+
+    def restore(self: Any) -> None:
+        import specserve.actors.drafter as module
+
+        module.encode_draft = getattr(module, "_honest_encode_draft", module.encode_draft)
+
+    ray.get(actor.__ray_call__.remote(restore), timeout=30)
+
+
+def test_a_drafter_sending_garbage_costs_speed_not_the_request(
+    coordinator: Coordinator, tiny_pairs: dict[str, TinyPair]
+) -> None:
+    """From its third cycle the drafter sends drafts the verifier refuses (tokens outside the vocabulary): the request
+    finishes without speculation, with the undisturbed tokens; the replica stays healthy."""
+    pair = tiny_pairs["llama"]
+    prompt = pair.prompts[0]
+    config = longest(pair, prompt)
+    undisturbed = coordinator.generate(prompt, SamplingParams(), config)
+    corrupt_drafts_from_cycle(coordinator.replica.drafter, 2)
+    try:
+        result = coordinator.generate(prompt, SamplingParams(), config)
+    finally:
+        restore_drafts(coordinator.replica.drafter)
+    assert plain_cycles(result) > plain_cycles(undisturbed)
+    assert result.output_ids == undisturbed.output_ids and result.finish_reason == "length"
+    assert coordinator.lost is None
+    coordinator.check_health(timeout_s=10)
