@@ -85,6 +85,9 @@ COMMANDS: dict[str, Command] = {
         "specserve.training.command",
         "train the default model pair, or a drafter head (eagle, medusa, exit-head) for a frozen target",
     ),
+    "datastore": Command(
+        "specserve.training.datastore", "build a token datastore (suffix array) for the REST drafter, rest:FILE"
+    ),
     "serve": Command("specserve.serve.command", "serve the OpenAI-compatible API on Ray Serve until Ctrl-C"),
     "cluster": Command(
         "specserve.cluster.command", "a local multi-node Ray cluster on this machine (up, down, status)"

@@ -73,9 +73,10 @@ class ReplicaConfig(BaseModel):
     )
     draft: str = Field(
         "ngram",
-        description="who drafts: a draft model directory, 'ngram' (prompt lookup), 'layerskip:L' (the target's "
-        "first L layers) or 'layerskip:DIR' (with a trained exit head), 'eagle:DIR' or 'medusa:DIR' (trained "
-        "heads), or 'none'; directories are made absolute as the target's",
+        description="who drafts: a draft model directory, 'ngram' (prompt lookup), 'suffix' (suffix decoding), "
+        "'layerskip:L' (the target's first L layers) or 'layerskip:DIR' (with a trained exit head), 'eagle:DIR' or "
+        "'medusa:DIR' (trained heads), 'rest:FILE' (retrieval from a token datastore: specserve datastore build), "
+        "or 'none'; directories and datastore files are made absolute as the target's",
     )
     dtype: Dtype = Field("float32", description="weights dtype of the target and the drafter")
     device: Device = Field("cpu", description="where the models compute; cuda: one GPU per shard and drafter")

@@ -13,7 +13,7 @@ A drafter serves one request at a time:
    been told an assumed verdict in overlap mode and the real one differs).
 
 A request may choose among the drafters of a :class:`DrafterSet` by name (``REQUEST_DRAFTERS``):
-the configured one (``default``), or the model-free ``ngram`` and ``none``, built on first use by
+the configured one (``default``), or the model-free ``ngram``, ``suffix`` and ``none``, built on first use by
 a builder the caller supplies. Drafter implementations live in ``specserve.drafters`` (whose
 registry supplies that builder); this module defines only the contract and the set.
 """
@@ -40,9 +40,9 @@ from specserve.core.tree import (
     committed_tokens,
 )
 
-# The drafters a request may choose: the deployment's configured one, prompt lookup, or none (plain
-# decoding). A draft model other than the configured one cannot be chosen per request.
-REQUEST_DRAFTERS = ("default", "ngram", "none")
+# The drafters a request may choose: the deployment's configured one, prompt lookup, suffix decoding, or none
+# (plain decoding). A draft model other than the configured one cannot be chosen per request.
+REQUEST_DRAFTERS = ("default", "ngram", "suffix", "none")
 
 
 @dataclass(frozen=True)
@@ -237,8 +237,8 @@ def check_can_draft(drafter: Drafter, tree: TreeSpec | None, name: str | None = 
     """Raises :class:`InvalidRequest` when ``tree`` asks for draft trees from a drafter that drafts only chains."""
     if tree is not None and not isinstance(drafter, TreeDrafter):
         raise InvalidRequest(
-            f"the {name or drafter.name!r} drafter cannot draft trees; use one that can (a draft model, ngram), "
-            "or chains"
+            f"the {name or drafter.name!r} drafter cannot draft trees; use one that can (a draft model, ngram, "
+            "suffix), or chains"
         )
 
 
@@ -254,7 +254,7 @@ def check_drafter_name(name: str) -> None:
 class DrafterSet:
     """The drafters requests may choose by name: the configured one, and the others built once, on first use.
 
-    ``build(name)`` makes the drafter called ``name`` (``"ngram"`` or ``"none"``); without it only the
+    ``build(name)`` makes the drafter called ``name`` (``"ngram"``, ``"suffix"`` or ``"none"``); without it only the
     configured drafter can be chosen. When the configured drafter is itself ``ngram`` or ``none``,
     ``default`` and that name are the same object. Not thread-safe: like a drafter, a set serves
     one request at a time.

@@ -1,5 +1,5 @@
-"""The drafter spec strings (``ngram``, ``none``, ``layerskip:L|DIR``, ``eagle:DIR``, ``medusa:DIR``, a draft
-model directory): their grammar, checks and paths. Torch-free.
+"""The drafter spec strings (``ngram``, ``suffix``, ``none``, ``layerskip:L|DIR``, ``eagle:DIR``, ``medusa:DIR``, a
+draft model directory): their grammar, checks and paths. Torch-free.
 
 Every edge that takes a drafter (``--draft``, the Serve ``draft`` setting, Python) parses the same
 strings. :func:`check_drafter_spec` refuses a spec that names nothing here with a message listing
@@ -18,14 +18,15 @@ from pathlib import Path
 from specserve.core.checkpoint_dir import check_checkpoint_dir, looks_like_hub_id, missing_directory_message
 from specserve.core.errors import UserError
 
-BUILTIN_DRAFTERS = ("none", "ngram")
+BUILTIN_DRAFTERS = ("none", "ngram", "suffix")
 LAYERSKIP_PREFIX = "layerskip:"
 EAGLE_PREFIX = "eagle:"
 MEDUSA_PREFIX = "medusa:"
+REST_PREFIX = "rest:"  # rest:FILE, a token datastore file (specserve datastore build)
 DIRECTORY_PREFIXES = (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX)
 
 # Every form, as the error message lists them ("DIR" alone: a draft model directory).
-FORMS = ("ngram", "none", "layerskip:L", "layerskip:DIR", "eagle:DIR", "medusa:DIR", "DIR")
+FORMS = ("ngram", "suffix", "none", "layerskip:L", "layerskip:DIR", "eagle:DIR", "medusa:DIR", "rest:FILE", "DIR")
 
 
 class InvalidDrafterSpec(UserError):
@@ -34,11 +35,14 @@ class InvalidDrafterSpec(UserError):
 
 def absolute_spec(spec: str) -> str:
     """``spec`` with the directory it names made absolute when that directory exists here: a draft model
-    directory, or the DIR of ``eagle:DIR``, ``medusa:DIR`` and ``layerskip:DIR``. ``none``, ``ngram``,
+    directory, or the DIR of ``eagle:DIR``, ``medusa:DIR`` and ``layerskip:DIR``. ``none``, ``ngram``, ``suffix``,
     ``layerskip:L`` and missing directories are returned unchanged. A new spec form that names a directory
-    says so here."""
+    says so here. The FILE of ``rest:FILE`` is made absolute the same way when that file exists here."""
     if spec in BUILTIN_DRAFTERS:
         return spec
+    if spec.startswith(REST_PREFIX):  # a file, not a directory
+        value = spec[len(REST_PREFIX) :]
+        return REST_PREFIX + (os.path.abspath(value) if value and os.path.isfile(value) else value)
     for prefix in DIRECTORY_PREFIXES:
         if spec.startswith(prefix):
             value = spec[len(prefix) :]
@@ -53,6 +57,17 @@ def check_drafter_spec(spec: str) -> None:
     directory that exists here (a draft model directory must also look like a checkpoint). Call it where the
     models are loaded (a command on this machine), not where a configuration is only read."""
     if spec in BUILTIN_DRAFTERS:
+        return
+    if spec.startswith(REST_PREFIX):
+        value = spec[len(REST_PREFIX) :]
+        if not value:
+            raise InvalidDrafterSpec(f"{spec!r} names no file; write {REST_PREFIX}FILE. {_forms()}")
+        if not Path(value).is_file():
+            what = "is a directory, not a datastore file" if Path(value).is_dir() else "does not exist"
+            raise InvalidDrafterSpec(
+                f"datastore {value} {what} (in {spec!r}); build one with "
+                f"`specserve datastore build --data FOLDER --tokenizer TARGET_DIR --out {value}`"
+            )
         return
     for prefix in DIRECTORY_PREFIXES:
         if spec.startswith(prefix):

@@ -1,8 +1,9 @@
-"""Build a drafter from its name: ``none``, ``ngram``, ``layerskip:L|DIR``, ``eagle:DIR``, ``medusa:DIR``, a model dir.
+"""Build a drafter from its name: ``none``, ``ngram``, ``suffix``, ``layerskip:L|DIR``, ``eagle:DIR``, ``medusa:DIR``,
+a model dir.
 
 :func:`build_drafter_set` wraps the configured drafter in a :class:`~specserve.core.draft.DrafterSet`
 whose builder is :func:`build_drafter` with the same options, so a request can also choose
-``ngram`` or ``none`` (built on first use, then kept). Loads no model other than the configured one.
+``ngram``, ``suffix`` or ``none`` (built on first use, then kept). Loads no model other than the configured one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from specserve.core.drafter_spec import (
     EAGLE_PREFIX,
     LAYERSKIP_PREFIX,
     MEDUSA_PREFIX,
+    REST_PREFIX,
 )
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
@@ -26,6 +28,8 @@ from specserve.drafters.medusa import MedusaDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
+from specserve.drafters.rest import RestDrafter
+from specserve.drafters.suffix import SuffixCache, SuffixDrafter
 
 
 def build_drafter(
@@ -36,10 +40,10 @@ def build_drafter(
     max_ngram: int = 3,
     min_ngram: int = 1,
 ) -> Drafter:
-    """``spec`` is ``"none"``, ``"ngram"``, ``"layerskip:L"`` (the target's first L layers) or ``"layerskip:DIR"``
-    (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads), a draft model directory, or an
-    already loaded draft model. Drafters built on the target's own weights load their own copy of the target in a
-    process that holds only its description."""
+    """``spec`` is ``"none"``, ``"ngram"``, ``"suffix"``, ``"layerskip:L"`` (the target's first L layers) or
+    ``"layerskip:DIR"`` (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads),
+    ``"rest:FILE"`` (a token datastore), a draft model directory, or an already loaded draft model. Drafters built
+    on the target's own weights load their own copy of the target in a process that holds only its description."""
     if isinstance(spec, CausalLM):
         return DraftModelDrafter(spec, target)
     if spec.startswith(LAYERSKIP_PREFIX):
@@ -67,10 +71,17 @@ def build_drafter(
         if not directory:
             raise UserError(f"Medusa drafting is 'medusa:DIR' with DIR a trained heads directory, got {spec!r}")
         return MedusaDrafter.load(directory, target, dtype=dtype, device=device)
+    if spec.startswith(REST_PREFIX):
+        path = spec[len(REST_PREFIX) :]
+        if not path:
+            raise UserError(f"REST drafting is 'rest:FILE' with FILE a token datastore file, got {spec!r}")
+        return RestDrafter.load(path, target)
     if spec == "none":
         return NoDrafter(target.device)
     if spec == "ngram":
         return NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram, device=target.device)
+    if spec == "suffix":
+        return SuffixDrafter(device=target.device)  # with a global store of its own (kept while it is)
     return DraftModelDrafter(CausalLM.load(Path(spec), dtype=dtype, device=device), target)
 
 
@@ -107,7 +118,8 @@ def request_drafters(
 ) -> Callable[[str], Drafter]:
     """For the batched engine: ``new_drafter(name)`` gives each request a drafter of its own (``name`` one of
     :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
-    requests' drafters (each keeps its own cache); ``ngram`` and ``none`` are cheap to build per request.
+    requests' drafters (each keeps its own cache); ``ngram``, ``suffix`` and ``none`` are cheap to build per request
+    (the ``suffix`` drafters share one global store of finished requests' outputs).
     Drafters that read the target's features or KV (EAGLE, Medusa, layer-skip) load their weights (and, given
     only the target's description, a copy of the target) once, now; each request gets a fresh drafter over them.
     The engine says whether it can run them.
@@ -123,17 +135,18 @@ def request_drafters(
     if (
         isinstance(spec, str)
         and spec not in BUILTIN_DRAFTERS
-        and not spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX))
+        and not spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX))
     ):
         configured = CausalLM.load(Path(spec), dtype=dtype, device=device)  # a draft model directory: load it once
     batcher = None
     if max_num_seqs is not None and isinstance(configured, CausalLM):
         length = target.info.max_positions if max_seq_len is None else max_seq_len
         batcher = BatchedDraftModel(configured, target, max_num_seqs, length)
-    prototype: EagleDrafter | MedusaDrafter | LayerSkipDrafter | None = None
-    if isinstance(spec, str) and spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX)):
+    suffix_cache = SuffixCache()  # the global store every request's suffix drafter shares
+    prototype: EagleDrafter | MedusaDrafter | LayerSkipDrafter | RestDrafter | None = None
+    if isinstance(spec, str) and spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX)):
         built = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
-        assert isinstance(built, EagleDrafter | MedusaDrafter | LayerSkipDrafter)
+        assert isinstance(built, EagleDrafter | MedusaDrafter | LayerSkipDrafter | RestDrafter)
         prototype = built  # never drafts itself: each request gets prototype.fresh()
 
     def new_drafter(name: str) -> Drafter:
@@ -143,6 +156,8 @@ def request_drafters(
         if name == REQUEST_DRAFTERS[0] and prototype is not None:
             return prototype.fresh()
         chosen = configured if name == REQUEST_DRAFTERS[0] else name
+        if chosen == "suffix":
+            return SuffixDrafter(suffix_cache, device=target.device)
         return build_drafter(chosen, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
 
     return new_drafter
