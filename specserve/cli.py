@@ -59,7 +59,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench-drafters": Command(
         "specserve.benchmarks.learned",
-        "every drafter (draft model, EAGLE, Medusa, layer-skip, n-gram, HF)",
+        "every drafter (draft model, EAGLE, Medusa, layer-skip, n-gram, suffix, REST, HF) on a workload",
         threads=True,
     ),
     "bench-distributed": Command(

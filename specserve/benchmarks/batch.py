@@ -107,6 +107,7 @@ from specserve.benchmarks.tables import table_cell
 from specserve.core.attention import native_attention
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter
+from specserve.core.drafter_spec import is_model_free
 from specserve.core.engine import GenerationConfig, SpeculativeEngine, StreamChunk
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
@@ -538,7 +539,7 @@ def load(cfg: BatchBenchConfig) -> tuple[Models, list[list[int]]]:
     texts = texts[: cfg.num_prompts]
     target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
     draft: CausalLM | str = cfg.draft
-    if cfg.draft not in ("none", "ngram"):
+    if not is_model_free(cfg.draft):
         draft = CausalLM.load(cfg.draft, dtype=cfg.dtype, device=cfg.device)
     assert target.tokenizer is not None
     limit = target.info.max_positions - cfg.max_new_tokens

@@ -82,6 +82,7 @@ from specserve.benchmarks.arguments import (
 )
 from specserve.benchmarks.tables import table_cell
 from specserve.cluster.replica_config import ReplicaConfig
+from specserve.core.drafter_spec import is_model_free
 from specserve.core.errors import UserError
 from specserve.core.schedule import MAX_GAMMA, Budget, FixedSchedule, Schedule, ScheduleFactory
 from specserve.policies.base import Policy
@@ -417,7 +418,7 @@ def _load_models(cfg: ExperimentConfig) -> tuple[Any, Any]:
     from specserve.drafters.registry import build_drafter_set
 
     for directory in (cfg.target, cfg.draft):
-        if directory not in ("ngram", "none") and not Path(directory).is_dir():
+        if not is_model_free(directory) and not Path(directory).is_dir():
             raise UserError(f"model directory {directory} does not exist")
     target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
     return target, build_drafter_set(cfg.draft, target, dtype=cfg.dtype, device=cfg.device)

@@ -1,23 +1,42 @@
 """`specserve bench-drafters`: every kind of drafter against plain decoding, greedy and at temperature 1.
 
-One target, the same held-out prompts and ``max_new_tokens`` for every cell, in one process:
+One target, the same prompts and ``max_new_tokens`` for every cell, in one process. The prompts are a
+workload (``--workload``, :mod:`specserve.benchmarks.prompts`):
+
+* ``code`` (default) — the openings of held-out standard-library files (or ``--prompts FILE``);
+* ``repetitive`` — editing requests: a held-out file's excerpt and "the same code, with NAME renamed",
+  so the output repeats the input;
+* ``multiturn`` — conversations: a request's prompt holds the earlier turns' prompts and outputs and
+  asks for the code again. The outputs in the prompts are the target's greedy ones (made once, before
+  timing, by plain decoding; the same prompts for every cell and temperature), and the requests run
+  in order through one engine, so a drafter that remembers earlier requests (suffix) sees them.
+
+The cells:
 
 * ``plain`` — no drafting, the baseline of every speedup;
 * ``draft chain`` / ``draft tree`` — the small draft model (chain γ, and a dynamic tree);
 * ``eagle chain`` / ``eagle tree`` — the trained EAGLE head (chain, and EAGLE-2 dynamic trees);
 * ``medusa tree`` — the trained Medusa heads' static tree (best-first over their calibrated ranks);
 * ``layerskip`` — the target's first L layers, plain and with the trained exit head;
-* ``ngram`` — prompt lookup;
-* ``hf assisted`` — transformers' own assisted generation with the same draft model (constant γ).
+* ``ngram`` — prompt lookup (chain, and a tree of several earlier matches);
+* ``suffix`` — suffix decoding (chain and tree), a fresh global store for every pass of a cell, so that
+  it holds the outputs of that pass's earlier requests only (not other rounds' or cells');
+* ``rest`` — REST retrieval from a token datastore (chain and tree), with ``--datastore FILE`` or, by
+  default, ``runs/datastore/stdlib.rest`` (``make datastore``) when it exists;
+* ``hf assisted`` — transformers' own assisted generation with the same draft model (constant γ);
+* ``hf prompt lookup`` — transformers' ``generate(prompt_lookup_num_tokens=γ)``.
 
 Every cell of ours is exact (greedy equals plain greedy; sampled follows the target's law), so only
 speed differs. Machine speed drifts on a shared host: each cell runs once per round, rounds
 alternate the order, and the totals pool all rounds. Reported per cell: tokens/s end to end,
 speedup over plain at the same temperature, mean accepted length (tokens per target pass) and
-acceptance by depth. Cells whose drafter directory is missing are skipped with a note.
+acceptance by depth. Cells whose drafter directory or datastore is missing are skipped with a note
+(stderr, and ``skipped`` in the report). Prompts longer than the target's context minus
+``max_new_tokens`` keep their last tokens.
 
 Results: ``drafters.json``, ``drafters.md`` (the table for BENCHMARKS.md, and the headline) and
-``drafters.png`` under ``--out`` (default ``runs/bench-drafters/``). stdout carries the table and a
+``drafters.png`` under ``--out`` (default ``runs/bench-drafters/``); the other workloads write
+``drafters-repetitive.*`` and ``drafters-multiturn.*`` beside them. stdout carries the table and a
 ``results:`` line, or with ``--json`` the report alone (:mod:`specserve.benchmarks.arguments`).
 ``--quick`` is a smoke run of about a minute (:data:`QUICK`).
 """
@@ -25,7 +44,9 @@ Results: ``drafters.json``, ``drafters.md`` (the table for BENCHMARKS.md, and th
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,12 +66,20 @@ from specserve.benchmarks.arguments import (
     print_results,
     stdout_to_stderr,
 )
-from specserve.benchmarks.prompts import heldout_prompts, load_prompts
-from specserve.benchmarks.speculative import BenchConfig, run_hf_assisted
+from specserve.benchmarks.prompts import (
+    MULTITURN_TURNS,
+    heldout_files,
+    heldout_prompts,
+    load_prompts,
+    multiturn_prompts,
+    repetitive_prompts,
+)
+from specserve.benchmarks.speculative import BenchConfig, run_hf, run_hf_assisted
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.draft import Drafter
+from specserve.core.drafter_spec import REST_PREFIX
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
@@ -60,6 +89,10 @@ from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
 TARGET_SPEEDUP = 2.0  # EAGLE's target over plain greedy decoding (issue 7)
+WORKLOADS = ("code", "repetitive", "multiturn")
+DEFAULT_DATASTORE = RUNS_DIR / "datastore" / "stdlib.rest"  # what `make datastore` writes
+HF_ASSISTED, HF_PROMPT_LOOKUP = "hf", "hf-prompt-lookup"  # transformers' cells (not drafter specs)
+FRESH_PER_PASS = ("suffix",)  # drafters that learn from the requests they serve: a new one for every pass
 QUICK = Quick(
     {"num_prompts": 2, "max_new_tokens": 32, "temperatures": "0", "rounds": 1},
     "every drafter once, greedy, on 2 prompts × 32 new tokens",
@@ -83,18 +116,41 @@ class DrafterBenchConfig:
     layerskip_layers: int = 4
     out_dir: Path = RUNS_DIR / "bench-drafters"
     seed: int = 0
+    workload: str = "code"  # one of WORKLOADS
+    datastore: str = str(DEFAULT_DATASTORE)  # the rest cells' datastore; skipped when it is not a file
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise UserError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+
+    @property
+    def stem(self) -> str:
+        """The report files' name: ``drafters`` for the code workload, ``drafters-<workload>`` for the others."""
+        return "drafters" if self.workload == "code" else f"drafters-{self.workload}"
 
 
 @dataclass
 class Cell(Tally):
     name: str
-    drafter: str  # the --draft spec ("none" for plain, "hf" for transformers' assisted generation)
+    drafter: str  # the --draft spec ("none" for plain; HF_ASSISTED and HF_PROMPT_LOOKUP for transformers' cells)
     temperature: float
     config: GenerationConfig
 
 
 def cells(cfg: DrafterBenchConfig) -> list[Cell]:
-    """Every (drafter, shape) cell at every temperature; drafters whose directory is missing are left out."""
+    """Every (drafter, shape) cell at every temperature; drafters whose directory or datastore is missing are left
+    out (:func:`skipped` says which)."""
+    kept = [(name, spec, config) for name, spec, config, missing in _plan(cfg) if missing is None]
+    return [Cell(name, spec, t, config) for t in cfg.temperatures for name, spec, config in kept]
+
+
+def skipped(cfg: DrafterBenchConfig) -> list[str]:
+    """A note for every cell :func:`cells` leaves out: its name and what is missing."""
+    return [f"{name}: {missing}" for name, _, _, missing in _plan(cfg) if missing is not None]
+
+
+def _plan(cfg: DrafterBenchConfig) -> list[tuple[str, str, GenerationConfig, str | None]]:
+    """Every cell's name, drafter spec, config, and what is missing for it (None: nothing)."""
     n, gamma = cfg.max_new_tokens, cfg.gamma
 
     def tree(depth: int, width: int, nodes: int, expand: int | None = None) -> GenerationConfig:
@@ -103,7 +159,8 @@ def cells(cfg: DrafterBenchConfig) -> list[Cell]:
 
     chain = GenerationConfig(max_new_tokens=n, gamma=gamma)
     short = GenerationConfig(max_new_tokens=n, gamma=3)  # layer-skip drafts cost a good part of a target pass
-    eagle, medusa = f"eagle:{cfg.eagle}", f"medusa:{cfg.medusa}"
+    model_free_tree = tree(8, 3, 16)  # deep: a long match drafts far
+    eagle, medusa, rest = f"eagle:{cfg.eagle}", f"medusa:{cfg.medusa}", REST_PREFIX + cfg.datastore
     plan: list[tuple[str, str, GenerationConfig, str | None]] = [  # name, --draft spec, config, directory it needs
         ("plain", "none", GenerationConfig(max_new_tokens=n, gamma=0), None),
         (f"draft chain {gamma}", cfg.draft, chain, cfg.draft),
@@ -115,49 +172,104 @@ def cells(cfg: DrafterBenchConfig) -> list[Cell]:
         (f"layerskip:{cfg.layerskip_layers} chain 3", f"layerskip:{cfg.layerskip_layers}", short, None),
         ("layerskip + exit head chain 3", f"layerskip:{cfg.exit_head}", short, cfg.exit_head),
         (f"ngram chain {gamma}", "ngram", chain, None),
-        (f"hf assisted {gamma}", "hf", chain, cfg.draft),
+        ("ngram tree 16 (d8 w3)", "ngram", model_free_tree, None),
+        (f"suffix chain {gamma}", "suffix", chain, None),
+        ("suffix tree 16 (d8 w3)", "suffix", model_free_tree, None),
+        (f"rest chain {gamma}", rest, chain, None),
+        ("rest tree 16 (d8 w3)", rest, model_free_tree, None),
+        (f"hf assisted {gamma}", HF_ASSISTED, chain, cfg.draft),
+        (f"hf prompt lookup {gamma}", HF_PROMPT_LOOKUP, chain, None),
     ]
-    kept = [(name, spec, config) for name, spec, config, needs in plan if needs is None or _exists(needs)]
-    return [Cell(name, spec, t, config) for t in cfg.temperatures for name, spec, config in kept]
+    return [(name, spec, config, _missing(spec, needs, cfg.datastore)) for name, spec, config, needs in plan]
+
+
+def _missing(spec: str, directory: str | None, datastore: str) -> str | None:
+    """What a cell lacks: the datastore of a ``rest:`` spec, or the model directory it needs; None when nothing."""
+    if spec.startswith(REST_PREFIX):
+        return (
+            None if Path(datastore).is_file() else f"no datastore {datastore} (`make datastore`, or --datastore FILE)"
+        )
+    return None if directory is None or _exists(directory) else f"no model directory {directory}"
 
 
 def _exists(directory: str) -> bool:
     return Path(directory, "config.json").is_file()
 
 
+def workload_texts(cfg: DrafterBenchConfig, respond: Callable[[str], str]) -> list[str]:
+    """The workload's prompts, at most ``cfg.num_prompts``, from ``--prompts`` or the held-out files; ``respond``
+    gives a multi-turn prompt's output (for the next turn's prompt)."""
+    given = load_prompts(cfg.prompts_file) if cfg.prompts_file else None
+    if cfg.workload == "repetitive":
+        return repetitive_prompts(given or heldout_files(cfg.num_prompts))[: cfg.num_prompts]
+    if cfg.workload == "multiturn":
+        conversations = math.ceil(cfg.num_prompts / MULTITURN_TURNS)
+        return multiturn_prompts((given or heldout_prompts(conversations))[:conversations], cfg.num_prompts, respond)
+    return (given or heldout_prompts(cfg.num_prompts))[: cfg.num_prompts]
+
+
 def run(cfg: DrafterBenchConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     target = CausalLM.load(cfg.target, dtype=cfg.dtype)
-    texts = load_prompts(cfg.prompts_file) if cfg.prompts_file else heldout_prompts(cfg.num_prompts)
     engine = SpeculativeEngine(target, build_drafter("none", target))
-    prompt_ids = [engine.encode(p) for p in texts[: cfg.num_prompts]]
+    limit = target.info.max_positions - cfg.max_new_tokens
+    if limit < 1:
+        raise UserError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in the target's context")
+
+    def respond(text: str) -> str:  # a multi-turn prompt's output: plain greedy decoding, untimed
+        greedy = GenerationConfig(max_new_tokens=cfg.max_new_tokens, gamma=0)
+        out = engine.generate(engine.encode(text)[-limit:], SamplingParams(temperature=0.0), greedy)
+        return engine.decode(out.output_ids)
+
+    prompt_ids = [ids[-limit:] for ids in map(engine.encode, workload_texts(cfg, respond)) if ids]
+    if not prompt_ids:
+        raise UserError("every prompt is empty once tokenised")
     table = cells(cfg)
+    notes = skipped(cfg)
+    for note in notes:
+        tqdm.write(f"  skipped {note}", file=sys.stderr)
     drafters: dict[str, Drafter] = {}
     for cell in table:
-        if cell.drafter not in drafters and cell.drafter != "hf":
+        if cell.drafter not in drafters and cell.drafter not in (HF_ASSISTED, HF_PROMPT_LOOKUP):
             drafters[cell.drafter] = build_drafter(cell.drafter, target, dtype=cfg.dtype)
-    draft_model = CausalLM.load(cfg.draft, dtype=cfg.dtype)
+    assisted = any(cell.drafter == HF_ASSISTED for cell in table)
+    draft_model = CausalLM.load(cfg.draft, dtype=cfg.dtype) if assisted else None
     engines = {spec: SpeculativeEngine(target, drafter) for spec, drafter in drafters.items()}
     for cell in table:  # warm-up: one short request per cell
-        if cell.drafter != "hf":
+        if cell.drafter in engines:
             warm = GenerationConfig(max_new_tokens=8, gamma=cell.config.gamma, tree=cell.config.tree)
             engines[cell.drafter].generate(prompt_ids[0], SamplingParams(temperature=cell.temperature), warm)
     hf_cfg = BenchConfig(target=cfg.target, draft=cfg.draft, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
     for cell in tqdm(list(alternating(cfg.rounds, table)), desc="bench-drafters", unit="cell", file=sys.stderr):
-        if cell.drafter == "hf":
-            result = run_hf_assisted(target, draft_model, prompt_ids, cell.temperature, hf_cfg, cfg.gamma)
+        if cell.drafter in (HF_ASSISTED, HF_PROMPT_LOOKUP):
+            if cell.drafter == HF_ASSISTED:
+                assert draft_model is not None
+                result = run_hf_assisted(target, draft_model, prompt_ids, cell.temperature, hf_cfg, cfg.gamma)
+            else:
+                lookup = {"prompt_lookup_num_tokens": cfg.gamma}
+                result = run_hf(target, prompt_ids, cell.temperature, hf_cfg, "hf/prompt_lookup", cfg.gamma, **lookup)
             cell.seconds += result.seconds
             cell.new_tokens += result.new_tokens
         else:
-            cell.run_requests(engines[cell.drafter], prompt_ids, cell.temperature, cell.config, cfg.seed)
+            cell_engine = engines[cell.drafter]
+            if cell.drafter in FRESH_PER_PASS:  # an empty global store: this pass's earlier requests only
+                cell_engine = SpeculativeEngine(target, build_drafter(cell.drafter, target, dtype=cfg.dtype))
+            cell.run_requests(cell_engine, prompt_ids, cell.temperature, cell.config, cfg.seed)
     rows = summarise(table)
     report: dict[str, Any] = {
         "config": {**{k: v for k, v in cfg.__dict__.items() if k != "out_dir"}, "out_dir": str(cfg.out_dir)},
         "machine": {"torch_threads": torch.get_num_threads()},
+        "workload": {
+            "name": cfg.workload,
+            "prompts": len(prompt_ids),
+            "mean_prompt_tokens": sum(map(len, prompt_ids)) / len(prompt_ids),
+        },
+        "skipped": notes,
         "rows": rows,
         "headline": headline(rows),
+        "model_free": model_free_headline(rows),
     }
-    save_report(cfg.out_dir, "drafters", report, markdown(report), lambda path: plot(rows, path))
+    save_report(cfg.out_dir, cfg.stem, report, markdown(report), lambda path: plot(rows, path))
     return report
 
 
@@ -204,6 +316,27 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def model_free_headline(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per temperature (as text), the best suffix, rest and hf prompt lookup cell's tokens/s over the best
+    n-gram cell's (issue 18's targets: suffix vs n-gram, rest vs n-gram); None where a side did not run."""
+    out: dict[str, dict[str, float | None]] = {}
+    for temperature in sorted({r["temperature"] for r in rows}):
+        at = [r for r in rows if r["temperature"] == temperature]
+
+        def best(accept: Callable[[str], bool], chosen: list[dict[str, Any]] = at) -> float | None:
+            speeds = [r["tokens_per_second"] for r in chosen if accept(r["drafter"])]
+            return max(speeds) if speeds else None
+
+        ngram = best(lambda spec: spec == "ngram")
+        sides = {
+            "suffix_over_ngram": best(lambda spec: spec == "suffix"),
+            "rest_over_ngram": best(lambda spec: spec.startswith(REST_PREFIX)),
+            "hf_prompt_lookup_over_ngram": best(lambda spec: spec == HF_PROMPT_LOOKUP),
+        }
+        out[f"{temperature:g}"] = {key: side / ngram if side and ngram else None for key, side in sides.items()}
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "| drafter | T | tokens/s | speedup | mean accepted length | acceptance by depth | draft / verify ms |",
@@ -225,6 +358,20 @@ def markdown(report: dict[str, Any]) -> str:
             f"- **greedy**: best EAGLE {top['eagle_best_greedy']} at {table_cell(top['eagle_greedy_speedup'])}× plain "
             f"(target {top['target_speedup']}×); longest mean accepted length: {top['longest_mean_accepted_greedy']}",
         ]
+    workload = report.get("workload")
+    if workload:
+        lines += [
+            "",
+            f"- **workload**: {workload['name']}, {workload['prompts']} prompts, "
+            f"mean {workload['mean_prompt_tokens']:.0f} prompt tokens",
+        ]
+    for temperature, ratios in report.get("model_free", {}).items():
+        shown = ", ".join(
+            f"{key.replace('_', ' ')} " + ("–" if value is None else f"{table_cell(value)}×")
+            for key, value in ratios.items()
+        )
+        lines.append(f"- **T = {temperature}** tokens/s, best of each: {shown}")
+    lines += [f"- skipped {note}" for note in report.get("skipped", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -265,6 +412,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over every cell, order alternating")
     parser.add_argument("--gamma", type=int, default=4, help="γ of the chains")
+    parser.add_argument(
+        "--workload",
+        default="code",
+        metavar="{" + ",".join(WORKLOADS) + "}",
+        help="the prompts: held-out code openings (code), editing requests whose output repeats the input "
+        "(repetitive), or conversations whose later requests repeat earlier outputs (multiturn)",
+    )
+    parser.add_argument(
+        "--datastore",
+        help=f"the REST cells' token datastore (default: {DEFAULT_DATASTORE} when it exists, else the rest cells "
+        "are skipped; `make datastore` builds it)",
+    )
     add_output_arguments(parser, "bench-drafters", "drafters.json/.md/.png")
     QUICK.add_argument(parser)
 
@@ -274,9 +433,15 @@ def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
     QUICK.apply(args)
     if args.rounds < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or not 1 <= args.gamma <= MAX_GAMMA:
         raise UserError(f"--rounds, --num-prompts and --max-new-tokens must be >= 1, --gamma in 1..{MAX_GAMMA}")
+    if args.datastore is not None and not Path(args.datastore).is_file():
+        raise UserError(
+            f"--datastore {args.datastore} is not a file; build one with `specserve datastore build "
+            f"--tokenizer TARGET_DIR --out {args.datastore}` (or `make datastore`)"
+        )
     return DrafterBenchConfig(
         **options(args, "target", "draft", "eagle", "medusa", "exit_head", "num_prompts", "max_new_tokens"),
-        **options(args, "rounds", "gamma"),
+        **options(args, "rounds", "gamma", "workload"),
+        datastore=args.datastore or str(DEFAULT_DATASTORE),
         prompts_file=args.prompts,
         temperatures=tuple(number_list(args.temperatures, float, "--temperatures")),
         out_dir=Path(args.out),
@@ -287,5 +452,5 @@ def run_command(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     with stdout_to_stderr():
         report = run(cfg)
-    print_results(args, report, markdown(report), report_paths(cfg.out_dir, "drafters"))
+    print_results(args, report, markdown(report), report_paths(cfg.out_dir, cfg.stem))
     return 0

@@ -1,19 +1,53 @@
-"""Benchmark prompts: the opening of held-out standard-library files, or the user's own JSON list.
+"""Benchmark prompts: the opening of held-out standard-library files, or the user's own JSON list; and the workloads
+built from them.
 
 The held-out openings come from :func:`specserve.training.corpus.heldout_prompts` (re-exported here so
 every benchmark takes its prompts from this one module); the training acceptance reports use the same
-function. This module reads prompt files and validates them; it does not tokenise.
+function. Two workloads whose outputs repeat earlier text are built here from the same sources:
+
+* **repetitive** (:func:`repetitive_prompts`): an excerpt of a held-out file (from its first top-level
+  function, else class) followed by ``# The same code, with NAME renamed to new_NAME:`` — the output
+  repeats the input, edited (an editing request);
+* **multi-turn** (:func:`multiturn_prompts`): conversations of :data:`MULTITURN_TURNS` turns; turn k's
+  prompt is turn k − 1's prompt, its output and a follow-up asking for the code above again (once
+  unchanged, then with a name renamed), so later requests repeat earlier outputs.
+
+This module reads prompt files and validates them, and builds text; it does not tokenise or generate
+(the multi-turn outputs come from a ``respond`` callable).
 """
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
+import keyword
+import re
+import tokenize
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specserve.core.errors import UserError
-from specserve.training.corpus import heldout_prompts
+from specserve.training.corpus import MIN_FILE_CHARS, PROMPT_CHARS, heldout_prompts, load_corpus
 
-__all__ = ["heldout_prompts", "load_prompts"]
+__all__ = [
+    "MULTITURN_TURNS",
+    "heldout_files",
+    "heldout_prompts",
+    "load_prompts",
+    "multiturn_prompts",
+    "repetitive_prompts",
+]
+
+RENAME_REQUEST = "\n# The same code, with {old} renamed to {new}:\n"
+FOLLOW_UPS = (  # turn 2, turn 3, ... (cycled)
+    "\n# The code above once more, unchanged:\n",
+    "\n# The code above again, with {old} renamed to {new}:\n",
+)
+MULTITURN_TURNS = 3  # turns per conversation
+_DEFINITIONS = (re.compile(r"^(?:async )?def ", re.MULTILINE), re.compile(r"^class ", re.MULTILINE))
+_NOT_RENAMED = frozenset({"self", "cls"})
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -27,3 +61,78 @@ def load_prompts(path: str | Path) -> list[str]:
     if not isinstance(data, list) or not data or not all(isinstance(p, str) and p for p in data):
         raise UserError(f"prompts file {file} must hold a non-empty JSON list of non-empty strings")
     return data
+
+
+def heldout_files(count: int) -> list[str]:
+    """The whole text of the first ``count`` large held-out files (those :func:`heldout_prompts` opens)."""
+    texts = [source.text for source in load_corpus("heldout") if len(source.text) >= MIN_FILE_CHARS]
+    return texts[:count]
+
+
+def excerpt(source: str, max_chars: int = PROMPT_CHARS) -> str:
+    """Up to ``max_chars`` of ``source`` from its first top-level function (else class; else from the start) that
+    leaves at least half of that (half of a shorter source), cut at a line end when it is cut at all."""
+    starts = [found.start() for pattern in _DEFINITIONS if (found := pattern.search(source))]
+    start = next((i for i in starts if len(source) - i >= min(max_chars, len(source)) // 2), 0)
+    text = source[start:]
+    if len(text) <= max_chars:
+        return text
+    head = text[:max_chars]
+    return head[: head.rfind("\n") + 1] or head
+
+
+def renamed_identifier(text: str) -> tuple[str, str]:
+    """The name to rename in ``text`` and its new name: the most frequent name in its code (Python's tokenizer:
+    not in strings or comments) of 3 or more characters that is not a keyword, a builtin, ``self`` or ``cls`` (the
+    first seen on a tie), and ``new_`` + it; ``("x", "new_x")`` when there is none."""
+    names = Counter(
+        name
+        for name in _code_names(text)
+        if len(name) >= 3 and not keyword.iskeyword(name) and name not in _NOT_RENAMED and not hasattr(builtins, name)
+    )
+    old = max(names, key=names.__getitem__) if names else "x"  # Counter keeps first-seen order: ties go first
+    return old, f"new_{old}"
+
+
+def _code_names(text: str) -> list[str]:
+    """The NAME tokens of ``text``, up to where Python's tokenizer gives up (an excerpt may end inside a string)."""
+    names: list[str] = []
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.NAME:
+                names.append(token.string)
+    except (tokenize.TokenError, SyntaxError):  # IndentationError is a SyntaxError
+        pass
+    return names
+
+
+def repetitive_prompts(sources: Sequence[str]) -> list[str]:
+    """One editing request per source: its :func:`excerpt`, then ``# The same code, with NAME renamed to NEW:``."""
+    prompts = []
+    for source in sources:
+        text = excerpt(source)
+        old, new = renamed_identifier(text)
+        prompts.append(text + RENAME_REQUEST.format(old=old, new=new))
+    return prompts
+
+
+def multiturn_prompts(
+    openings: Sequence[str], count: int, respond: Callable[[str], str], turns: int = MULTITURN_TURNS
+) -> list[str]:
+    """``count`` requests (or fewer, when the openings run out): one conversation of ``turns`` turns per opening,
+    in order. Turn 1's prompt is the opening; turn k's is turn k − 1's prompt, ``respond(that prompt)`` (its
+    output) and the next of :data:`FOLLOW_UPS`. ``respond`` is called only for turns that have a next one."""
+    if turns < 1:
+        raise ValueError(f"a conversation needs turns >= 1, got {turns}")
+    prompts: list[str] = []
+    for opening in openings:
+        prompt = opening
+        for turn in range(turns):
+            if len(prompts) == count:
+                return prompts
+            prompts.append(prompt)
+            if turn + 1 < turns and len(prompts) < count:
+                output = respond(prompt)
+                old, new = renamed_identifier(opening + output)
+                prompt = prompt + output + FOLLOW_UPS[turn % len(FOLLOW_UPS)].format(old=old, new=new)
+    return prompts

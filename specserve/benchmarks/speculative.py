@@ -62,6 +62,7 @@ from specserve.benchmarks.tally import report_paths, save_report
 from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.attention import native_attention
 from specserve.core.draft import Drafter
+from specserve.core.drafter_spec import is_model_free
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
@@ -327,7 +328,7 @@ def run_method(
 def run(cfg: BenchConfig) -> dict[str, Any]:
     texts = load_prompts(cfg.prompts_file) if cfg.prompts_file else heldout_prompts(cfg.num_prompts)
     target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
-    draft = CausalLM.load(cfg.draft, dtype=cfg.dtype, device=cfg.device) if cfg.draft not in ("ngram", "none") else None
+    draft = None if is_model_free(cfg.draft) else CausalLM.load(cfg.draft, dtype=cfg.dtype, device=cfg.device)
     if draft is not None:
         DraftModelDrafter(draft, target)  # vocabulary check up front
     assert target.tokenizer is not None

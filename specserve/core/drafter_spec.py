@@ -33,6 +33,13 @@ class InvalidDrafterSpec(UserError):
     """A drafter spec that names no drafter; the message lists the valid forms."""
 
 
+def is_model_free(spec: str) -> bool:
+    """Whether ``spec`` drafts without trained weights of any kind: ``none``, ``ngram``, ``suffix`` or
+    ``rest:FILE`` (a datastore file, not a model). Such a spec is never loaded as a draft model directory; a new
+    model-free form says so here."""
+    return spec in BUILTIN_DRAFTERS or spec.startswith(REST_PREFIX)
+
+
 def absolute_spec(spec: str) -> str:
     """``spec`` with the directory it names made absolute when that directory exists here: a draft model
     directory, or the DIR of ``eagle:DIR``, ``medusa:DIR`` and ``layerskip:DIR``. ``none``, ``ngram``, ``suffix``,
