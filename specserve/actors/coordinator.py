@@ -59,6 +59,7 @@ from specserve.actors.drafter import CycleReport, DraftJob
 from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
 from specserve.core.detokenize import TextStream
 from specserve.core.draft import Draft
+from specserve.core.drafter_spec import probe_nodes_of
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput
 from specserve.core.errors import ReplicaLost, UserError
 from specserve.core.model import load_tokenizer
@@ -162,7 +163,7 @@ class Coordinator(GenerationFrontend):
             config.max_new_tokens,
             eos,
             layers,
-            config.budget.nodes if config.tree else 0,
+            self._widest_block(config),
         )
         job = DraftJob(
             request_id=request_id,
@@ -301,6 +302,12 @@ class Coordinator(GenerationFrontend):
         with self._lock:
             if not self._drafter_down_locked():
                 self._drafter_killed_at = time.monotonic()
+
+    def _widest_block(self, config: GenerationConfig) -> int:
+        """Draft nodes beyond a chain's a request's verify block may hold: its tree's, and the configured drafter's
+        probe (Lookahead's window) when it drafts with that one. The target reserves KV room for them."""
+        probe = probe_nodes_of(self.replica.config.draft) if config.drafter == "default" else 0
+        return (config.budget.nodes if config.tree else 0) + probe
 
     def _drafter_down(self) -> bool:
         """The drafter was killed or found dead, has not shown itself alive since (for at most

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft
+from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft, probe_nodes
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
 from specserve.core.kv_pool import KVPool
@@ -138,14 +138,14 @@ class BatchedEngine(GenerationFrontend):
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed the "
                 f"{self.max_seq_len} tokens a request may hold here (max_seq_len); shorten one of them"
             )
-        reserve = self._kv_tokens(len(prompt_ids), config)
+        drafter = self.new_drafter(config.drafter)
+        reserve = self._kv_tokens(len(prompt_ids), config, drafter)
         if reserve > self.pool.capacity:
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens), max_new_tokens ({config.max_new_tokens}) and its widest verify "
                 f"block need {reserve} KV positions, more than this replica's whole pool ({self.pool.capacity}, "
                 "kv_pool_tokens); shorten the prompt or max_new_tokens"
             )
-        drafter = self.new_drafter(config.drafter)
         check_can_draft(drafter, config.tree, config.drafter)
         self.schedules(config.policy, config.budget)  # raises for a policy this engine cannot run
         request = _Request(next(self._ids), prompt_ids, params, config, drafter, time.perf_counter())
@@ -205,13 +205,18 @@ class BatchedEngine(GenerationFrontend):
         while (
             self._waiting
             and len(self._running) < self.max_num_seqs
-            and self.pool.fits(self._kv_tokens(len(self._waiting[0].prompt_ids), self._waiting[0].config))
+            and self.pool.fits(self._request_kv_tokens(self._waiting[0]))
         ):
             self._start(self._waiting.popleft())
 
     @staticmethod
-    def _kv_tokens(prompt_tokens: int, config: GenerationConfig) -> int:
-        return kv_tokens(prompt_tokens + config.max_new_tokens, config.budget.nodes if config.tree else 0)
+    def _kv_tokens(prompt_tokens: int, config: GenerationConfig, drafter: Drafter) -> int:
+        """KV positions a request reserves: its text, and room for its widest verify block (tree, probe)."""
+        widest = (config.budget.nodes if config.tree else 0) + probe_nodes(drafter)
+        return kv_tokens(prompt_tokens + config.max_new_tokens, widest)
+
+    def _request_kv_tokens(self, request: _Request) -> int:
+        return self._kv_tokens(len(request.prompt_ids), request.config, request.drafter)
 
     def _prefill(self) -> None:
         """One forward over the next prompt chunks of the requests still prefilling, oldest first, within
@@ -251,7 +256,7 @@ class BatchedEngine(GenerationFrontend):
         prefilled in chunks by the steps that follow (:meth:`_prefill`)."""
         params, config = request.params, request.config
         device = self.target.device
-        seq_id = self.pool.allocate(self._kv_tokens(len(request.prompt_ids), config))
+        seq_id = self.pool.allocate(self._request_kv_tokens(request))
         stats = RequestStats()
         eos = () if config.ignore_eos else self.target.info.eos_token_ids
         generators = make_generators(params.seed, device)

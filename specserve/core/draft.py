@@ -37,6 +37,7 @@ from specserve.core.tree import (
     PathVerdict,
     TreeSpec,
     VerifyRules,
+    check_probe,
     committed_tokens,
 )
 
@@ -56,8 +57,12 @@ class Draft:
 
     tokens: torch.Tensor  # [gamma] int64, on the target's device
     draft_probs: torch.Tensor | None  # [gamma, vocab] the exact q of each token; None = point mass
+    probe: DraftTree | None = None  # nodes computed but not verified (see ProbingDrafter); None for most drafters
 
     rules: ClassVar[VerifyRules] = VerifyRules.CHAIN
+
+    def __post_init__(self) -> None:
+        check_probe(self.probe)
 
     @property
     def gamma(self) -> int:
@@ -89,15 +94,16 @@ class Draft:
 
     def to(self, device: torch.device | str) -> Draft:
         probs = self.draft_probs.to(device) if self.draft_probs is not None else None
-        return Draft(self.tokens.to(device), probs)
+        probe = self.probe.to(device) if self.probe is not None else None
+        return Draft(self.tokens.to(device), probs, probe)
 
     def truncate(self, max_depth: int) -> Draft:
-        """The first ``max_depth`` tokens (all of them when the chain is no longer)."""
+        """The first ``max_depth`` tokens (all of them when the chain is no longer); the probe is kept whole."""
         if self.gamma <= max_depth:
             return self
         keep = max(max_depth, 0)
         probs = self.draft_probs[:keep] if self.draft_probs is not None else None
-        return Draft(self.tokens[:keep], probs)
+        return Draft(self.tokens[:keep], probs, self.probe)
 
     def committed_by(self, verdict: PathVerdict) -> list[int]:
         """The tokens a verdict on this chain commits (accepted prefix + next token), checked against the chain."""
@@ -170,6 +176,33 @@ class FeatureDrafter(Drafter, Protocol):
     def add_features(self, start: int, features: torch.Tensor) -> None:
         """The features ``[k, len(feature_layers) * hidden]`` of committed positions ``start .. start + k - 1``."""
         ...
+
+
+@runtime_checkable
+class ProbingDrafter(Drafter, Protocol):
+    """A drafter that has the target compute extra rows in the verify forward (Lookahead decoding's Jacobi window).
+
+    Its proposals carry a ``probe``: a deterministic tree of nodes after the root that the target scores in the
+    same forward as the draft but never verifies. With tree attention no draft node sees a probe node, so the
+    draft's logits, the verdict and the output are exactly what they would be without it; the probe's KV is
+    dropped with the rejected nodes. The cycle's :class:`~specserve.core.target.CycleOutcome` carries the target's
+    greedy token after each probe node (``probe_argmax``), which the runtime hands back through
+    :meth:`observe_probe` after ``accept``. Drafts that depend on it are still functions of the committed text and
+    earlier cycles only, so verification stays exact at any temperature.
+
+    ``probe_nodes`` bounds a probe's size: a request reserves that much KV room beyond its draft.
+    """
+
+    probe_nodes: int
+
+    def observe_probe(self, probe: DraftTree, argmax: Sequence[int]) -> None:
+        """The target's greedy next token after each node of ``probe`` (the probe this drafter last proposed)."""
+        ...
+
+
+def probe_nodes(drafter: Drafter) -> int:
+    """The most probe nodes ``drafter``'s proposals carry (0 for a drafter that sends none)."""
+    return drafter.probe_nodes if isinstance(drafter, ProbingDrafter) else 0
 
 
 @runtime_checkable

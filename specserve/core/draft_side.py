@@ -31,6 +31,7 @@ from specserve.core.draft import (
     Draft,
     Drafter,
     FeatureDrafter,
+    ProbingDrafter,
     Proposal,
     SharesTargetKV,
     check_can_draft,
@@ -172,9 +173,12 @@ class DraftSide:
         return observation
 
     def _hand_over(self, proposal: Proposal, outcome: CycleOutcome, root: int) -> None:
-        """Tell the drafter the committed tokens; a hidden-state drafter also gets the features from ``root`` on."""
+        """Tell the drafter the committed tokens; a hidden-state drafter also gets the features from ``root`` on, a
+        probing drafter the target's greedy tokens after its probe's nodes."""
         self.drafter.accept(outcome.new_tokens)
         self.add_features(root, outcome.features)
+        if proposal.probe is not None and outcome.probe_argmax and isinstance(self.drafter, ProbingDrafter):
+            self.drafter.observe_probe(proposal.probe, outcome.probe_argmax)
 
 
 def choose_chains(

@@ -1,5 +1,5 @@
-"""The drafter spec strings (``ngram``, ``suffix``, ``none``, ``layerskip:L|DIR``, ``eagle:DIR``, ``medusa:DIR``, a
-draft model directory): their grammar, checks and paths. Torch-free.
+"""The drafter spec strings (``ngram``, ``suffix``, ``lookahead[:W,N,G]``, ``none``, ``layerskip:L|DIR``, ``eagle:DIR``,
+``medusa:DIR``, ``rest:FILE``, a draft model directory): their grammar, checks and paths. Torch-free.
 
 Every edge that takes a drafter (``--draft``, the Serve ``draft`` setting, Python) parses the same
 strings. :func:`check_drafter_spec` refuses a spec that names nothing here with a message listing
@@ -18,15 +18,30 @@ from pathlib import Path
 from specserve.core.checkpoint_dir import check_checkpoint_dir, looks_like_hub_id, missing_directory_message
 from specserve.core.errors import UserError
 
-BUILTIN_DRAFTERS = ("none", "ngram", "suffix")
+BUILTIN_DRAFTERS = ("none", "ngram", "suffix", "lookahead")
 LAYERSKIP_PREFIX = "layerskip:"
 EAGLE_PREFIX = "eagle:"
 MEDUSA_PREFIX = "medusa:"
 REST_PREFIX = "rest:"  # rest:FILE, a token datastore file (specserve datastore build)
+LOOKAHEAD_PREFIX = "lookahead:"  # lookahead:W,N,G, Lookahead decoding with a window W, n-grams N, G candidates
+LOOKAHEAD_DEFAULTS = (4, 3, 4)  # W, N, G of a bare ``lookahead``
+MAX_PROBE_NODES = 256  # W x (N - 1) at most: the window is computed in every verify forward
 DIRECTORY_PREFIXES = (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX)
 
 # Every form, as the error message lists them ("DIR" alone: a draft model directory).
-FORMS = ("ngram", "suffix", "none", "layerskip:L", "layerskip:DIR", "eagle:DIR", "medusa:DIR", "rest:FILE", "DIR")
+FORMS = (
+    "ngram",
+    "suffix",
+    "lookahead",
+    "lookahead:W,N,G",
+    "none",
+    "layerskip:L",
+    "layerskip:DIR",
+    "eagle:DIR",
+    "medusa:DIR",
+    "rest:FILE",
+    "DIR",
+)
 
 
 class InvalidDrafterSpec(UserError):
@@ -34,10 +49,40 @@ class InvalidDrafterSpec(UserError):
 
 
 def is_model_free(spec: str) -> bool:
-    """Whether ``spec`` drafts without trained weights of any kind: ``none``, ``ngram``, ``suffix`` or
-    ``rest:FILE`` (a datastore file, not a model). Such a spec is never loaded as a draft model directory; a new
-    model-free form says so here."""
-    return spec in BUILTIN_DRAFTERS or spec.startswith(REST_PREFIX)
+    """Whether ``spec`` drafts without trained weights of any kind: ``none``, ``ngram``, ``suffix``, ``lookahead``
+    (the target's own Jacobi iterations) or ``rest:FILE`` (a datastore file, not a model). Such a spec is never
+    loaded as a draft model directory; a new model-free form says so here."""
+    return spec in BUILTIN_DRAFTERS or spec.startswith((REST_PREFIX, LOOKAHEAD_PREFIX))
+
+
+def lookahead_settings(spec: str) -> tuple[int, int, int] | None:
+    """``(W, N, G)`` of a ``lookahead`` (:data:`LOOKAHEAD_DEFAULTS`) or ``lookahead:W,N,G`` spec, ``None`` for any
+    other spec; raises :class:`InvalidDrafterSpec` for a malformed one."""
+    if spec == "lookahead":
+        return LOOKAHEAD_DEFAULTS
+    if not spec.startswith(LOOKAHEAD_PREFIX):
+        return None
+    parts = spec[len(LOOKAHEAD_PREFIX) :].split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise InvalidDrafterSpec(
+            f"Lookahead settings are 'lookahead:W,N,G' (window, n-gram size, candidates: three integers), got {spec!r}"
+        )
+    window, ngram, candidates = (int(p) for p in parts)
+    if window < 1 or ngram < 2 or candidates < 1:
+        raise InvalidDrafterSpec(f"Lookahead needs W >= 1, N >= 2 and G >= 1, got {spec!r}")
+    if window * (ngram - 1) > MAX_PROBE_NODES:
+        raise InvalidDrafterSpec(
+            f"a Lookahead window of W x (N - 1) = {window * (ngram - 1)} extra positions in every forward is too "
+            f"many (at most {MAX_PROBE_NODES}), got {spec!r}"
+        )
+    return window, ngram, candidates
+
+
+def probe_nodes_of(spec: str) -> int:
+    """The most probe nodes the drafter ``spec`` names adds to a verify forward (W x (N - 1) for Lookahead, 0 for
+    any other): a request reserves that much KV room beyond its draft."""
+    settings = lookahead_settings(spec)
+    return settings[0] * (settings[1] - 1) if settings is not None else 0
 
 
 def absolute_spec(spec: str) -> str:
@@ -45,7 +90,7 @@ def absolute_spec(spec: str) -> str:
     directory, or the DIR of ``eagle:DIR``, ``medusa:DIR`` and ``layerskip:DIR``. ``none``, ``ngram``, ``suffix``,
     ``layerskip:L`` and missing directories are returned unchanged. A new spec form that names a directory
     says so here. The FILE of ``rest:FILE`` is made absolute the same way when that file exists here."""
-    if spec in BUILTIN_DRAFTERS:
+    if spec in BUILTIN_DRAFTERS or spec.startswith(LOOKAHEAD_PREFIX):
         return spec
     if spec.startswith(REST_PREFIX):  # a file, not a directory
         value = spec[len(REST_PREFIX) :]
@@ -64,6 +109,8 @@ def check_drafter_spec(spec: str) -> None:
     directory that exists here (a draft model directory must also look like a checkpoint). Call it where the
     models are loaded (a command on this machine), not where a configuration is only read."""
     if spec in BUILTIN_DRAFTERS:
+        return
+    if lookahead_settings(spec) is not None:  # raises for malformed settings
         return
     if spec.startswith(REST_PREFIX):
         value = spec[len(REST_PREFIX) :]

@@ -25,6 +25,7 @@ per row: :meth:`TargetVerifier.new_capture`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from specserve.core.invariant import invariant_scores
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.sampling import SamplingParams, warp_probs
-from specserve.core.tree import DraftTree
+from specserve.core.tree import DraftTree, block_nodes
 from specserve.core.tree_verification import TreeVerdict, verify_tree, verify_tree_greedy
 from specserve.core.typical import verify_chain_typical, verify_tree_typical
 from specserve.core.verification import ChainVerdict, verify_chain
@@ -169,6 +170,8 @@ class CycleOutcome:
     allreduce_seconds: float = 0.0  # of verify_seconds, tensor-parallel all-reduces (rank 0's view)
     batch_size: int = 1  # requests verified in the same target forward (1 = alone)
     step_positions: int = 0  # positions that forward computed (rows x widest block); 0 = this block's alone
+    # the target's greedy token after each probe node of the proposal (ProbingDrafter); () without a probe
+    probe_argmax: tuple[int, ...] = ()
 
 
 class TargetVerifier:
@@ -259,7 +262,7 @@ class TargetVerifier:
         start = time.perf_counter()
         capture = self.new_capture()
         root = self.committed[-1]
-        if isinstance(proposal, Draft):  # a chain needs no tree mask
+        if isinstance(proposal, Draft) and proposal.probe is None:  # a chain needs no tree mask
             head = torch.tensor([root], dtype=torch.long, device=self.device)
             block = torch.cat([head, proposal.tokens.to(self.device)])
             target_logits = self.sequence.forward(block, capture=capture)  # [gamma + 1, vocab]
@@ -267,29 +270,40 @@ class TargetVerifier:
             sequence = self.sequence
             if not (hasattr(sequence, "forward_tree") and hasattr(sequence, "compact")):
                 raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
-            target_logits = sequence.forward_tree(root, proposal, capture=capture)  # [n + 1, vocab]
+            tokens, parents = block_nodes(proposal.tokens.to(self.device), proposal.parents, proposal.probe)
+            tree = proposal if proposal.probe is None else DraftTree(tokens, parents)
+            target_logits = sequence.forward_tree(root, tree, capture=capture)  # [n + probe + 1, vocab]
         return self.decide(proposal, target_logits, start, capture.take() if capture is not None else None)
 
     def block(self, proposal: Proposal, seq_id: int) -> BatchBlock:
         """This cycle's verify block ``[last committed] + proposal`` as one row of a batched forward
         (:meth:`~specserve.core.model.CausalLM.forward_batch`) whose sequence ``seq_id`` holds this request's KV."""
         self._check_running()
-        return BatchBlock.after(seq_id, self.committed[-1], proposal.tokens, proposal.parents)
+        tokens, parents = block_nodes(proposal.tokens, proposal.parents, proposal.probe)
+        return BatchBlock.after(seq_id, self.committed[-1], tokens, parents)
 
     def decide(
         self,
         proposal: Proposal,
-        target_logits: torch.Tensor,  # [size + 1, vocab]: row 0 after the root, row i + 1 after node i
+        target_logits: torch.Tensor,  # [size + 1 (+ probe), vocab]: row 0 after the root, row i + 1 after node i
         start: float | None = None,
         features: torch.Tensor | None = None,  # [size + 1, width] the block's features (feature layers only)
     ) -> CycleOutcome:
         """Apply the exact rules to the cycle's logits, commit, and roll back or compact the KV, which holds the
-        whole block (``start``: when the cycle's verification began, for its timing)."""
+        whole block (``start``: when the cycle's verification began, for its timing). A probe's rows follow the
+        draft's: only their greedy tokens are kept (for the drafter); the rules never see them."""
         self._check_running()
         start = time.perf_counter() if start is None else start
+        probe_argmax: tuple[int, ...] = ()
+        if proposal.probe is not None:
+            rows = proposal.size + 1
+            probe_argmax = tuple(int(t) for t in target_logits[rows:].argmax(dim=-1).tolist())
+            target_logits = target_logits[:rows]
         if isinstance(proposal, Draft):  # which rules apply: the chain's or the tree's
-            return self._decide_chain(proposal, target_logits, start, features)
-        return self._decide_tree(proposal, target_logits, start, features)
+            outcome = self._decide_chain(proposal, target_logits, start, features)
+        else:
+            outcome = self._decide_tree(proposal, target_logits, start, features)
+        return dataclasses.replace(outcome, probe_argmax=probe_argmax) if probe_argmax else outcome
 
     def _check_running(self) -> None:
         if self.finish is not None:

@@ -39,6 +39,8 @@ __all__ = [
     "TreeSpec",
     "TreeTopology",
     "VerifyRules",
+    "block_nodes",
+    "check_probe",
     "committed_tokens",
 ]
 
@@ -90,6 +92,29 @@ def committed_tokens(
     return [*(int(tokens[node]) for node in path), int(verdict.next_token)]
 
 
+def check_probe(probe: DraftTree | None) -> None:
+    """Raises :class:`InvalidTree` unless ``probe`` is ``None`` or a deterministic tree without a probe of its own."""
+    if probe is None:
+        return
+    if probe.child_probs is not None or probe.probe is not None:
+        raise InvalidTree("a probe is a deterministic tree (no q) and carries no probe of its own")
+    if probe.size == 0:
+        raise InvalidTree("a probe needs at least one node; send none instead")
+
+
+def block_nodes(
+    tokens: torch.Tensor, parents: Sequence[int], probe: DraftTree | None
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The nodes of a verify block after its root: the draft's, then the probe's, whose parents are shifted past
+    the draft's (a probe node's parent is the root or another probe node, never a draft node). A draft node never
+    sees a probe node: with tree attention each node sees only its ancestors."""
+    if probe is None:
+        return tokens, tuple(parents)
+    n = len(parents)
+    shifted = tuple(parent if parent == ROOT else parent + n for parent in probe.parents)
+    return torch.cat([tokens, probe.tokens.to(tokens.device)]), (*parents, *shifted)
+
+
 @dataclass(frozen=True)
 class DraftTree:
     tokens: torch.Tensor  # [n] int64
@@ -98,6 +123,9 @@ class DraftTree:
     # children's; None = every token was chosen deterministically (verification treats q as a point mass)
     child_probs: torch.Tensor | None = None
     sampling: ChildSampling = ChildSampling.IID  # how sampled children were drawn (the verifier needs it)
+    # Nodes the target computes in the same forward but does not verify (Lookahead's Jacobi window): a
+    # deterministic tree after the root, seen by none of the draft nodes (see core.draft.ProbingDrafter)
+    probe: DraftTree | None = None
 
     def __post_init__(self) -> None:
         n = int(self.tokens.shape[0]) if self.tokens.dim() == 1 else -1
@@ -110,6 +138,7 @@ class DraftTree:
                 raise InvalidTree(f"node {i} has parent {parent}; parents must be -1 (root) or an earlier node")
         if self.child_probs is not None and (self.child_probs.dim() != 2 or self.child_probs.shape[0] != n + 1):
             raise InvalidTree(f"child_probs must be [{n + 1}, vocab], got {tuple(self.child_probs.shape)}")
+        check_probe(self.probe)
 
     # Construction ----------------------------------------------------------------------------
 
@@ -210,11 +239,13 @@ class DraftTree:
 
     def to(self, device: torch.device | str) -> DraftTree:
         probs = self.child_probs.to(device) if self.child_probs is not None else None
-        return DraftTree(self.tokens.to(device), self.parents, probs, self.sampling)
+        probe = self.probe.to(device) if self.probe is not None else None
+        return DraftTree(self.tokens.to(device), self.parents, probs, self.sampling, probe)
 
     def truncate(self, max_depth: int) -> DraftTree:
         """The nodes shallower than ``max_depth`` (a verdict adds one token after the path: a tree never
-        needs to reach past the request's remaining budget)."""
+        needs to reach past the request's remaining budget). The probe is kept whole: the KV a request
+        reserves holds it (:func:`~specserve.core.batch_step.kv_tokens`)."""
         if self.depth <= max_depth:
             return self
         kept = [i for i, d in enumerate(self.depths) if d < max_depth]  # ancestors are shallower: all kept
@@ -223,7 +254,7 @@ class DraftTree:
         if self.child_probs is not None:
             probs = self.child_probs[[0, *(i + 1 for i in kept)]]
         parents = tuple(index[self.parents[i]] if self.parents[i] != ROOT else ROOT for i in kept)
-        return DraftTree(self.tokens[kept], parents, probs, self.sampling)
+        return DraftTree(self.tokens[kept], parents, probs, self.sampling, self.probe)
 
     def path_tokens(self, node: int) -> list[int]:
         return [int(self.tokens[i]) for i in self.paths[node]]

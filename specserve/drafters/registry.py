@@ -1,5 +1,5 @@
-"""Build a drafter from its name: ``none``, ``ngram``, ``suffix``, ``layerskip:L|DIR``, ``eagle:DIR``, ``medusa:DIR``,
-a model dir.
+"""Build a drafter from its name: ``none``, ``ngram``, ``suffix``, ``lookahead[:W,N,G]``, ``layerskip:L|DIR``,
+``eagle:DIR``, ``medusa:DIR``, ``rest:FILE``, a model dir.
 
 :func:`build_drafter_set` wraps the configured drafter in a :class:`~specserve.core.draft.DrafterSet`
 whose builder is :func:`build_drafter` with the same options, so a request can also choose
@@ -16,6 +16,7 @@ from specserve.core.drafter_spec import (
     BUILTIN_DRAFTERS,
     EAGLE_PREFIX,
     LAYERSKIP_PREFIX,
+    LOOKAHEAD_PREFIX,
     MEDUSA_PREFIX,
     REST_PREFIX,
 )
@@ -24,6 +25,7 @@ from specserve.core.model import CausalLM, TargetDescription
 from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.layerskip import LayerSkipDrafter
+from specserve.drafters.lookahead import LookaheadDrafter
 from specserve.drafters.medusa import MedusaDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
@@ -40,7 +42,8 @@ def build_drafter(
     max_ngram: int = 3,
     min_ngram: int = 1,
 ) -> Drafter:
-    """``spec`` is ``"none"``, ``"ngram"``, ``"suffix"``, ``"layerskip:L"`` (the target's first L layers) or
+    """``spec`` is ``"none"``, ``"ngram"``, ``"suffix"``, ``"lookahead"`` / ``"lookahead:W,N,G"`` (Lookahead
+    decoding), ``"layerskip:L"`` (the target's first L layers) or
     ``"layerskip:DIR"`` (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads),
     ``"rest:FILE"`` (a token datastore), a draft model directory, or an already loaded draft model. Drafters built
     on the target's own weights load their own copy of the target in a process that holds only its description."""
@@ -82,6 +85,8 @@ def build_drafter(
         return NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram, device=target.device)
     if spec == "suffix":
         return SuffixDrafter(device=target.device)  # with a global store of its own (kept while it is)
+    if spec == "lookahead" or spec.startswith(LOOKAHEAD_PREFIX):
+        return LookaheadDrafter.from_spec(spec, device=target.device)
     return DraftModelDrafter(CausalLM.load(Path(spec), dtype=dtype, device=device), target)
 
 
@@ -135,7 +140,7 @@ def request_drafters(
     if (
         isinstance(spec, str)
         and spec not in BUILTIN_DRAFTERS
-        and not spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX))
+        and not spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX, LOOKAHEAD_PREFIX))
     ):
         configured = CausalLM.load(Path(spec), dtype=dtype, device=device)  # a draft model directory: load it once
     batcher = None

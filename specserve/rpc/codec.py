@@ -8,11 +8,12 @@
   :class:`~specserve.core.tree.DraftTree` by how its children were sampled), and per node the q
   it was drawn from, sparsely (support + probabilities, as doubles, with q's dtype named), which
   is exact: the support is where the drafter could have sampled, and the receiver rebuilds q bit
-  for bit in its original dtype;
+  for bit in its original dtype; and a probe's nodes (Lookahead's window), when the proposal has one;
 * the target's :class:`~specserve.core.target.CycleOutcome` becomes a ``Verdict``: the accepted
   path's node indices, the next token, the committed length, the finish reason (an enum: the
   drafter's side never guesses it), and the target's features of the root and the accepted path
-  when the drafter reads hidden states (EAGLE, Medusa): never the rejected branches'. The
+  when the drafter reads hidden states (EAGLE, Medusa): never the rejected branches'; and the
+  target's greedy token after each probe node when the proposal had a probe. The
   receiver matches it with the proposal it answers (:meth:`VerdictInfo.outcome`) to get the same
   outcome back.
 
@@ -22,8 +23,10 @@ turns that into a gRPC ``INVALID_ARGUMENT`` status instead of crashing.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -31,9 +34,10 @@ import torch
 from google.protobuf.message import DecodeError
 
 from specserve.core.draft import Proposal, proposal_from_nodes
+from specserve.core.drafter_spec import MAX_PROBE_NODES
 from specserve.core.errors import UserError
 from specserve.core.target import CycleOutcome, FinishReason, Verdict
-from specserve.core.tree import InvalidTree, VerifyRules
+from specserve.core.tree import DraftTree, InvalidTree, VerifyRules
 from specserve.core.tree_verification import TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.rpc.gen import speculation_pb2 as pb
@@ -122,6 +126,12 @@ def encode_draft(request_id: str, cycle: int, proposal: Proposal) -> pb.DraftTre
         parents=list(proposal.parents),
         rules=_RULES_TO_WIRE[proposal.rules],
     )
+    if proposal.probe is not None:
+        probe = proposal.probe.tokens.tolist()
+        if any(not 0 <= t <= INT32_MAX for t in probe):
+            raise WireError(f"probe token_ids must be in [0, 2**31); got {probe[:5]}")
+        message.probe_token_ids.extend(probe)
+        message.probe_parents.extend(proposal.probe.parents)
     probs = proposal.node_probs
     if probs is not None:
         probs = probs.detach().cpu()
@@ -154,9 +164,27 @@ def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | 
     probs = _decode_probs(message, vocab_size)
     try:
         proposal = proposal_from_nodes(tokens, tuple(int(p) for p in message.parents), probs, rules)
+        probe = _decode_probe(message, vocab_size)
     except InvalidTree as exc:
         raise WireError(f"malformed draft tree: {exc}") from exc
+    if probe is not None:
+        proposal = dataclasses.replace(proposal, probe=probe)
     return proposal.to(device)
+
+
+def _decode_probe(message: pb.DraftTree, vocab_size: int) -> DraftTree | None:
+    """The probe nodes sent with a draft (``None`` when there are none), validated like the draft's."""
+    if len(message.probe_parents) != len(message.probe_token_ids):
+        raise WireError(f"probe has {len(message.probe_token_ids)} tokens but {len(message.probe_parents)} parents")
+    if not message.probe_token_ids:
+        return None
+    if len(message.probe_token_ids) > MAX_PROBE_NODES:
+        raise WireError(f"probe of {len(message.probe_token_ids)} nodes exceeds the limit of {MAX_PROBE_NODES}")
+    bad = [t for t in message.probe_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise WireError(f"probe token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    tokens = torch.tensor(list(message.probe_token_ids), dtype=torch.long)
+    return DraftTree(tokens, tuple(int(p) for p in message.probe_parents))
 
 
 def _decode_probs(message: pb.DraftTree, vocab_size: int) -> torch.Tensor | None:
@@ -213,6 +241,7 @@ class VerdictInfo:
     features: torch.Tensor | None = None  # hidden-state drafters: root + accepted path, one row each
     batch_size: int = 1  # requests in the target forward that verified it
     step_positions: int = 0  # positions that forward computed; 0 = this proposal's alone
+    probe_argmax: tuple[int, ...] = ()  # the target's greedy token after each probe node
 
     def outcome(self, sent: Proposal, committed: int) -> CycleOutcome:
         """The target's :class:`~specserve.core.target.CycleOutcome` for ``sent``, given ``committed`` tokens before
@@ -227,6 +256,9 @@ class VerdictInfo:
                 f"verdict committed_length {self.committed_length} does not follow {committed} committed tokens "
                 f"and a path of {len(tokens) - 1}"
             )
+        probe_size = sent.probe.size if sent.probe is not None else 0
+        if len(self.probe_argmax) not in (0, probe_size):
+            raise WireError(f"verdict has {len(self.probe_argmax)} probe tokens for a probe of {probe_size} nodes")
         return CycleOutcome(
             self.verdict,
             tokens[:count],
@@ -237,6 +269,7 @@ class VerdictInfo:
             self.allreduce_seconds,
             self.batch_size,
             self.step_positions,
+            self.probe_argmax,
         )
 
 
@@ -259,6 +292,7 @@ def encode_verdict(request_id: str, cycle: int, outcome: CycleOutcome) -> pb.Ver
         allreduce_seconds=outcome.allreduce_seconds,
         batch_size=outcome.batch_size,
         step_positions=outcome.step_positions,
+        probe_argmax=list(outcome.probe_argmax),
     )
     if features is not None:
         message.features.CopyFrom(encode_tensor(features))
@@ -308,7 +342,15 @@ def parse_verdict(data: bytes) -> VerdictInfo:
         features=features,
         batch_size=max(1, int(message.batch_size)),  # 0: a target that does not batch
         step_positions=int(message.step_positions),
+        probe_argmax=tuple(_check_tokens(message.probe_argmax, "verdict probe_argmax")),
     )
+
+
+def _check_tokens(tokens: Iterable[int], field: str) -> list[int]:
+    ids = [int(t) for t in tokens]
+    if any(t < 0 for t in ids):
+        raise WireError(f"{field} holds negative token ids {[t for t in ids if t < 0][:5]}")
+    return ids
 
 
 def _parse(kind: type[M], data: bytes) -> M:

@@ -57,7 +57,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "draft_probs_dtype", "rules")
+    __slots__ = ("request_id", "cycle", "token_ids", "parents", "draft_probs", "draft_probs_dtype", "rules", "probe_token_ids", "probe_parents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class DraftTree(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RULES_FIELD_NUMBER: _ClassVar[int]
+    PROBE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_PARENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -72,10 +74,12 @@ class DraftTree(_message.Message):
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     draft_probs_dtype: str
     rules: Rules
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_probs_dtype: _Optional[str] = ..., rules: _Optional[_Union[Rules, str]] = ...) -> None: ...
+    probe_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probe_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_probs_dtype: _Optional[str] = ..., rules: _Optional[_Union[Rules, str]] = ..., probe_token_ids: _Optional[_Iterable[int]] = ..., probe_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finish_reason", "target_seconds", "allreduce_seconds", "features", "batch_size", "step_positions")
+    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finish_reason", "target_seconds", "allreduce_seconds", "features", "batch_size", "step_positions", "probe_argmax")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +92,7 @@ class Verdict(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_ARGMAX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
@@ -100,4 +105,5 @@ class Verdict(_message.Message):
     features: Tensor
     batch_size: int
     step_positions: int
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., batch_size: _Optional[int] = ..., step_positions: _Optional[int] = ...) -> None: ...
+    probe_argmax: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., batch_size: _Optional[int] = ..., step_positions: _Optional[int] = ..., probe_argmax: _Optional[_Iterable[int]] = ...) -> None: ...
