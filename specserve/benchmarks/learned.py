@@ -23,6 +23,8 @@ The cells:
   it holds the outputs of that pass's earlier requests only (not other rounds' or cells');
 * ``rest`` — REST retrieval from a token datastore (chain and tree), with ``--datastore FILE`` or, by
   default, ``runs/datastore/stdlib.rest`` (``make datastore``) when it exists;
+* ``lookahead`` — Lookahead decoding: the target's own Jacobi window (W x (N - 1) extra positions per forward)
+  fills an n-gram pool; chain, and trees of up to G pooled n-grams (the defaults 4,3,4, and 5,4,5);
 * ``hf assisted`` — transformers' own assisted generation with the same draft model (constant γ);
 * ``hf prompt lookup`` — transformers' ``generate(prompt_lookup_num_tokens=γ)``.
 
@@ -79,7 +81,7 @@ from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.draft import Drafter
-from specserve.core.drafter_spec import REST_PREFIX
+from specserve.core.drafter_spec import LOOKAHEAD_PREFIX, REST_PREFIX
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
@@ -177,6 +179,9 @@ def _plan(cfg: DrafterBenchConfig) -> list[tuple[str, str, GenerationConfig, str
         ("suffix tree 16 (d8 w3)", "suffix", model_free_tree, None),
         (f"rest chain {gamma}", rest, chain, None),
         ("rest tree 16 (d8 w3)", rest, model_free_tree, None),
+        (f"lookahead chain {gamma}", "lookahead", chain, None),
+        ("lookahead tree 8 (d2 w4)", "lookahead", tree(2, 4, 8), None),
+        ("lookahead:5,4,5 tree 12 (d3 w5)", "lookahead:5,4,5", tree(3, 5, 12), None),
         (f"hf assisted {gamma}", HF_ASSISTED, chain, cfg.draft),
         (f"hf prompt lookup {gamma}", HF_PROMPT_LOOKUP, chain, None),
     ]
@@ -318,7 +323,8 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def model_free_headline(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Per temperature (as text), the best suffix, rest and hf prompt lookup cell's tokens/s over the best
-    n-gram cell's (issue 18's targets: suffix vs n-gram, rest vs n-gram); None where a side did not run."""
+    n-gram cell's, and the best Lookahead cell's over plain decoding (issue 18's targets); None where a side did not
+    run."""
     out: dict[str, dict[str, float | None]] = {}
     for temperature in sorted({r["temperature"] for r in rows}):
         at = [r for r in rows if r["temperature"] == temperature]
@@ -327,13 +333,16 @@ def model_free_headline(rows: list[dict[str, Any]]) -> dict[str, dict[str, float
             speeds = [r["tokens_per_second"] for r in chosen if accept(r["drafter"])]
             return max(speeds) if speeds else None
 
-        ngram = best(lambda spec: spec == "ngram")
+        ngram, plain = best(lambda spec: spec == "ngram"), best(lambda spec: spec == "none")
         sides = {
             "suffix_over_ngram": best(lambda spec: spec == "suffix"),
             "rest_over_ngram": best(lambda spec: spec.startswith(REST_PREFIX)),
             "hf_prompt_lookup_over_ngram": best(lambda spec: spec == HF_PROMPT_LOOKUP),
         }
-        out[f"{temperature:g}"] = {key: side / ngram if side and ngram else None for key, side in sides.items()}
+        ratios = {key: side / ngram if side and ngram else None for key, side in sides.items()}
+        lookahead = best(lambda spec: spec == "lookahead" or spec.startswith(LOOKAHEAD_PREFIX))
+        ratios["lookahead_over_plain"] = lookahead / plain if lookahead and plain else None
+        out[f"{temperature:g}"] = ratios
     return out
 
 

@@ -69,7 +69,15 @@ def test_small_run_covers_every_drafter_and_writes_the_report(
     for kind in ("plain", "draft chain", "draft tree", "eagle chain", "eagle tree", "medusa tree", "layerskip"):
         assert any(name.startswith(kind) for name in names), kind
     assert "hf assisted 4" in names and "ngram chain 4" in names and "hf prompt lookup 4" in names
-    for kind in ("ngram tree", "suffix chain", "suffix tree", "rest chain", "rest tree"):
+    for kind in (
+        "ngram tree",
+        "suffix chain",
+        "suffix tree",
+        "rest chain",
+        "rest tree",
+        "lookahead chain",
+        "lookahead:",
+    ):
         assert any(name.startswith(kind) for name in names), kind
     assert report["skipped"] == [] and report["workload"]["name"] == "code"
     for row in report["rows"]:
@@ -215,13 +223,13 @@ def test_a_missing_datastore_flag_is_a_clear_error(tmp_path: Path, capsys: pytes
 
 
 def test_model_free_specs() -> None:
-    for spec in ("none", "ngram", "suffix", "rest:runs/datastore/stdlib.rest", "rest:missing.rest"):
+    for spec in ("none", "ngram", "suffix", "rest:runs/datastore/stdlib.rest", "rest:missing.rest", "lookahead:4,3,4"):
         assert is_model_free(spec), spec
     for spec in ("models/draft", "eagle:models/eagle", "medusa:m", "layerskip:4", "layerskip:models/exit-head"):
         assert not is_model_free(spec), spec
 
 
-@pytest.mark.parametrize("spec", ["suffix", "rest:store.rest"])
+@pytest.mark.parametrize("spec", ["suffix", "rest:store.rest", "lookahead:4,3,4"])
 def test_batch_bench_does_not_load_a_model_free_drafter_as_a_model(
     spec: str, saved_pairs: dict[str, Path], tmp_path: Path
 ) -> None:
