@@ -298,6 +298,7 @@ def summarise(table: list[Cell]) -> list[dict[str, Any]]:
                 "draft_ms_per_cycle": 1e3 * cell.stats.draft_seconds / cell.stats.cycles if has_stats else None,
                 "verify_ms_per_cycle": 1e3 * cell.stats.verify_seconds / cell.stats.cycles if has_stats else None,
                 "acceptance_by_depth": cell.stats.acceptance_by_position[:8] if has_stats else None,
+                "drafter_counters": dict(cell.stats.drafter_counters),
             }
         )
     return rows
@@ -346,10 +347,25 @@ def model_free_headline(rows: list[dict[str, Any]]) -> dict[str, dict[str, float
     return out
 
 
+def counters_summary(counters: dict[str, int]) -> str:
+    """A model-free drafter's counters in words: how often it matched and how long (suffix, REST), or how often its
+    pool had n-grams for the root (Lookahead); ``-`` for a drafter that counts nothing."""
+    proposals = counters.get("proposals", 0)
+    if not proposals:
+        return "-"
+    if "pool_hits" in counters:
+        return f"pool hits {counters['pool_hits'] / proposals:.0%}, {counters.get('window_ngrams', 0)} window n-grams"
+    matched = counters.get("matched", 0)
+    mean = f", mean match {counters.get('match_tokens', 0) / matched:.1f} tokens" if matched else ""
+    shared = f", {counters['global_matches'] / matched:.0%} global" if matched and "global_matches" in counters else ""
+    return f"matched {matched / proposals:.0%}{mean}{shared}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| drafter | T | tokens/s | speedup | mean accepted length | acceptance by depth | draft / verify ms |",
-        "|---|---|---|---|---|---|---|",
+        "| drafter | T | tokens/s | speedup | mean accepted length | acceptance by depth | draft / verify ms "
+        "| drafter's counters |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         depth = r["acceptance_by_depth"]
@@ -358,7 +374,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['name']} | {r['temperature']:g} | {r['tokens_per_second']:.1f} | {speedup} "
             f"| {table_cell(r['mean_accepted_length'])} | {by_depth} "
-            f"| {table_cell(r.get('draft_ms_per_cycle'), 1)} / {table_cell(r.get('verify_ms_per_cycle'), 1)} |"
+            f"| {table_cell(r.get('draft_ms_per_cycle'), 1)} / {table_cell(r.get('verify_ms_per_cycle'), 1)} "
+            f"| {counters_summary(r.get('drafter_counters') or {})} |"
         )
     top = report["headline"]
     if top:

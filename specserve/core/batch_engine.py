@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft, probe_nodes
+from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft, drafter_counters, probe_nodes
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
 from specserve.core.kv_pool import KVPool
@@ -198,6 +198,7 @@ class BatchedEngine(GenerationFrontend):
             out.stats.record(observation)
             chunks.append((request.request_id, chunk))
             if out.finish is not None:
+                out.stats.drafter_counters.update(drafter_counters(side.drafter))
                 self.cancel(request.request_id)
         return chunks
 

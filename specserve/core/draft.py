@@ -200,6 +200,23 @@ class ProbingDrafter(Drafter, Protocol):
         ...
 
 
+@runtime_checkable
+class CountingDrafter(Protocol):
+    """A drafter that counts what it did for the current request (suffix and REST: matches and match lengths;
+    Lookahead: pool hits and the n-grams its window made). The engines add the counters to the request's
+    :class:`~specserve.core.stats.RequestStats` (``drafter_counters``) when it ends; they are additive, so a
+    benchmark sums them over requests."""
+
+    def request_counters(self) -> dict[str, int]:
+        """This request's counters (since ``start``)."""
+        ...
+
+
+def drafter_counters(drafter: Drafter) -> dict[str, int]:
+    """``drafter``'s counters for its current request; empty for a drafter that counts nothing."""
+    return drafter.request_counters() if isinstance(drafter, CountingDrafter) else {}
+
+
 def probe_nodes(drafter: Drafter) -> int:
     """The most probe nodes ``drafter``'s proposals carry (0 for a drafter that sends none)."""
     return drafter.probe_nodes if isinstance(drafter, ProbingDrafter) else 0

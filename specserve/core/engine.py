@@ -35,7 +35,14 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 from specserve.core.detokenize import TextStream
-from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_can_draft, check_drafter_name
+from specserve.core.draft import (
+    REQUEST_DRAFTERS,
+    Drafter,
+    DrafterSet,
+    check_can_draft,
+    check_drafter_name,
+    drafter_counters,
+)
 from specserve.core.draft_side import DraftSide
 from specserve.core.model import CausalLM
 from specserve.core.prompts import InvalidRequest, PromptCodec
@@ -245,4 +252,6 @@ class SpeculativeEngine(GenerationFrontend):
             if out.finish == "stop":
                 verifier.stop_at(len(out.tokens))
             stats.record(side.on_verdict(proposal, outcome, stopped=out.finish == "stop"))
+            if out.finish is not None:
+                stats.drafter_counters.update(drafter_counters(side.drafter))
             yield chunk

@@ -34,6 +34,8 @@ class RequestStats:
     tree_shapes: list[tuple[int, int]] = field(default_factory=list)  # tree runs: (nodes, depth) per cycle
     budgets: list[int] = field(default_factory=list)  # the budget the policy chose per cycle (γ, or tree nodes)
     observations: list[CycleObservation] = field(default_factory=list)  # every cycle, as the policy saw it
+    # what the drafter counted (core.draft.CountingDrafter: matches, match tokens, pool hits...), when it counts
+    drafter_counters: Counter[str] = field(default_factory=Counter)
     total_seconds: float = 0.0
 
     def record(self, observation: CycleObservation, allreduce_seconds: float = 0.0, overlap_hit: bool = False) -> None:
@@ -104,6 +106,7 @@ class RequestStats:
         self.tree_shapes.extend(other.tree_shapes)
         self.budgets.extend(other.budgets)
         self.observations.extend(other.observations)
+        self.drafter_counters.update(other.drafter_counters)
         self.total_seconds += other.total_seconds
 
     def _grow(self, positions: int) -> None:
@@ -150,6 +153,7 @@ class RequestStats:
             "overlap_hits": self.overlap_hits,
             "tree_shapes": [list(shape) for shape in self.tree_shapes],
             "budgets": list(self.budgets),
+            "drafter_counters": dict(sorted(self.drafter_counters.items())),
             "total_seconds": self.total_seconds,
             "tokens_per_second": self.tokens_per_second,
         }

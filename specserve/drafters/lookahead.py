@@ -97,25 +97,6 @@ class NgramPool:
         return sum(len(grams) for grams in self._grams.values())
 
 
-@dataclass
-class LookaheadStats:
-    proposals: int = 0
-    pool_hits: int = 0  # proposals that found at least one n-gram for their root
-    pooled_from_window: int = 0  # n-grams the Jacobi window produced
-
-    @property
-    def pool_hit_rate(self) -> float:
-        return self.pool_hits / self.proposals if self.proposals else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "proposals": self.proposals,
-            "pool_hits": self.pool_hits,
-            "pool_hit_rate": self.pool_hit_rate,
-            "pooled_from_window": self.pooled_from_window,
-        }
-
-
 class LookaheadDrafter:
     """Lookahead decoding for one request at a time (see the module docstring)."""
 
@@ -129,7 +110,7 @@ class LookaheadDrafter:
         self._pooled_upto = 0  # text n-grams pooled: those starting before this position
         self._levels: list[list[int]] = []  # the window: levels[0] oldest, each `window` tokens
         self._pool = NgramPool(self.settings.ngram - 1, 2 * self.settings.candidates)
-        self.stats = LookaheadStats()
+        self.counters = {"proposals": 0, "pool_hits": 0, "window_ngrams": 0}  # this request's
 
     @staticmethod
     def from_spec(spec: str, device: torch.device | str = "cpu") -> LookaheadDrafter:
@@ -146,7 +127,7 @@ class LookaheadDrafter:
         self._pooled_upto = 0
         self._levels = []
         self._pool = NgramPool(self.settings.ngram - 1, 2 * self.settings.candidates)
-        self.stats = LookaheadStats()
+        self.counters = {"proposals": 0, "pool_hits": 0, "window_ngrams": 0}  # this request's
         self._pool_text()
 
     def accept(self, committed: Sequence[int]) -> None:
@@ -186,19 +167,20 @@ class LookaheadDrafter:
         if len(levels) == self.settings.ngram - 1:
             for column in range(window):
                 self._pool.add(levels[0][column], [*(level[column] for level in levels[1:]), update[column]])
-            self.stats.pooled_from_window += window
+            self.counters["window_ngrams"] += window
             levels.pop(0)
         levels.append(update)
 
-    def drafter_stats(self) -> dict[str, float]:
-        return {**self.stats.as_dict(), "pool_size": len(self._pool)}
+    def request_counters(self) -> dict[str, int]:
+        """Proposals, those whose root had pooled n-grams (``pool_hits``), and the n-grams the window made."""
+        return dict(self.counters)
 
     # Internals ---------------------------------------------------------------------------------
 
     def _candidates(self) -> list[tuple[int, ...]]:
-        self.stats.proposals += 1
+        self.counters["proposals"] += 1
         found = self._pool.get(self._history[-1])[: self.settings.candidates] if self._history else []
-        self.stats.pool_hits += bool(found)
+        self.counters["pool_hits"] += bool(found)
         return found
 
     def _pool_text(self) -> None:

@@ -58,6 +58,7 @@ class RestDrafter:
         self.max_occurrences = max_occurrences
         self._device = device
         self._history: list[int] = []
+        self.counters = {"proposals": 0, "matched": 0, "match_tokens": 0}  # this request's
 
     @classmethod
     def load(cls, path: str | Path, target: CausalLM | TargetDescription, **options: int) -> RestDrafter:
@@ -73,6 +74,7 @@ class RestDrafter:
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         self._history = list(prompt_ids)  # deterministic: params and generator are not needed
+        self.counters = {"proposals": 0, "matched": 0, "match_tokens": 0}
 
     def accept(self, committed: Sequence[int]) -> None:
         self._history.extend(committed)
@@ -83,7 +85,15 @@ class RestDrafter:
         del self._history[length:]
 
     def lookup(self, depth: int) -> Match:
-        return self.datastore.lookup(self._history, depth, self.max_length, self.min_occurrences, self.max_occurrences)
+        match = self.datastore.lookup(self._history, depth, self.max_length, self.min_occurrences, self.max_occurrences)
+        self.counters["proposals"] += 1
+        self.counters["matched"] += match.length > 0
+        self.counters["match_tokens"] += match.length
+        return match
+
+    def request_counters(self) -> dict[str, int]:
+        """This request's proposals, those that matched the datastore, and their matched tokens."""
+        return dict(self.counters)
 
     def propose(self, budget: int) -> Draft:
         if budget <= 0 or not self._history:

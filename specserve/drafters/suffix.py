@@ -28,9 +28,10 @@ point mass: exact at any temperature.
 
 Matching is a vectorised scan (numpy) of the stores, not a suffix tree: a query costs O(n) for the
 candidates (positions holding the last token) plus O(candidates) per matched length; the stores
-cost 8 bytes per token. Not done here: sharing the global store across replicas (a Ray actor), and
-publishing a request's output while it runs. The stats a run reports do not include the match
-lengths; the drafter keeps them (:attr:`SuffixDrafter.match_lengths`, :attr:`SuffixDrafter.counters`).
+cost 8 bytes per token. Not done here: publishing a request's output while it runs. A request's
+counters (proposals, matches, matched tokens, global matches) reach its stats
+(:meth:`SuffixDrafter.request_counters`); the match length of each proposal is kept
+(:attr:`SuffixDrafter.match_lengths`).
 """
 
 from __future__ import annotations
@@ -288,6 +289,10 @@ class _Published:
             self.cache.publish(self.text.view()[self.prompt_length :])
 
 
+def _new_counters() -> dict[str, int]:
+    return {"proposals": 0, "matched": 0, "match_tokens": 0, "global_matches": 0}
+
+
 class SuffixDrafter:
     name = "suffix"
 
@@ -317,7 +322,7 @@ class SuffixDrafter:
         self._request = _Published(self.cache)
         weakref.finalize(self, self._request.publish)
         self.match_lengths: list[int] = []  # this request: the match length of each proposal (0: none)
-        self.counters = {"proposals": 0, "matched": 0, "match_tokens": 0, "global_matches": 0}  # since built
+        self.counters = _new_counters()  # this request's
 
     @property
     def history(self) -> list[int]:
@@ -329,6 +334,11 @@ class SuffixDrafter:
         self._request.prompt_length = len(prompt_ids)
         self._request.done = False
         self.match_lengths = []
+        self.counters = _new_counters()
+
+    def request_counters(self) -> dict[str, int]:
+        """This request's proposals, those that matched, their matched tokens, and matches in the global store."""
+        return dict(self.counters)
 
     def accept(self, committed: Sequence[int]) -> None:
         self._request.text.extend(committed)

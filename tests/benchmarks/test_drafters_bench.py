@@ -84,6 +84,9 @@ def test_small_run_covers_every_drafter_and_writes_the_report(
         assert 0 < row["new_tokens"] <= 2 * 2 * 6, row  # 2 rounds x 2 prompts x at most 6 tokens
         assert row["speedup"] is not None and row["tokens_per_second"] > 0
     assert set(report["headline"]) >= {"eagle_greedy_speedup", "speedup_met", "eagle_longest"}
+    for row in report["rows"]:  # the model-free drafters' own counters reach the report
+        if row["drafter"] in ("suffix", "lookahead") or row["drafter"].startswith("rest:"):
+            assert row["drafter_counters"]["proposals"] > 0, row
     ratios = report["model_free"]["0"]
     assert all(ratios[key] is not None and ratios[key] > 0 for key in ratios), ratios
 
@@ -240,3 +243,13 @@ def test_batch_bench_does_not_load_a_model_free_drafter_as_a_model(
     )
     models, prompt_ids = batch.load(cfg)
     assert models.draft == spec and len(prompt_ids) == 3
+
+
+def test_drafter_counters_in_words() -> None:
+    assert learned.counters_summary({}) == "-"
+    assert learned.counters_summary({"proposals": 4, "pool_hits": 1, "window_ngrams": 12}) == (
+        "pool hits 25%, 12 window n-grams"
+    )
+    suffix = {"proposals": 10, "matched": 5, "match_tokens": 20, "global_matches": 1}
+    assert learned.counters_summary(suffix) == "matched 50%, mean match 4.0 tokens, 20% global"
+    assert learned.counters_summary({"proposals": 2, "matched": 0, "match_tokens": 0}) == "matched 0%"

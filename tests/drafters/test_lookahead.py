@@ -131,7 +131,7 @@ def test_pooled_ngrams_follow_the_target_token_after_token(
             chain = [key, *gram]
             assert all(chain[i + 1] == table[chain[i]] for i in range(len(gram))), chain
     filled = max(steps - (ngram - 2), 0)
-    assert drafter.stats.pooled_from_window == window * max(filled, 0)
+    assert drafter.request_counters()["window_ngrams"] == window * max(filled, 0)
 
 
 def test_pool_keeps_the_most_recent_distinct_continuations() -> None:
@@ -155,7 +155,7 @@ def test_text_ngrams_draft_before_the_window_warms_up() -> None:
     drafter.accept([6])
     drafter.rewind(5)
     assert drafter._history == [5, 6, 7, 1, 5]
-    assert drafter.drafter_stats()["pool_hit_rate"] == 1.0
+    assert drafter.request_counters() == {"proposals": 2, "pool_hits": 2, "window_ngrams": 0}
 
 
 def test_settings_and_specs_are_checked(pair: TinyPair) -> None:
@@ -230,7 +230,8 @@ def test_greedy_output_equals_transformers(pair: TinyPair, hf_greedy: HfGreedy, 
         result = engine.generate(list(prompt), GREEDY, config)
         assert result.output_ids == hf_greedy(pair.target, prompt, REF_TOKENS), prompt
         accepted += result.stats.accepted_tokens
-        pooled += drafter.stats.pooled_from_window
+        pooled += result.stats.drafter_counters["window_ngrams"]  # the drafter's counters reach the stats
+        assert result.stats.drafter_counters == drafter.request_counters()
     assert accepted > 0 and pooled > 0, "no draft accepted or no window n-gram: the test would exercise nothing"
 
 
@@ -254,6 +255,7 @@ def test_batched_greedy_output_equals_transformers(pair: TinyPair, hf_greedy: Hf
     for request_id, prompt in zip(ids, prompts, strict=True):
         assert results[request_id].output_ids == hf_greedy(pair.target, prompt, 24), prompt
     assert sum(results[i].stats.accepted_tokens for i in ids[:3]) > 0
+    assert all(results[i].stats.drafter_counters["proposals"] > 0 for i in ids[:3])  # counted in a batch too
     assert engine.pool.free_tokens == engine.pool.capacity  # every span, probe room included, given back
 
 

@@ -222,6 +222,7 @@ def test_accept_rewind_and_the_global_store() -> None:
     assert cache.documents == [[53, 54, 60]]
     assert drafter.propose(2).tokens.tolist() == [60]  # learnt from the previous request
     assert drafter.counters["global_matches"] == 1 and drafter.match_lengths == [2]
+    assert drafter.request_counters() == {"proposals": 1, "matched": 1, "match_tokens": 2, "global_matches": 1}
     drafter.finish()
     drafter.finish()  # once only
     assert cache.documents == [[53, 54, 60]]  # nothing was committed in the second request
