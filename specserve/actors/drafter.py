@@ -48,6 +48,7 @@ import torch
 from specserve.actors.compute import ComputeThread
 from specserve.actors.draft_gather import DraftGatherer
 from specserve.actors.overlap import OverlapDraftSide
+from specserve.actors.suffix_store import SharedSuffixCache
 from specserve.core.draft import BatchedDrafter, Drafter, FeatureDrafter
 from specserve.core.draft_side import DraftSide
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
@@ -57,6 +58,7 @@ from specserve.core.target import FinishReason
 from specserve.core.tree import TreeSpec
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.registry import build_drafter_set, request_drafters
+from specserve.drafters.suffix import SuffixCache
 from specserve.policies.schedules import schedules
 from specserve.rpc.codec import encode_draft
 from specserve.rpc.verifier import VerifierStream, open_channel
@@ -113,6 +115,7 @@ class DrafterActor:
         num_threads: int | None = None,
         max_requests: int = 1,
         gather_wait_s: float = 0.005,
+        suffix_store: str = "replica",
     ) -> None:
         """``max_requests`` > 1 (a batched replica): that many requests' loops run at once, each with a drafter of
         its own (a draft model's weights shared, its KV a span of one pool); their torch calls take turns on the
@@ -124,6 +127,8 @@ class DrafterActor:
         self.device = torch.device(device)
         target = TargetDescription(target_info, load_tokenizer(target_dir), self.device)
         options: dict[str, Any] = {"dtype": dtype, "device": device, "max_ngram": max_ngram, "min_ngram": min_ngram}
+        # the suffix drafters' store of finished outputs: this replica's, or shared with the others (a Ray actor)
+        options["suffix_cache"] = SharedSuffixCache() if suffix_store == "cluster" else SuffixCache()
         self.drafters = self.compute.run(build_drafter_set, drafter, target, **options)
         # batched: one drafter per request (the configured model's weights loaded once, here)
         configured = self.drafters.configured

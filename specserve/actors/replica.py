@@ -167,6 +167,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
             info,
             num_threads=config.threads_per_drafter,
             max_requests=config.max_num_seqs,
+            suffix_store=config.suffix_store,
             **{**config.drafter_options(), "device": config.drafter_actor_device},
         )
         actors.append(drafter)

@@ -82,6 +82,12 @@ class ReplicaConfig(BaseModel):
     device: Device = Field("cpu", description="where the models compute; cuda: one GPU per shard and drafter")
     max_ngram: int = Field(3, ge=1, description="longest n-gram the ngram drafter matches")
     min_ngram: int = Field(1, ge=1, description="shortest n-gram the ngram drafter matches (<= max_ngram)")
+    suffix_store: Literal["replica", "cluster"] = Field(
+        "replica",
+        description="the suffix drafter's store of finished outputs: this replica's own (replica), or also every "
+        "other replica's in the Ray namespace (cluster: one shared Ray actor; a replica sees another's output about "
+        "a second after it finished)",
+    )
 
     # ---- the distributed runtime
     tp_degree: int = Field(

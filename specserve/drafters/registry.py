@@ -41,6 +41,7 @@ def build_drafter(
     device: str = "cpu",
     max_ngram: int = 3,
     min_ngram: int = 1,
+    suffix_cache: SuffixCache | None = None,
 ) -> Drafter:
     """``spec`` is ``"none"``, ``"ngram"``, ``"suffix"``, ``"lookahead"`` / ``"lookahead:W,N,G"`` (Lookahead
     decoding), ``"layerskip:L"`` (the target's first L layers) or
@@ -83,8 +84,8 @@ def build_drafter(
         return NoDrafter(target.device)
     if spec == "ngram":
         return NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram, device=target.device)
-    if spec == "suffix":
-        return SuffixDrafter(device=target.device)  # with a global store of its own (kept while it is)
+    if spec == "suffix":  # the global store given, or one of its own (kept while the drafter is)
+        return SuffixDrafter(suffix_cache, device=target.device)
     if spec == "lookahead" or spec.startswith(LOOKAHEAD_PREFIX):
         return LookaheadDrafter.from_spec(spec, device=target.device)
     return DraftModelDrafter(CausalLM.load(Path(spec), dtype=dtype, device=device), target)
@@ -97,17 +98,25 @@ def build_drafter_set(
     device: str = "cpu",
     max_ngram: int = 3,
     min_ngram: int = 1,
+    suffix_cache: SuffixCache | None = None,
 ) -> DrafterSet:
     """The configured drafter (built now, as :func:`build_drafter` would) and the built-ins requests may choose.
 
-    The built-ins are made on the first request naming them, by whatever thread calls ``get``.
-    """
+    The built-ins are made on the first request naming them, by whatever thread calls ``get``. A suffix drafter
+    keeps its outputs in ``suffix_cache`` when one is given (a store shared across replicas, for one)."""
 
-    def build(name: str) -> Drafter:
-        return build_drafter(name, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
+    def build(name: str | CausalLM) -> Drafter:
+        return build_drafter(
+            name,
+            target,
+            dtype=dtype,
+            device=device,
+            max_ngram=max_ngram,
+            min_ngram=min_ngram,
+            suffix_cache=suffix_cache,
+        )
 
-    configured = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
-    return DrafterSet(configured, build)
+    return DrafterSet(build(spec), build)
 
 
 def request_drafters(
@@ -120,11 +129,12 @@ def request_drafters(
     *,
     max_num_seqs: int | None = None,
     max_seq_len: int | None = None,
+    suffix_cache: SuffixCache | None = None,
 ) -> Callable[[str], Drafter]:
     """For the batched engine: ``new_drafter(name)`` gives each request a drafter of its own (``name`` one of
     :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
     requests' drafters (each keeps its own cache); ``ngram``, ``suffix`` and ``none`` are cheap to build per request
-    (the ``suffix`` drafters share one global store of finished requests' outputs).
+    (the ``suffix`` drafters share one global store of finished requests' outputs: ``suffix_cache``, or a new one).
     Drafters that read the target's features or KV (EAGLE, Medusa, layer-skip) load their weights (and, given
     only the target's description, a copy of the target) once, now; each request gets a fresh drafter over them.
     The engine says whether it can run them.
@@ -147,7 +157,8 @@ def request_drafters(
     if max_num_seqs is not None and isinstance(configured, CausalLM):
         length = target.info.max_positions if max_seq_len is None else max_seq_len
         batcher = BatchedDraftModel(configured, target, max_num_seqs, length)
-    suffix_cache = SuffixCache()  # the global store every request's suffix drafter shares
+    if suffix_cache is None:
+        suffix_cache = SuffixCache()  # the global store every request's suffix drafter shares
     prototype: EagleDrafter | MedusaDrafter | LayerSkipDrafter | RestDrafter | None = None
     if isinstance(spec, str) and spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX)):
         built = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)

@@ -122,8 +122,18 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
         )
     seqs, length = config.max_num_seqs, config.max_seq_len or context
     # a draft model drafts for all requests in shared forwards, from a KV pool that holds max_num_seqs requests
+    suffix_cache = None
+    if config.suffix_store == "cluster":  # the suffix drafters' outputs shared with the other replicas
+        from specserve.actors.suffix_store import SharedSuffixCache
+
+        suffix_cache = SharedSuffixCache()
     new_drafter = request_drafters(
-        config.draft, target, **config.drafter_options(), max_num_seqs=seqs, max_seq_len=length
+        config.draft,
+        target,
+        **config.drafter_options(),
+        max_num_seqs=seqs,
+        max_seq_len=length,
+        suffix_cache=suffix_cache,
     )
     return BatchedEngine(
         target,

@@ -45,6 +45,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "device": ("cuda", {}),
     "max_ngram": (5, {}),
     "min_ngram": (2, {}),
+    "suffix_store": ("cluster", {}),
     "tp_degree": (4, {}),
     "drafter_placement": ("separate", {}),
     "overlap": (True, {}),
