@@ -18,8 +18,9 @@ The cells:
 * ``eagle chain`` / ``eagle tree`` — the trained EAGLE head (chain, and EAGLE-2 dynamic trees);
 * ``medusa tree`` — the trained Medusa heads' static tree (best-first over their calibrated ranks);
 * ``layerskip`` — the target's first L layers, plain and with the trained exit head;
-* ``ngram`` — prompt lookup (chain, and a tree of several earlier matches);
-* ``suffix`` — suffix decoding (chain and tree), a fresh global store for every pass of a cell, so that
+* ``ngram`` — prompt lookup (chains of γ and 16, and a tree of several earlier matches);
+* ``suffix`` — suffix decoding (chains of γ and 16: its draft length follows the match, so 16 is only a cap;
+  and a tree), a fresh global store for every pass of a cell, so that
   it holds the outputs of that pass's earlier requests only (not other rounds' or cells');
 * ``rest`` — REST retrieval from a token datastore (chain and tree), with ``--datastore FILE`` or, by
   default, ``runs/datastore/stdlib.rest`` (``make datastore``) when it exists;
@@ -160,6 +161,7 @@ def _plan(cfg: DrafterBenchConfig) -> list[tuple[str, str, GenerationConfig, str
         return GenerationConfig(max_new_tokens=n, tree=spec)
 
     chain = GenerationConfig(max_new_tokens=n, gamma=gamma)
+    long_chain = GenerationConfig(max_new_tokens=n, gamma=16)
     short = GenerationConfig(max_new_tokens=n, gamma=3)  # layer-skip drafts cost a good part of a target pass
     model_free_tree = tree(8, 3, 16)  # deep: a long match drafts far
     eagle, medusa, rest = f"eagle:{cfg.eagle}", f"medusa:{cfg.medusa}", REST_PREFIX + cfg.datastore
@@ -175,7 +177,9 @@ def _plan(cfg: DrafterBenchConfig) -> list[tuple[str, str, GenerationConfig, str
         ("layerskip + exit head chain 3", f"layerskip:{cfg.exit_head}", short, cfg.exit_head),
         (f"ngram chain {gamma}", "ngram", chain, None),
         ("ngram tree 16 (d8 w3)", "ngram", model_free_tree, None),
+        ("ngram chain 16", "ngram", long_chain, None),
         (f"suffix chain {gamma}", "suffix", chain, None),
+        ("suffix chain 16", "suffix", long_chain, None),  # its drafts adapt to the match: a long γ is a cap
         ("suffix tree 16 (d8 w3)", "suffix", model_free_tree, None),
         (f"rest chain {gamma}", rest, chain, None),
         ("rest tree 16 (d8 w3)", rest, model_free_tree, None),
