@@ -54,6 +54,13 @@ Each directory has its own card (`README.md`) and `training_summary.json`; the t
 | `models/medusa` | 4 Medusa heads on the last hidden state | `--draft medusa:models/medusa` | `specserve train medusa` |
 | `models/exit-head` | layer-skip exit head after layer 4 | `--draft layerskip:models/exit-head` | `specserve train exit-head --layers 4` |
 
+## Retrieval datastore (REST)
+
+`make datastore` builds `runs/datastore/stdlib.rest` for `--draft rest:FILE` from the same training files
+with the target's tokenizer (`specserve datastore build`): 3,028,961 tokens from 693 files, 23.1 MiB
+(tokens and suffix array, memory-mapped), built in 17.9 s on the 2-core CPU (BENCHMARKS.md §12). It is built,
+not shipped: the file is larger than the models.
+
 ## Limitations
 
 - Greedy decoding of a model this small repeats itself (see the sample below). Repetitive text
