@@ -306,7 +306,9 @@ class Coordinator(GenerationFrontend):
     def _widest_block(self, config: GenerationConfig) -> int:
         """Draft nodes beyond a chain's a request's verify block may hold: its tree's, and the configured drafter's
         probe (Lookahead's window) when it drafts with that one. The target reserves KV room for them."""
-        probe = probe_nodes_of(self.replica.config.draft) if config.drafter == "default" else 0
+        # a request naming "lookahead" drafts with the configured Lookahead drafter when there is one
+        configured = probe_nodes_of(self.replica.config.draft) if config.drafter in ("default", "lookahead") else 0
+        probe = max(configured, probe_nodes_of(config.drafter))
         return (config.budget.nodes if config.tree else 0) + probe
 
     def _drafter_down(self) -> bool:

@@ -75,7 +75,7 @@ class DraftJob:
     verifier_token: str = ""  # presented to the verifier (its replica's secret); empty: a verifier without one
     overlap: bool = False
     report_interval_s: float = 0.1  # after the first cycle, reports are batched at most this often
-    drafter: str = "default"  # the configured drafter, "ngram", "suffix" or "none" (REQUEST_DRAFTERS)
+    drafter: str = "default"  # the configured drafter, "ngram", "suffix", "lookahead" or "none" (REQUEST_DRAFTERS)
     tree: TreeSpec | None = None  # draft trees of this shape instead of gamma-token chains (never overlapped)
     policy: str = "fixed"  # how much to draft each cycle (POLICY_NAMES); gamma / tree = the request's own budget
 

@@ -13,8 +13,8 @@ A drafter serves one request at a time:
    been told an assumed verdict in overlap mode and the real one differs).
 
 A request may choose among the drafters of a :class:`DrafterSet` by name (``REQUEST_DRAFTERS``):
-the configured one (``default``), or the model-free ``ngram``, ``suffix`` and ``none``, built on first use by
-a builder the caller supplies. Drafter implementations live in ``specserve.drafters`` (whose
+the configured one (``default``), or the model-free ``ngram``, ``suffix``, ``lookahead`` and ``none``, built on
+first use by a builder the caller supplies. Drafter implementations live in ``specserve.drafters`` (whose
 registry supplies that builder); this module defines only the contract and the set.
 """
 
@@ -41,9 +41,10 @@ from specserve.core.tree import (
     committed_tokens,
 )
 
-# The drafters a request may choose: the deployment's configured one, prompt lookup, suffix decoding, or none
-# (plain decoding). A draft model other than the configured one cannot be chosen per request.
-REQUEST_DRAFTERS = ("default", "ngram", "suffix", "none")
+# The drafters a request may choose: the deployment's configured one, prompt lookup, suffix decoding, Lookahead
+# decoding (its defaults), or none (plain decoding). A draft model other than the configured one cannot be chosen
+# per request.
+REQUEST_DRAFTERS = ("default", "ngram", "suffix", "lookahead", "none")
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class GenerationConfig:
     gamma: int = 4  # draft tokens per cycle (the drafter may return fewer)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    drafter: str = "default"  # one of REQUEST_DRAFTERS: the configured drafter, "ngram", "suffix" or "none"
+    drafter: str = "default"  # one of REQUEST_DRAFTERS: the configured one, "ngram", "suffix", "lookahead", "none"
     tree: TreeSpec | None = None  # draft trees instead of chains (drafters that can; gamma unused)
     policy: str = "fixed"  # how much to draft each cycle: POLICY_NAMES (gamma / tree = the fixed budget)
 

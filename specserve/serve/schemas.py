@@ -278,12 +278,12 @@ class SpeculationOptions(BaseModel):
     gamma: int | None = Field(
         None, ge=1, le=MAX_GAMMA, description="draft tokens per cycle; default: the deployment's configured gamma"
     )
-    drafter: Literal["default", "ngram", "suffix", "none"] = Field(
+    drafter: Literal["default", "ngram", "suffix", "lookahead", "none"] = Field(
         "default",
         description=(
             "who drafts: the deployment's configured drafter (default), prompt-lookup n-grams (ngram), suffix"
-            " decoding over this and recent requests (suffix), or nobody (none: plain decoding); output is the"
-            " same, only speed differs"
+            " decoding over this and recent requests (suffix), the target's own Jacobi iterations (lookahead), or"
+            " nobody (none: plain decoding); output is the same, only speed differs"
         ),
     )
     tree: TreeOptions = Field(

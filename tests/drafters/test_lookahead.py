@@ -28,7 +28,7 @@ from specserve.core.tree import ROOT, DraftTree, InvalidTree, TreeBudget, TreeSp
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.drafters import build_drafter
 from specserve.drafters.lookahead import LookaheadDrafter, LookaheadSettings, NgramPool
-from specserve.drafters.registry import request_drafters
+from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.policies.schedules import schedules
 from specserve.rpc import codec
 
@@ -235,6 +235,19 @@ def test_greedy_output_equals_transformers(pair: TinyPair, hf_greedy: HfGreedy, 
     assert accepted > 0 and pooled > 0, "no draft accepted or no window n-gram: the test would exercise nothing"
 
 
+def test_a_request_chooses_lookahead(pair: TinyPair, hf_greedy: HfGreedy) -> None:
+    """With a draft model configured, a request names ``lookahead`` (built on first use, its window's KV reserved
+    in a batched engine too)."""
+    engine = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
+    batched = BatchedEngine(pair.target, request_drafters(pair.draft, pair.target), max_num_seqs=2, max_seq_len=96)
+    config = GenerationConfig(20, gamma=3, drafter="lookahead")
+    for prompt in (REPETITIVE, pair.prompts[0]):
+        expected = hf_greedy(pair.target, prompt, 20)
+        alone = engine.generate(list(prompt), GREEDY, config)
+        assert alone.output_ids == expected and alone.stats.drafter_counters["proposals"] > 0
+        assert batched.generate(list(prompt), GREEDY, config).output_ids == expected
+
+
 def test_batched_greedy_output_equals_transformers(pair: TinyPair, hf_greedy: HfGreedy) -> None:
     engine = BatchedEngine(
         pair.target, request_drafters("lookahead:3,3,3", pair.target), max_num_seqs=4, max_seq_len=96
@@ -302,6 +315,7 @@ def test_a_distributed_replica_drafts_with_lookahead(
             (REPETITIVE, GenerationConfig(20, gamma=3)),
             (pair.prompts[0], GenerationConfig(20, tree=DYNAMIC)),
             (pair.prompts[2], GenerationConfig(20, gamma=2)),
+            (pair.prompts[3], GenerationConfig(20, gamma=3, drafter="lookahead")),  # named by the request
         ):
             got = coordinator.generate(prompt, GREEDY, request)
             assert got.output_ids == hf_greedy(pair.target, prompt, 20), prompt

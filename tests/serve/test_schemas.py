@@ -70,8 +70,8 @@ GOOD = {"model": "m", "prompt": "hi"}
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"speculation": {"gamma": 0}}, "speculation.gamma", "greater than or equal to 1"),
         ({"speculation": {"gama": 3}}, "speculation.gama", "unknown field"),
-        ({"speculation": {"drafter": "eagle"}}, "speculation.drafter", "'default', 'ngram', 'suffix' or 'none'"),
-        ({"speculation": {"drafter": "models/draft"}}, "speculation.drafter", "'default', 'ngram', 'suffix' or 'none'"),
+        ({"speculation": {"drafter": "eagle"}}, "speculation.drafter", "'suffix', 'lookahead' or 'none'"),
+        ({"speculation": {"drafter": "models/draft"}}, "speculation.drafter", "'suffix', 'lookahead' or 'none'"),
     ],
 )
 def test_bad_fields_name_the_field(change: dict[str, object], param: str, words: str) -> None:
