@@ -221,7 +221,7 @@ BAD_REQUESTS: list[tuple[Any, int, str | None, str]] = [
     ({**GOOD, "n": 2}, 400, "n", "only n = 1"),
     ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ({**GOOD, "speculation": {"gamma": 0}}, 400, "speculation.gamma", "greater than or equal to 1"),
-    ({**GOOD, "speculation": {"drafter": "eagle"}}, 400, "speculation.drafter", "'ngram', 'suffix' or 'none'"),
+    ({**GOOD, "speculation": {"drafter": "eagle"}}, 400, "speculation.drafter", "'suffix', 'lookahead' or 'none'"),
     ({**GOOD, "speculation": {"tree": {"kind": "static", "paths": [[0, 1]]}}}, 400, "speculation.tree", "parent path"),
     ({**GOOD, "prompt": "x" * (MAX_BODY + 10)}, 413, None, "exceeds the limit"),
 ]
