@@ -180,7 +180,7 @@ def test_drafter_set_builds_lazily_once(pair: TinyPair) -> None:
 
 def test_unknown_or_unavailable_drafter_is_refused(pair: TinyPair) -> None:
     allowed = ", ".join(repr(name) for name in REQUEST_DRAFTERS)
-    assert REQUEST_DRAFTERS == ("default", "ngram", "suffix", "none")
+    assert REQUEST_DRAFTERS == ("default", "ngram", "suffix", "lookahead", "none")
     with pytest.raises(InvalidRequest, match=rf"drafter must be one of {allowed}.*got 'eagle'"):
         GenerationConfig(drafter="eagle")
     drafters = build_drafter_set("ngram", pair.target)
