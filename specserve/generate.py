@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +73,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the drafter, gamma or tree (exact, fewer drafts accepted); no effect at temperature 0",
     )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    processors = parser.add_argument_group(
+        "penalties, biases and logprobs (exact under speculation: every drafted position is processed with its own "
+        "history)"
+    )
+    processors.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    processors.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    processors.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="transformers' and vLLM's, over prompt and output, in (0, 10] (1 = off)",
+    )
+    processors.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit at every position (repeatable)",
+    )
+    processors.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens less likely than min-p times the most likely (0 = off)"
+    )
+    processors.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="report every output token's log-probability and its K most likely alternatives (0 to 20; with --json)",
+    )
+    processors.add_argument(
+        "--logprobs-mode",
+        choices=["raw", "processed"],
+        default="raw",
+        help="logprobs of the model's own distribution (raw) or of the one each token was chosen from (processed)",
+    )
     lossy = parser.add_argument_group(
         "lossy acceptance (NOT exact: the output is no longer distributed as the target's)"
     )
@@ -141,10 +176,39 @@ def run_command(args: argparse.Namespace) -> int:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The sampling flags as :class:`SamplingParams` (which checks their ranges)."""
-    named = ("temperature", "top_k", "top_p", "seed", "drafter_invariant", "lossy", "typical_epsilon", "typical_delta")
-    return SamplingParams(
-        acceptance="typical" if args.typical_acceptance else "exact", **{name: getattr(args, name) for name in named}
+    named = (
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "drafter_invariant",
+        "lossy",
+        "typical_epsilon",
+        "typical_delta",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "logprobs",
+        "logprobs_mode",
     )
+    return SamplingParams(
+        acceptance="typical" if args.typical_acceptance else "exact",
+        logit_bias=logit_bias(args.logit_bias),
+        **{name: getattr(args, name) for name in named},
+    )
+
+
+def logit_bias(pairs: Sequence[str]) -> tuple[tuple[int, float], ...]:
+    """``--logit-bias ID=BIAS`` flags as sorted pairs; a malformed one is a :class:`UserError` saying what to write."""
+    bias: dict[int, float] = {}
+    for pair in pairs:
+        token, _, value = pair.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UserError(f"--logit-bias takes ID=BIAS, e.g. --logit-bias 50256=-100; got {pair!r}") from None
+    return tuple(sorted(bias.items()))
 
 
 def tree_spec(args: argparse.Namespace) -> TreeSpec | None:
@@ -236,6 +300,11 @@ def print_generation(
             "lossy": params.lossy_acceptance,  # true: a lossy acceptance rule ran (not the target's law)
             "stats": result.stats.to_dict(),
         }
+        if result.logprobs is not None:
+            report["logprobs"] = [
+                {"token": entry.token, "logprob": entry.logprob, "top": [list(pair) for pair in entry.top]}
+                for entry in result.logprobs
+            ]
         if compare_plain:
             report["plain"] = plain_comparison(runner, prompt, params, config, result)
         print(json.dumps(report))

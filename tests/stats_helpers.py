@@ -37,15 +37,22 @@ def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def two_token_pvalue(
-    generate: Callable[[int], list[int]], target: Any, prompt: list[int], params: Any, trials: int
+    generate: Callable[[int], list[int]],
+    target: Any,
+    prompt: list[int],
+    params: Any,
+    trials: int,
+    process: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
     """Chi-square p-value of the first two tokens ``generate(seed)`` emits, over seeds ``0 .. trials - 1``, against
-    the target's joint law of two tokens after ``prompt`` under the warp of ``params`` (a ``SamplingParams``)."""
+    the target's joint law of two tokens after ``prompt`` under the warp of ``params`` (a ``SamplingParams``);
+    ``process(ids, logits)``, when given, processes each position's logits (penalties) before the warp."""
     from specserve.core.sampling import warp_probs
 
     def law(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            return warp_probs(target.model(input_ids=torch.tensor([ids])).logits[0, -1].double(), params)
+            logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+        return warp_probs(process(ids, logits) if process is not None else logits, params)
 
     first = law(prompt)
     joint = torch.stack([first[a] * law([*prompt, a]) for a in range(first.numel())])

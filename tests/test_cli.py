@@ -43,6 +43,24 @@ def test_generate_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
     assert stats["tokens_per_second"] > 0
 
 
+def test_generate_json_with_penalties_and_logprobs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Penalties, a bias and logprobs from the command line: one logprob per output token, with 2 alternatives,
+    and the same greedy output whoever drafts."""
+    outputs = []
+    for draft in ("ngram", "none"):
+        code, out, err = run_cli(
+            capsys, "generate", "--prompt", "import os\n", "--max-new-tokens", "16", "--json", "--draft", draft,
+            "--dtype", "float64", "--presence-penalty", "1", "--repetition-penalty", "1.2", "--logit-bias", "10=2",
+            "--logprobs", "2",
+        )  # fmt: skip
+        assert code == 0, err
+        obj = json.loads(out)
+        assert [entry["token"] for entry in obj["logprobs"]] == obj["output_ids"]
+        assert all(len(entry["top"]) == 2 and entry["logprob"] <= 0 for entry in obj["logprobs"])
+        outputs.append(obj["output_ids"])
+    assert outputs[0] == outputs[1]
+
+
 def test_generate_greedy_is_draft_independent(capsys: pytest.CaptureFixture[str]) -> None:
     """Greedy output of the shipped pair (float64, so no near-ties flip) is the same for every drafter."""
     outputs = []
@@ -166,6 +184,10 @@ BAD_ARGS = {
     "topology without a static tree": (["--tree-topology", "paths.json"], "--tree static"),
     "zero tree depth": (["--tree", "dynamic", "--tree-depth", "0"], "budget"),
     "unreadable topology": (["--tree", "static", "--tree-topology", "/nonexistent.json"], "cannot read"),
+    "malformed logit bias": (["--logit-bias", "x"], "--logit-bias takes ID=BIAS"),
+    "logit bias outside the vocabulary": (["--logit-bias", "99999999=1"], "outside the vocabulary"),
+    "presence penalty too large": (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2]"),
+    "too many logprobs": (["--logprobs", "21"], "logprobs must be between 0"),
 }
 
 

@@ -178,7 +178,7 @@ class Coordinator(GenerationFrontend):
             tree=config.tree,
             policy=config.policy,
         )
-        out = RequestOutput(prompt_ids, text, stats, start)
+        out = RequestOutput(prompt_ids, text, stats, start, logprobs=params.logprobs is not None)
         try:
             if self._drafter_down():  # it died or was killed and has not come back yet: do not wait for it
                 logger.info("request %s starts without speculation: the drafter is restarting", request_id)
@@ -202,7 +202,8 @@ class Coordinator(GenerationFrontend):
                     self._drafter_alive(submitted)
                     for report in batch:
                         stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
-                        yield out.push(report.new_tokens, report.finish)  # the target's finish reason, from the wire
+                        # the target's finish reason, from the wire
+                        yield out.push(report.new_tokens, report.finish, report.logprobs)
                         if out.finish is not None:
                             return
             except ray.exceptions.RayActorError as exc:  # the drafter died (or is restarting): go on without it
@@ -408,12 +409,12 @@ class Coordinator(GenerationFrontend):
         rank0 = self.replica.rank0
         cycle = 0
         while out.finish is None:
-            committed, finish = self._get_from_rank0(
+            committed, finish, logprobs = self._get_from_rank0(
                 rank0.progress.remote(request_id), "a progress query", PROGRESS_TIMEOUT_S
             )
             missed = committed[len(out.prompt_ids) + len(out.tokens) :]  # cycles whose reports died with the drafter
             if missed or finish is not None:
-                yield out.push(missed, finish)
+                yield out.push(missed, finish, logprobs[len(out.tokens) : len(out.tokens) + len(missed)])
                 continue
             try:
                 outcome = self._get_from_rank0(
@@ -426,4 +427,4 @@ class Coordinator(GenerationFrontend):
             if outcome.committed_length - len(outcome.new_tokens) != len(out.prompt_ids) + len(out.tokens):
                 continue  # a cycle of the lost drafter committed first: progress has its tokens and this one's
             out.stats.record_cycle(0, 0, 0.0, outcome.verify_seconds, allreduce_seconds=outcome.allreduce_seconds)
-            yield out.push(outcome.new_tokens, outcome.finish)
+            yield out.push(outcome.new_tokens, outcome.finish, outcome.logprobs)

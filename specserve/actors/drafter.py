@@ -51,6 +51,7 @@ from specserve.actors.overlap import OverlapDraftSide
 from specserve.actors.suffix_store import SharedSuffixCache
 from specserve.core.draft import BatchedDrafter, Drafter, FeatureDrafter
 from specserve.core.draft_side import DraftSide
+from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import Budget, CycleObservation
@@ -94,6 +95,7 @@ class CycleReport:
     observation: CycleObservation
     allreduce_seconds: float  # of verify_seconds, tensor-parallel all-reduces
     overlap_hit: bool  # this cycle's draft was drafted during the previous verification
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asked for them
 
 
 class RequestCancelled(Exception):
@@ -253,7 +255,12 @@ class DrafterActor:
                     observation = run(side.on_verdict, proposal, outcome, wire_seconds=wire_seconds)
                     pending.append(
                         CycleReport(
-                            outcome.new_tokens, outcome.finish, observation, outcome.allreduce_seconds, overlap_hit
+                            outcome.new_tokens,
+                            outcome.finish,
+                            observation,
+                            outcome.allreduce_seconds,
+                            overlap_hit,
+                            outcome.logprobs,
                         )
                     )
                     if outcome.finish is not None:

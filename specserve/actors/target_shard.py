@@ -45,6 +45,7 @@ from specserve.actors.compute import ComputeThread, on_compute_thread, single_th
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
+from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, FinishReason, PooledSequence, TargetVerifier
@@ -602,14 +603,16 @@ class TargetShardActor:
         with self._lock:
             return list(self._requests[request_id].verifier.committed)
 
-    def progress(self, request_id: str) -> tuple[list[int], FinishReason | None]:
-        """A running request's committed tokens (prompt + output) and its finish reason (``None`` while it runs):
-        where a coordinator that lost the request's drafter takes over (:meth:`Coordinator._decode_plainly`)."""
+    def progress(self, request_id: str) -> tuple[list[int], FinishReason | None, list[TokenLogprob]]:
+        """A running request's committed tokens (prompt + output), its finish reason (``None`` while it runs) and,
+        when it asked for them, its output tokens' logprobs: where a coordinator that lost the request's drafter
+        takes over (:meth:`Coordinator._decode_plainly`)."""
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
                 raise UnknownRequest(f"request {request_id!r} is not running on this replica")
-            return list(request.verifier.committed), request.verifier.finish
+            verifier = request.verifier
+            return list(verifier.committed), verifier.finish, list(verifier.output_logprobs)
 
     def sequence_id(self, request_id: str) -> int:
         """Where a request's KV lives on every rank: its cache's id, or its sequence in the pool (batched replicas)."""

@@ -56,6 +56,7 @@ from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
+from specserve.core.processors import check_logit_bias
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import ScheduleFactory, fixed_schedules
@@ -133,6 +134,7 @@ class BatchedEngine(GenerationFrontend):
         params, config = params or SamplingParams(), config or GenerationConfig()
         prompt_ids = self.encode(prompt)
         self.validate(prompt_ids, config)
+        check_logit_bias(params, self.prompts.info.vocab_size)
         if len(prompt_ids) + config.max_new_tokens > self.max_seq_len:
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed the "
@@ -188,7 +190,7 @@ class BatchedEngine(GenerationFrontend):
         for request, (verifier, side, out), proposal, outcome in zip(
             running, parts, proposals, step.outcomes, strict=True
         ):
-            chunk = out.push(outcome.new_tokens, outcome.finish)
+            chunk = out.push(outcome.new_tokens, outcome.finish, outcome.logprobs)
             if out.finish == "stop":
                 verifier.stop_at(len(out.tokens))
             stopped = out.finish == "stop"
@@ -287,7 +289,8 @@ class BatchedEngine(GenerationFrontend):
         # the prefill's chunks (_prefill).
         side.start(request.prompt_ids, params, generators.draft)
         request.verifier, request.side = verifier, side
-        request.out = RequestOutput(request.prompt_ids, TextStream(self.decode, config.stop), stats, request.submitted)
+        text = TextStream(self.decode, config.stop)
+        request.out = RequestOutput(request.prompt_ids, text, stats, request.submitted, params.logprobs is not None)
         self._running[request.request_id] = request
 
     # -----------------------------------------------------------------------------------------

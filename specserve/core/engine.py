@@ -44,7 +44,9 @@ from specserve.core.draft import (
     drafter_counters,
 )
 from specserve.core.draft_side import DraftSide
+from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import CausalLM
+from specserve.core.processors import check_logit_bias
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import MAX_GAMMA, Budget, ScheduleFactory, check_policy_name, fixed_schedules
@@ -99,6 +101,7 @@ class GenerationResult:
     text: str
     finish_reason: FinishReason
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[TokenLogprob] | None = None  # one per output token when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class StreamChunk:
     text: str  # new text since the previous chunk (may be empty)
     token_ids: list[int]  # tokens committed in this cycle
     result: GenerationResult | None = None  # set on the last chunk only
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids when the request asked for them
 
 
 ChunkStream = Generator[StreamChunk, None, None]  # a generation: close it to stop early and free its state
@@ -118,20 +122,29 @@ class RequestOutput:
     stream identical chunks for identical committed tokens.
     """
 
-    def __init__(self, prompt_ids: Sequence[int], text: TextStream, stats: RequestStats, start: float) -> None:
+    def __init__(
+        self, prompt_ids: Sequence[int], text: TextStream, stats: RequestStats, start: float, logprobs: bool = False
+    ) -> None:
+        """``logprobs``: the request asked for them; every pushed token then comes with its own."""
         self.prompt_ids = list(prompt_ids)
         self.text = text
         self.stats = stats
         self.start = start
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
         self.finish: FinishReason | None = None
 
-    def push(self, new: list[int], finish: FinishReason | None) -> StreamChunk:
-        """Commit one cycle's tokens (``finish`` set when the target ended the request); a stop string
-        found in them cuts them and sets ``finish = "stop"``."""
+    def push(self, new: list[int], finish: FinishReason | None, logprobs: Sequence[TokenLogprob] = ()) -> StreamChunk:
+        """Commit one cycle's tokens (``finish`` set when the target ended the request) and, when the request asked
+        for them, their logprobs; a stop string found in them cuts them and sets ``finish = "stop"``."""
+        if self.logprobs is not None and len(logprobs) != len(new):
+            raise ValueError(f"{len(new)} new tokens came with {len(logprobs)} logprobs")
         delta, keep = self.text.push(new)
         if self.text.stopped:
             new, finish = new[:keep], "stop"
+        logprobs = tuple(logprobs[: len(new)]) if self.logprobs is not None else ()
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs)
         self.tokens.extend(new)
         self.finish = finish
         if finish is not None:
@@ -140,8 +153,8 @@ class RequestOutput:
         self.stats.total_seconds = time.perf_counter() - self.start
         result = None
         if finish is not None:
-            result = GenerationResult(self.prompt_ids, self.tokens, self.text.text, finish, self.stats)
-        return StreamChunk(delta, new, result)
+            result = GenerationResult(self.prompt_ids, self.tokens, self.text.text, finish, self.stats, self.logprobs)
+        return StreamChunk(delta, new, result, logprobs)
 
 
 class GenerationFrontend(ABC):
@@ -176,6 +189,7 @@ class GenerationFrontend(ABC):
         config = config or GenerationConfig()
         prompt_ids = self.encode(prompt)
         self.validate(prompt_ids, config)
+        check_logit_bias(params, self.prompts.info.vocab_size)
         return self._run(prompt_ids, params, config)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -242,13 +256,15 @@ class SpeculativeEngine(GenerationFrontend):
         side.add_prompt_features(prompt_features)
         stats.prefill_seconds = time.perf_counter() - start
 
-        out = RequestOutput(prompt_ids, TextStream(self.decode, config.stop), stats, start)
+        out = RequestOutput(
+            prompt_ids, TextStream(self.decode, config.stop), stats, start, logprobs=params.logprobs is not None
+        )
         while out.finish is None:
             # 1. draft (the schedule's budget), 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
             proposal = side.propose()
             outcome = verifier.verify(proposal)
             # 4. stop strings, stream out; the drafter learns what was committed unless the request ended
-            chunk = out.push(outcome.new_tokens, outcome.finish)
+            chunk = out.push(outcome.new_tokens, outcome.finish, outcome.logprobs)
             if out.finish == "stop":
                 verifier.stop_at(len(out.tokens))
             stats.record(side.on_verdict(proposal, outcome, stopped=out.finish == "stop"))

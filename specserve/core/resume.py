@@ -22,6 +22,9 @@ What the continuation reproduces:
   (:func:`resumed_seed`), so it never reuses the random numbers that drew the prefix (a reused
   stream would correlate the continuation with the prefix).
 
+Penalties count the tokens already out as output (``SamplingParams.prior_output_tokens``), as the undisturbed run
+did, and the logprobs the client already has come back with the result.
+
 Pure: no model, no transport. The front end decides when to resume (``specserve.serve.ingress``);
 a replica builds the continuation and maps its chunks (``specserve.serve.model_server``).
 """
@@ -35,6 +38,7 @@ from dataclasses import dataclass, replace
 from specserve.core.detokenize import Decode, TextStream
 from specserve.core.engine import FinishReason, GenerationConfig, RequestOutput, StreamChunk
 from specserve.core.invariant import noise_key
+from specserve.core.logprobs import TokenLogprob
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
 
@@ -45,10 +49,11 @@ class Resume:
 
     output_ids: tuple[int, ...]  # the tokens streamed to it
     text_chars: int  # the characters of text streamed to it
+    logprobs: tuple[TokenLogprob, ...] = ()  # theirs, when the request asked for logprobs
 
     @classmethod
-    def of(cls, output_ids: Sequence[int], text: str) -> Resume:
-        return cls(tuple(output_ids), len(text))
+    def of(cls, output_ids: Sequence[int], text: str, logprobs: Sequence[TokenLogprob] = ()) -> Resume:
+        return cls(tuple(output_ids), len(text), tuple(logprobs))
 
 
 def resumed_seed(seed: int, position: int) -> int:
@@ -68,17 +73,23 @@ def continuation(
         raise ValueError(f"nothing to resume: {len(resume.output_ids)} of {config.max_new_tokens} tokens are out")
     if not (params.greedy or params.invariant_sampling):
         params = replace(params, seed=resumed_seed(params.seed, len(prefix)))
+    params = replace(params, prior_output_tokens=params.prior_output_tokens + len(resume.output_ids))
     return prefix, params, replace(config, max_new_tokens=remaining, stop=())
 
 
 class ResumedOutput:
     """The original request's chunks, from a continuation's: :meth:`map` each continuation chunk in order."""
 
-    def __init__(self, prompt_ids: Sequence[int], resume: Resume, decode: Decode, stop: Sequence[str]) -> None:
-        self.out = RequestOutput(prompt_ids, TextStream(decode, stop), RequestStats(), time.perf_counter())
+    def __init__(
+        self, prompt_ids: Sequence[int], resume: Resume, decode: Decode, stop: Sequence[str], logprobs: bool = False
+    ) -> None:
+        """``logprobs``: the request asked for them (``resume`` then holds those of the tokens already out)."""
+        self.out = RequestOutput(prompt_ids, TextStream(decode, stop), RequestStats(), time.perf_counter(), logprobs)
         self.out.text.push(resume.output_ids)  # the client has these: neither tokens nor text go out again
         self.out.text.emitted_up_to(resume.text_chars)
         self.out.tokens.extend(resume.output_ids)
+        if self.out.logprobs is not None:
+            self.out.logprobs.extend(resume.logprobs)
 
     @property
     def finished(self) -> bool:
@@ -91,7 +102,7 @@ class ResumedOutput:
         finish = chunk.result.finish_reason if chunk.result is not None else None
         if chunk.result is not None:
             self.out.stats = chunk.result.stats
-        return self.out.push(list(chunk.token_ids), finish)
+        return self.out.push(list(chunk.token_ids), finish, chunk.logprobs)
 
     def finish(self, reason: FinishReason) -> StreamChunk:
         """End the original request with no further tokens (its last chunk)."""

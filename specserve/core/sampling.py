@@ -3,7 +3,9 @@
 The parameters themselves (:class:`SamplingParams`, checked without torch) live in
 :mod:`specserve.core.sampling_params` and are re-exported here.
 
-Warps follow the order transformers applies them: temperature, then top-k, then top-p.
+Warps follow the order transformers applies them: temperature, then top-k, then top-p, then min-p
+(drop every token less likely than ``min_p`` times the most likely one). The logit processors that
+need the text so far (penalties, logit bias) run before them, in :mod:`specserve.core.processors`.
 Temperature 0 means greedy: the distribution is a point mass on the argmax (lowest id on ties),
 so every verification rule degenerates to "accept while the draft equals the argmax".
 
@@ -70,7 +72,7 @@ def warp_probs(
     logits: torch.Tensor,  # [..., vocab]
     params: SamplingParams,
 ) -> torch.Tensor:  # [..., vocab], float32 or float64, rows sum to 1
-    """The distribution a token is sampled from after temperature, top-k and top-p."""
+    """The distribution a token is sampled from after temperature, top-k, top-p and min-p."""
     logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
@@ -87,7 +89,11 @@ def warp_probs(
         drop_sorted[..., -1] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def sample(

@@ -10,6 +10,7 @@ documented there.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +26,14 @@ ACCEPTANCE_MODES: tuple[Acceptance, ...] = ("exact", "typical")
 # Medusa's defaults (Cai et al. 2024; its code's posterior_threshold and posterior_alpha = sqrt(threshold)).
 TYPICAL_EPSILON = 0.09
 TYPICAL_DELTA = 0.3
+# OpenAI's bounds for presence / frequency penalties and logit biases; at most this many biased tokens (OpenAI: 300).
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_BIASED_TOKENS = 1024
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat maximum)
+LogprobsMode = Literal["raw", "processed"]
+LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("raw", "processed")
 
 
 class InvalidSamplingParams(UserError):
@@ -48,6 +57,22 @@ class SamplingParams:
     lossy: bool = False
     typical_epsilon: float = TYPICAL_EPSILON
     typical_delta: float = TYPICAL_DELTA
+    # Logit processors (specserve.core.processors), applied to every verified position with the text up to it,
+    # drafted tokens included: OpenAI's presence / frequency penalties (over the output), the repetition penalty of
+    # transformers and vLLM (over prompt and output), logit_bias ((token id, bias) pairs, sorted), and min_p (a warp,
+    # after top-p as transformers applies it). Neutral values change nothing.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    # The log-probability of every emitted token and its ``logprobs`` most likely alternatives (None: none at all)
+    # under the raw model's distribution or the processed one (specserve.core.logprobs).
+    logprobs: int | None = None
+    logprobs_mode: LogprobsMode = "raw"
+    # Of the prompt, the last this many tokens are earlier output (a resumed request): the penalties count them as
+    # output, as they did before the request moved.
+    prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
@@ -63,6 +88,43 @@ class SamplingParams:
         if not isinstance(self.drafter_invariant, bool):
             raise InvalidSamplingParams(f"drafter_invariant must be true or false, got {self.drafter_invariant!r}")
         self._check_acceptance()
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-MAX_PENALTY <= value <= MAX_PENALTY):
+                raise InvalidSamplingParams(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not (0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidSamplingParams(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off),"
+                f" got {self.repetition_penalty}"
+            )
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidSamplingParams(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if isinstance(self.logit_bias, Mapping):  # a dict is accepted and stored as sorted pairs
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        if len(self.logit_bias) > MAX_BIASED_TOKENS:
+            raise InvalidSamplingParams(
+                f"logit_bias holds at most {MAX_BIASED_TOKENS} tokens, got {len(self.logit_bias)}"
+            )
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidSamplingParams(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidSamplingParams(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias} for {token}"
+                )
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidSamplingParams("logit_bias names a token twice")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidSamplingParams(
+                f"logprobs must be between 0 (the chosen token's only) and {MAX_LOGPROBS}, got {self.logprobs}"
+            )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise InvalidSamplingParams(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+        if self.prior_output_tokens < 0:
+            raise InvalidSamplingParams(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
 
     def _check_acceptance(self) -> None:
         if self.acceptance not in ACCEPTANCE_MODES:
@@ -91,6 +153,13 @@ class SamplingParams:
     def invariant_sampling(self) -> bool:
         """Tokens come from the keyed Gumbel noise of :mod:`specserve.core.invariant` (asked for and not greedy)."""
         return self.drafter_invariant and not self.greedy
+
+    @property
+    def penalised(self) -> bool:
+        """A logit processor runs (a penalty or a bias): every verified row is processed with its own history."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     @property
     def lossy_acceptance(self) -> bool:

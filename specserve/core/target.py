@@ -36,7 +36,9 @@ import torch
 from specserve.core.draft import Draft, Proposal
 from specserve.core.invariant import invariant_scores
 from specserve.core.kv_pool import KVPool
+from specserve.core.logprobs import TokenLogprob, token_logprobs
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
+from specserve.core.processors import PenaltyState
 from specserve.core.sampling import SamplingParams, warp_probs
 from specserve.core.tree import DraftTree, block_nodes
 from specserve.core.tree_verification import TreeVerdict, verify_tree, verify_tree_greedy
@@ -172,6 +174,8 @@ class CycleOutcome:
     step_positions: int = 0  # positions that forward computed (rows x widest block); 0 = this block's alone
     # the target's greedy token after each probe node of the proposal (ProbingDrafter); () without a probe
     probe_argmax: tuple[int, ...] = ()
+    # one per new token when the request asks for logprobs (specserve.core.logprobs); () otherwise
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class TargetVerifier:
@@ -206,6 +210,8 @@ class TargetVerifier:
         self.num_prompt = len(self.committed)
         self.finish: FinishReason | None = None
         self.feature_layers = tuple(feature_layers)
+        self.penalties: PenaltyState | None = None  # made at the first cycle, which knows the vocabulary
+        self.output_logprobs: list[TokenLogprob] = []  # every output token's, when the request asks for them
 
     @property
     def num_output(self) -> int:
@@ -299,19 +305,37 @@ class TargetVerifier:
             rows = proposal.size + 1
             probe_argmax = tuple(int(t) for t in target_logits[rows:].argmax(dim=-1).tolist())
             target_logits = target_logits[:rows]
+        raw_logits = target_logits
+        if self.params.penalised:  # every row with its own history: the committed text and its path in the proposal
+            target_logits = self._penalty_state(target_logits.shape[-1]).apply(
+                target_logits, proposal.tokens.to(self.device), proposal.parents
+            )
         if isinstance(proposal, Draft):  # which rules apply: the chain's or the tree's
-            outcome = self._decide_chain(proposal, target_logits, start, features)
+            verdict, new, rows_taken = self._decide_chain(proposal, target_logits)
         else:
-            outcome = self._decide_tree(proposal, target_logits, start, features)
+            verdict, new, rows_taken = self._decide_tree(proposal, target_logits)
+        if features is not None:  # rows: the root, then the accepted nodes
+            features = features[rows_taken]
+        outcome = self._commit(verdict, new, start, features)
+        if self.params.logprobs is not None:
+            kept = rows_taken[: len(outcome.new_tokens)]
+            logprobs = token_logprobs(raw_logits[kept], target_logits[kept], outcome.new_tokens, self.params)
+            self.output_logprobs.extend(logprobs)
+            outcome = dataclasses.replace(outcome, logprobs=logprobs)
         return dataclasses.replace(outcome, probe_argmax=probe_argmax) if probe_argmax else outcome
+
+    def _penalty_state(self, vocab: int) -> PenaltyState:
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.params, self.committed[: self.num_prompt], vocab, self.device)
+            self.penalties.commit(self.committed[self.num_prompt :])
+        return self.penalties
 
     def _check_running(self) -> None:
         if self.finish is not None:
             raise RuntimeError(f"the request already finished ({self.finish})")
 
-    def _decide_chain(
-        self, draft: Draft, target_logits: torch.Tensor, start: float, features: torch.Tensor | None
-    ) -> CycleOutcome:
+    def _decide_chain(self, draft: Draft, target_logits: torch.Tensor) -> tuple[Verdict, list[int], list[int]]:
+        """The chain rules' verdict, the tokens it commits and the rows they were chosen at."""
         tokens = draft.tokens.to(self.device)
         if self.params.lossy_acceptance:
             # LOSSY, opted into (specserve.core.typical): Medusa's typical acceptance; q unused; greedy at T = 0.
@@ -329,13 +353,11 @@ class TargetVerifier:
             verdict = verify_chain(target_logits, target_probs, tokens, draft_probs, self.generator)
 
         new = [*tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-        features = features[: verdict.num_accepted + 1] if features is not None else None
-        return self._commit(verdict, new, start, features)
+        return verdict, new, list(range(verdict.num_accepted + 1))
 
-    def _decide_tree(
-        self, tree: DraftTree, target_logits: torch.Tensor, start: float, features: torch.Tensor | None
-    ) -> CycleOutcome:
-        """Exact tree rules, then keep only the accepted path in the KV."""
+    def _decide_tree(self, tree: DraftTree, target_logits: torch.Tensor) -> tuple[Verdict, list[int], list[int]]:
+        """Exact tree rules, then keep only the accepted path in the KV; the verdict, the tokens it commits and the
+        rows they were chosen at (the root's, then the accepted nodes')."""
         if self.params.lossy_acceptance:  # LOSSY, opted into: Medusa's typical acceptance (specserve.core.typical)
             generator = None if self.params.greedy else self.generator
             eps, delta = self.params.typical_epsilon, self.params.typical_delta
@@ -355,9 +377,7 @@ class TargetVerifier:
         cached = len(self.committed) - 1  # the KV before the block: the root (last committed token) went first
         sequence.compact([*range(cached + 1), *(cached + 1 + node for node in verdict.accepted)])
         path = [int(tree.tokens[node]) for node in verdict.accepted]
-        if features is not None:  # rows: the root, then node i at 1 + i
-            features = features[[0, *(1 + node for node in verdict.accepted)]]
-        return self._commit(verdict, [*path, verdict.next_token], start, features)
+        return verdict, [*path, verdict.next_token], [0, *(1 + node for node in verdict.accepted)]
 
     def _commit(
         self, verdict: Verdict, new: list[int], start: float, features: torch.Tensor | None = None
@@ -371,6 +391,8 @@ class TargetVerifier:
                 new, self.finish = new[: i + 1], "eos"
                 break
         self.committed.extend(new)
+        if self.penalties is not None:
+            self.penalties.commit(new)
         self.sequence.rollback(len(self.committed) - 1)
         seconds = time.perf_counter() - start
         return CycleOutcome(verdict, new, self.finish, seconds, len(self.committed), features)
@@ -380,5 +402,6 @@ class TargetVerifier:
         if not 0 <= num_output <= self.num_output:
             raise ValueError(f"cannot keep {num_output} of {self.num_output} new tokens")
         del self.committed[self.num_prompt + num_output :]
+        del self.output_logprobs[num_output:]
         self.sequence.rollback(len(self.committed) - 1)
         self.finish = "stop"

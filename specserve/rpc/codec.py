@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError
 from specserve.core.draft import Proposal, proposal_from_nodes
 from specserve.core.drafter_spec import MAX_PROBE_NODES
 from specserve.core.errors import UserError
+from specserve.core.logprobs import TokenLogprob
 from specserve.core.target import CycleOutcome, FinishReason, Verdict
 from specserve.core.tree import DraftTree, InvalidTree, VerifyRules
 from specserve.core.tree_verification import TreeVerdict
@@ -242,6 +243,7 @@ class VerdictInfo:
     batch_size: int = 1  # requests in the target forward that verified it
     step_positions: int = 0  # positions that forward computed; 0 = this proposal's alone
     probe_argmax: tuple[int, ...] = ()  # the target's greedy token after each probe node
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per committed token when the request asked for them
 
     def outcome(self, sent: Proposal, committed: int) -> CycleOutcome:
         """The target's :class:`~specserve.core.target.CycleOutcome` for ``sent``, given ``committed`` tokens before
@@ -259,6 +261,8 @@ class VerdictInfo:
         probe_size = sent.probe.size if sent.probe is not None else 0
         if len(self.probe_argmax) not in (0, probe_size):
             raise WireError(f"verdict has {len(self.probe_argmax)} probe tokens for a probe of {probe_size} nodes")
+        if self.logprobs and [entry.token for entry in self.logprobs] != tokens[:count]:
+            raise WireError(f"verdict logprobs are for tokens other than the {count} it committed")
         return CycleOutcome(
             self.verdict,
             tokens[:count],
@@ -270,6 +274,7 @@ class VerdictInfo:
             self.batch_size,
             self.step_positions,
             self.probe_argmax,
+            self.logprobs,
         )
 
 
@@ -293,6 +298,15 @@ def encode_verdict(request_id: str, cycle: int, outcome: CycleOutcome) -> pb.Ver
         batch_size=outcome.batch_size,
         step_positions=outcome.step_positions,
         probe_argmax=list(outcome.probe_argmax),
+        logprobs=[
+            pb.TokenLogprob(
+                token=entry.token,
+                logprob=entry.logprob,
+                top_tokens=[token for token, _ in entry.top],
+                top_logprobs=[logprob for _, logprob in entry.top],
+            )
+            for entry in outcome.logprobs
+        ],
     )
     if features is not None:
         message.features.CopyFrom(encode_tensor(features))
@@ -343,7 +357,19 @@ def parse_verdict(data: bytes) -> VerdictInfo:
         batch_size=max(1, int(message.batch_size)),  # 0: a target that does not batch
         step_positions=int(message.step_positions),
         probe_argmax=tuple(_check_tokens(message.probe_argmax, "verdict probe_argmax")),
+        logprobs=tuple(_decode_logprob(entry) for entry in message.logprobs),
     )
+
+
+def _decode_logprob(entry: pb.TokenLogprob) -> TokenLogprob:
+    (token,) = _check_tokens([entry.token], "a verdict logprob's token")
+    tops = _check_tokens(entry.top_tokens, "a verdict logprob's top tokens")
+    if len(tops) != len(entry.top_logprobs):
+        raise WireError(f"a verdict logprob has {len(tops)} top tokens and {len(entry.top_logprobs)} top logprobs")
+    values = [float(entry.logprob), *(float(v) for v in entry.top_logprobs)]
+    if any(math.isnan(v) or v > 0 for v in values):
+        raise WireError("verdict logprobs must be numbers <= 0")
+    return TokenLogprob(token, values[0], tuple(zip(tops, values[1:], strict=True)))
 
 
 def _check_tokens(tokens: Iterable[int], field: str) -> list[int]:

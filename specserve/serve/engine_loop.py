@@ -104,7 +104,9 @@ def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
     """Several consecutive chunks as one (text and tokens concatenated, the last one's result)."""
     if len(chunks) == 1:
         return chunks[0]
-    return StreamChunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].result)
+    tokens = [t for c in chunks for t in c.token_ids]
+    logprobs = tuple(lp for c in chunks for lp in c.logprobs)
+    return StreamChunk("".join(c.text for c in chunks), tokens, chunks[-1].result, logprobs)
 
 
 class _Accepted:

@@ -68,14 +68,15 @@ from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from specserve.core.engine import StreamChunk
+from specserve.core.engine import GenerationResult, StreamChunk
 from specserve.core.errors import ReplicaLost, UserError
+from specserve.core.logprobs import TokenLogprob
 from specserve.core.resume import Resume
 from specserve.serve.body import read_body
 from specserve.serve.config import ServeConfig
 from specserve.serve.engine_loop import EngineStopped
 from specserve.serve.model_server import QueueFull
-from specserve.serve.openai_api import DONE_EVENT, OpenAIHandler, PreparedRequest, error_event
+from specserve.serve.openai_api import DONE_EVENT, ChoiceStream, OpenAIHandler, PreparedRequest, error_event
 from specserve.serve.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
 
 logger = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log
@@ -196,6 +197,7 @@ class ReplicaClient:
         ``resume_timeout_s`` after the loss. The caller sees one stream: at most a pause, no token twice."""
         tokens: list[int] = []
         text: list[str] = []
+        logprobs: list[TokenLogprob] = []
         resume: Resume | None = None
         lost_at: float | None = None
         pause = RESUME_FIRST_PAUSE_S
@@ -207,6 +209,7 @@ class ReplicaClient:
                         lost_at, pause = None, RESUME_FIRST_PAUSE_S
                     tokens.extend(chunk.token_ids)
                     text.append(chunk.text)
+                    logprobs.extend(chunk.logprobs)
                     yield chunk
                 return
             except Exception as exc:
@@ -219,7 +222,8 @@ class ReplicaClient:
                         f"no replica could resume the request within {resume_timeout_s:g} s (resume_timeout_s)"
                     ) from exc
                 logger.warning("a request's replica was lost after %d tokens; resuming: %r", len(tokens), exc)
-                resume = Resume.of(tokens, "".join(text)) if tokens else None  # nothing out yet: send it afresh
+                # nothing out yet: send it afresh
+                resume = Resume.of(tokens, "".join(text), logprobs) if tokens else None
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, RESUME_MAX_PAUSE_S)
 
@@ -414,23 +418,30 @@ class OpenAIIngress:
         preparing = loop.run_in_executor(self._prepare_pool, self._prepare, handler, kind, body)
         prepared = await within(deadline, preparing, limit_s)  # cancelled while it waits its turn: never runs
         request_id = new_request_id()
-        chunks = self.client.generate(prepared, self.config.resume_timeout_s)
-        try:
-            first = await within(deadline, anext(chunks), limit_s)  # the replica took the request, or refused it
+        # one generation per choice (n, or best_of): a batching replica runs them together
+        runs = [self.client.generate(choice, self.config.resume_timeout_s) for choice in prepared.choices()]
+        try:  # each replica took its generation, or refused it
+            firsts = await within(deadline, gather_or_cancel(*(anext(chunks) for chunks in runs)), limit_s)
         except StopAsyncIteration:
+            await close_all(runs)
             raise internal_error(request_id, "generation ended without a result") from None
         except Exception as exc:  # a full replica (429), a request it cannot hold (400), a failure (500), time (504)
-            await chunks.aclose()
+            await close_all(runs)
             raise generation_error(exc, request_id) from exc
         if prepared.stream:
-            events = self._events(prepared, first, chunks, request_id, deadline)
+            events = self._events(prepared, firsts, runs, request_id, deadline)
             return StreamingResponse(events, media_type="text/event-stream")
-        try:  # out of time, the generator is closed inside drain: the replica stops the generation, frees its KV
-            return JSONResponse(prepared.collect([first, *await within(deadline, drain(chunks), limit_s)]))
+
+        async def finish(first: StreamChunk, chunks: AsyncGenerator[StreamChunk, None]) -> GenerationResult:
+            return prepared.collect([first, *await drain(chunks)])
+
+        try:  # out of time, the generators are closed inside drain: the replicas stop the generations, free their KV
+            finishing = gather_or_cancel(*(finish(first, chunks) for first, chunks in zip(firsts, runs, strict=True)))
+            return JSONResponse(prepared.response(*await within(deadline, finishing, limit_s)))
         except Exception as exc:  # a replica failed mid-generation, or time ran out: a status that says so
             raise generation_error(exc, request_id) from exc
         finally:
-            await chunks.aclose()
+            await close_all(runs)
 
     def _prepare(
         self, handler: OpenAIHandler, kind: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes
@@ -441,22 +452,68 @@ class OpenAIIngress:
     async def _events(
         self,
         prepared: PreparedRequest,
-        first: StreamChunk,
-        chunks: AsyncGenerator[StreamChunk, None],
+        firsts: list[StreamChunk],
+        runs: list[AsyncGenerator[StreamChunk, None]],
         request_id: str,
         deadline: float,
     ) -> AsyncIterator[str]:
+        """Every choice's chunks as events, in the order they come; one choice's failure ends the stream."""
         for opening in prepared.opening_events():
             yield opening
+        queue: asyncio.Queue[tuple[int, StreamChunk | Exception | None]] = asyncio.Queue()
+
+        async def pump(index: int, first: StreamChunk, chunks: AsyncGenerator[StreamChunk, None]) -> None:
+            try:
+                await queue.put((index, first))
+                async for chunk in chunks:
+                    await queue.put((index, chunk))
+                await queue.put((index, None))
+            except Exception as exc:  # reported in-band by the stream below
+                await queue.put((index, exc))
+
+        pairs = enumerate(zip(firsts, runs, strict=True))
+        pumps = [asyncio.create_task(pump(i, first, chunks)) for i, (first, chunks) in pairs]
+        choices = [ChoiceStream(i) for i in range(len(runs))]
+        results: list[GenerationResult] = []
         try:
-            chunk: StreamChunk | None = first
-            while chunk is not None:
-                event = prepared.chunk_event(chunk)
+            running = len(runs)
+            while running:
+                index, item = await within(deadline, queue.get(), self.config.request_timeout_s)
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                event = prepared.chunk_event(item, choices[index])
                 if event is not None:
                     yield event
-                chunk = await within(deadline, anext(chunks, None), self.config.request_timeout_s)
+                if item.result is not None:
+                    results.append(item.result)
+            for closing in prepared.closing_events(results):
+                yield closing
         except Exception as exc:  # the status line is sent: report in-band (time ran out too), then end properly
             yield error_event(generation_error(exc, request_id))
-        finally:
-            await chunks.aclose()  # a client that left: the replica stops the generation and frees its KV
+        finally:  # a client that left: the replicas stop the generations and free their KV
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            await close_all(runs)
         yield DONE_EVENT
+
+
+async def gather_or_cancel(*awaitables: Awaitable[T]) -> list[T]:
+    """Every awaitable's result, run concurrently; when one fails (or this is cancelled) the others are cancelled
+    and awaited before the error goes on."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def close_all(runs: list[AsyncGenerator[StreamChunk, None]]) -> None:
+    for chunks in runs:
+        await chunks.aclose()

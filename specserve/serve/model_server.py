@@ -381,7 +381,8 @@ class ModelServer:
     ) -> AsyncGenerator[StreamChunk, None]:
         """The continuation of ``resume``, mapped onto the original request; closed early when a stop string in the
         whole text ends the request first."""
-        output = ResumedOutput(prompt_ids, resume, self.describe().decode, generation.stop)
+        logprobs = params.logprobs is not None
+        output = ResumedOutput(prompt_ids, resume, self.describe().decode, generation.stop, logprobs)
         if len(resume.output_ids) >= generation.max_new_tokens:  # every token is out; only the result was lost
             yield output.map(StreamChunk("", []))
             yield output.finish("length")

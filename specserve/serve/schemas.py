@@ -5,7 +5,7 @@ bounded: types are JSON's own (no ``true`` for a number, no ``"16"`` for an inte
 a number, as JSON clients send ``"temperature": 1``), every number has bounds (``seed`` in
 [0, 2**63), ``top_k`` at most :data:`~specserve.core.sampling_params.MAX_TOP_K`, ``max_tokens`` at
 most :data:`MAX_TOKENS`, no NaN or infinity...), an OpenAI field this server does not implement
-(``logprobs``, ``logit_bias``, ``tools``, ``echo``, ``n`` > 1...) is refused unless it asks for
+(``tools``, ``echo``, ``response_format``...) is refused unless it asks for
 nothing (absent, ``null`` or its no-op value), and a field that is no OpenAI field nor one of
 ours is refused as unknown. ``user`` and ``stream_options`` are accepted and ignored (harmless).
 A request that breaks a rule becomes a :class:`RequestError` with the OpenAI error shape
@@ -14,7 +14,12 @@ field in the client's words: without pydantic's ``Value error, `` prefix, and wi
 names of the request's fields (``max_new_tokens``) replaced by the OpenAI ones the client sent
 (``max_tokens``).
 
-Extensions beyond the OpenAI API: ``top_k``, ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
+OpenAI's ``logprobs`` (completions: how many alternatives; chat: ``logprobs`` + ``top_logprobs``), ``logit_bias``,
+``presence_penalty``, ``frequency_penalty``, ``n`` and (completions) ``best_of`` are served, exactly under
+speculation (:mod:`specserve.core.processors`, :mod:`specserve.core.logprobs`).
+
+Extensions beyond the OpenAI API: ``top_k``, ``min_p``, ``repetition_penalty``, ``logprobs_mode`` (``raw`` or
+``processed``), ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
 drafter — the deployment's configured one, ``ngram`` or ``none``; a draft model cannot be chosen
 per request —, the draft shape — a chain, a dynamic tree within a budget, or a static topology
 (:mod:`specserve.core.tree`), bounded so that no request can ask for a giant tree —,
@@ -50,7 +55,15 @@ from pydantic_core import PydanticCustomError
 from specserve.cluster.replica_config import validator_words
 from specserve.core.engine import GenerationConfig
 from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
-from specserve.core.sampling_params import GREEDY_BELOW, MAX_TOP_K
+from specserve.core.sampling_params import (
+    GREEDY_BELOW,
+    MAX_BIASED_TOKENS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_K,
+)
 from specserve.core.schedule import MAX_GAMMA
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 
@@ -63,6 +76,7 @@ MAX_TEMPERATURE = 100.0
 MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 8
 MAX_TREE_NODES = 64
+MAX_CHOICES = 16  # n and best_of: choices generated for one request
 
 
 ERROR_TYPES = {  # OpenAI's error ``type`` by status (anything else: invalid_request_error below 500)
@@ -157,12 +171,6 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # OpenAI fields this server does not implement, and the values that ask for nothing (some clients send them as
 # defaults): absent, null or one of these is accepted; anything else is refused, naming the field, never ignored.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),  # completions: an integer (0 still asks for the sampled token's); chat: a boolean
-    "top_logprobs": (0,),
-    "logit_bias": ({},),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
     "response_format": ({"type": "text"},),
@@ -407,29 +415,64 @@ class _Request(BaseModel):
         description=f"up to {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters;"
         " generation stops before them",
     )
-    n: int = Field(1, description="number of choices; only 1 is supported")
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_CHOICES,
+        description=f"choices to generate, each sampled with its own seed (at most {MAX_CHOICES})",
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted once from each token already in the output"
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, description="subtracted per occurrence of a token in the output"
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=MAX_REPETITION_PENALTY,
+        description="extension: divides the positive logits (multiplies the negative) of tokens in the prompt or"
+        " output, as transformers and vLLM do (1 = off)",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description=f"token id (as a string) -> bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] added to its logit"
+        f" at every position; at most {MAX_BIASED_TOKENS} tokens",
+    )
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="extension: drop tokens less likely than min_p times the most likely (0 = off)"
+    )
+    logprobs_mode: Literal["raw", "processed"] = Field(
+        "raw",
+        description="extension: logprobs under the model's own distribution (raw) or the one each token was chosen"
+        " from, after biases, penalties and the sampling warps (processed)",
+    )
     stream: bool = Field(False, description="stream the answer as server-sent events")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-sequence token")
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions, description="extension")
     # accepted and ignored
     user: str | None = Field(None, max_length=256, description="OpenAI's end-user id: accepted and ignored")
     stream_options: StreamOptions | None = Field(None, description="accepted and ignored")
-    # refused unless they ask for nothing
-    logprobs: Any = unsupported("log probabilities")
-    logit_bias: Any = unsupported("logit biases")
-    presence_penalty: Any = unsupported("presence penalty")
-    frequency_penalty: Any = unsupported("frequency penalty")
 
-    _unsupported = field_validator("logprobs", "logit_bias", "presence_penalty", "frequency_penalty")(
-        refuse_unsupported
-    )
-
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n = 1 is supported, got {n}; send several requests instead")
-        return n
+    def _token_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias is None:
+            return None
+        if len(bias) > MAX_BIASED_TOKENS:
+            raise ValueError(f"at most {MAX_BIASED_TOKENS} tokens may be biased, got {len(bias)}")
+        for key, value in bias.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 12:
+                raise ValueError(f'keys must be token ids written as strings of digits, e.g. "50256"; got {key!r}')
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value} for {key}")
+        if len({int(key) for key in bias}) != len(bias):
+            raise ValueError('a token id is named twice (e.g. "7" and "07")')
+        return bias
+
+    def logprobs_wanted(self) -> int | None:
+        """How many alternatives per token the request asks for; ``None``: no logprobs at all."""
+        raise NotImplementedError
 
     @field_validator("stop")
     @classmethod
@@ -456,7 +499,18 @@ class _Request(BaseModel):
             lossy=self.speculation.lossy,
             typical_epsilon=self.speculation.typical_epsilon,
             typical_delta=self.speculation.typical_delta,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(sorted((int(key), value) for key, value in (self.logit_bias or {}).items())),
+            min_p=self.min_p,
+            logprobs=self.logprobs_wanted(),
+            logprobs_mode=self.logprobs_mode,
         )
+
+    def choices(self) -> int:
+        """How many completions to generate (``best_of`` for completions, else ``n``)."""
+        return self.n
 
     def generation(self, default_max_tokens: int, default_gamma: int) -> GenerationConfig:
         speculation = self.speculation
@@ -476,11 +530,39 @@ class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
     prompt: str | list[int] = Field(..., description="the prompt text (or its token ids)")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description=f"the log-probability of every token and its 0 to {MAX_LOGPROBS} most likely alternatives",
+    )
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_CHOICES,
+        description="generate this many completions and return the n with the highest mean log-probability per"
+        " token (not with stream)",
+    )
     echo: Any = unsupported("echo of the prompt")
-    best_of: Any = unsupported("best of several completions")
     suffix: Any = unsupported("suffix (insertion)")
 
-    _unsupported_completion = field_validator("echo", "best_of", "suffix")(refuse_unsupported)
+    _unsupported_completion = field_validator("echo", "suffix")(refuse_unsupported)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of ({best_of}) must be at least n ({n})")
+        if best_of is not None and best_of > n and info.data.get("stream"):
+            raise ValueError("best_of > n cannot stream: the best completions are known only at the end")
+        return best_of
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def choices(self) -> int:
+        return self.best_of or self.n
 
     @field_validator("prompt")
     @classmethod
@@ -509,7 +591,6 @@ class ChatMessage(BaseModel):
 
 
 CHAT_UNSUPPORTED = (
-    "top_logprobs",
     "response_format",
     "tools",
     "tool_choice",
@@ -529,7 +610,13 @@ class ChatCompletionRequest(_Request):
 
     messages: list[ChatMessage] = Field(..., min_length=1, description="the conversation so far")
     parallel_tool_calls: bool | None = Field(None, description="accepted and ignored (tools are not supported)")
-    top_logprobs: Any = unsupported("top log probabilities")
+    logprobs: bool | None = Field(None, description="return the log-probability of every token of the message")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description=f"with logprobs: the 0 to {MAX_LOGPROBS} most likely alternatives at every token",
+    )
     response_format: Any = unsupported("response format (JSON mode, structured output)")
     tools: Any = unsupported("tools")
     tool_choice: Any = unsupported("tool choice")
@@ -543,6 +630,16 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Any = unsupported("max_completion_tokens (send max_tokens)")
 
     _unsupported_chat = field_validator(*CHAT_UNSUPPORTED)(refuse_unsupported)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_request(kind: type[_Request], body: bytes, max_body_bytes: int) -> Any:

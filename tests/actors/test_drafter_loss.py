@@ -79,21 +79,26 @@ def plain_cycles(result: GenerationResult) -> int:
 
 def test_greedy_request_survives_its_drafter(coordinator: Coordinator, tiny_pairs: dict[str, TinyPair]) -> None:
     """The killed run emits the tokens of the undisturbed one, which are transformers' greedy tokens up to EOS (past
-    it, ``ignore_eos`` keeps the request going: the same argmax rule)."""
+    it, ``ignore_eos`` keeps the request going: the same argmax rule), with the same logprobs: those of the cycles
+    whose reports died with the drafter come from rank 0's record."""
     pair = tiny_pairs["llama"]
+    params = SamplingParams(logprobs=2)
     prompt = pair.prompts[0]
     config = longest(pair, prompt)
-    undisturbed = coordinator.generate(prompt, SamplingParams(), config)
+    undisturbed = coordinator.generate(prompt, params, config)
     reference = greedy_reference(pair, prompt, config.max_new_tokens)
     assert undisturbed.output_ids[: len(reference)] == reference
-    result = generate_killing_the_drafter(coordinator, prompt, SamplingParams(), config)
+    result = generate_killing_the_drafter(coordinator, prompt, params, config)
     assert plain_cycles(result) > plain_cycles(undisturbed), "the kill came after the request ended: nothing tested"
     assert result.output_ids == undisturbed.output_ids and result.finish_reason == "length"
+    assert result.logprobs is not None and undisturbed.logprobs is not None
+    assert [entry.token for entry in result.logprobs] == result.output_ids
+    assert [e.logprob for e in result.logprobs] == pytest.approx([e.logprob for e in undisturbed.logprobs], abs=1e-6)
 
     coordinator.check_health(timeout_s=10)  # a drafter Ray is restarting leaves the replica healthy
     # once Ray has restarted the drafter (a request meanwhile would go on without it), requests speculate again
     wait_for_the_drafter(coordinator)
-    again = coordinator.generate(prompt, SamplingParams(), config)
+    again = coordinator.generate(prompt, params, config)
     assert again.output_ids == undisturbed.output_ids
     assert plain_cycles(again) == plain_cycles(undisturbed) and again.stats.accepted_tokens > 0
 

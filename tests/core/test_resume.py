@@ -100,11 +100,13 @@ def test_the_continuation_request() -> None:
     config = GenerationConfig(max_new_tokens=10, stop=("x",))
     resume = Resume((7, 8, 9), 3)
     prefix, params, rest = continuation([1, 2], GREEDY, config, resume)
-    assert prefix == [1, 2, 7, 8, 9] and rest.max_new_tokens == 7 and rest.stop == () and params == GREEDY
-    assert continuation([1, 2], INVARIANT, config, resume)[1] == INVARIANT  # noise keyed by absolute position
+    assert prefix == [1, 2, 7, 8, 9] and rest.max_new_tokens == 7 and rest.stop == ()
+    assert params == dataclasses.replace(GREEDY, prior_output_tokens=3)  # the penalties count them as output
+    # noise keyed by absolute position: the seed stays
+    assert continuation([1, 2], INVARIANT, config, resume)[1] == dataclasses.replace(INVARIANT, prior_output_tokens=3)
     sampled = SamplingParams(temperature=1.0, seed=5)
     fresh = continuation([1, 2], sampled, config, resume)[1]
     assert fresh.seed == resumed_seed(5, 5) and fresh.seed != 5 and 0 <= fresh.seed < 2**63
-    assert dataclasses.replace(fresh, seed=5) == sampled  # only the seed changes
+    assert dataclasses.replace(fresh, seed=5, prior_output_tokens=0) == sampled  # only the seed and the count change
     with pytest.raises(ValueError, match="nothing to resume"):
         continuation([1, 2], GREEDY, GenerationConfig(max_new_tokens=3), resume)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specserve.core.draft import Draft
+from specserve.core.logprobs import TokenLogprob
 from specserve.core.sampling import SamplingParams, warp_probs
 from specserve.core.target import CycleOutcome, FinishReason
 from specserve.core.tree import ChildSampling, DraftTree
@@ -255,6 +256,39 @@ def test_verdicts_name_the_batched_step_that_verified_them() -> None:
     assert (back.batch_size, back.step_positions, back.new_tokens) == (12, 60, [5, 7, 6])
     alone = codec.parse_verdict(codec.encode_verdict("req-a", 3, _outcome(verdict, 31)).SerializeToString())
     assert (alone.batch_size, alone.step_positions) == (1, 0)
+
+
+def test_verdict_logprobs_round_trip_bit_exact_and_must_match_the_tokens() -> None:
+    verdict = ChainVerdict(2, 6, TokenKind.BONUS)
+    logprobs = (
+        TokenLogprob(5, -0.123456789012345, ((5, -0.123456789012345), (8, -2.5))),
+        TokenLogprob(7, -1e-300, ()),
+        TokenLogprob(6, -30.000000000000004, ((1, -0.5), (6, -30.000000000000004))),
+    )
+    outcome = dataclasses.replace(_outcome(verdict, 31), new_tokens=[5, 7, 6], logprobs=logprobs)
+    info = codec.parse_verdict(codec.encode_verdict("req-l", 3, outcome).SerializeToString())
+    assert info.logprobs == logprobs
+    back = info.outcome(Draft(torch.tensor([5, 7, 9, 11]), None), 28)
+    assert back.new_tokens == [5, 7, 6] and back.logprobs == logprobs
+    with pytest.raises(WireError, match="logprobs are for tokens other than"):
+        info.outcome(Draft(torch.tensor([5, 8, 9, 11]), None), 28)  # another path: token 8, not 7
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [
+        (pb.TokenLogprob(token=-1, logprob=-1.0), "token"),
+        (pb.TokenLogprob(token=1, logprob=0.5), "<= 0"),
+        (pb.TokenLogprob(token=1, logprob=float("nan")), "<= 0"),
+        (pb.TokenLogprob(token=1, logprob=-1.0, top_tokens=[1, 2], top_logprobs=[-1.0]), "2 top tokens and 1"),
+        (pb.TokenLogprob(token=1, logprob=-1.0, top_tokens=[-3], top_logprobs=[-1.0]), "top tokens"),
+    ],
+)
+def test_malformed_verdict_logprobs_are_rejected(entry: pb.TokenLogprob, needle: str) -> None:
+    message = pb.Verdict(request_id="r", accepted_path=[0], next_token=3, next_kind=pb.TOKEN_KIND_BONUS)
+    message.logprobs.append(entry)
+    with pytest.raises(WireError, match=needle):
+        codec.parse_verdict(message.SerializeToString())
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from conftest import LONG_CONTEXT as CONTEXT
 
 from specserve.serve.app import MODEL, application
 from specserve.serve.config import ServeConfig
+from specserve.serve.openai_api import choice_seed
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -107,6 +108,23 @@ def test_concurrent_requests_each_return_what_they_return_alone(client: openai.O
         together = list(pool.map(complete, [client] * len(prompts), prompts, [False, True, True]))
     assert together == alone
     assert model_status()["batch_sizes"].get(AT_ONCE, 0) > before  # steps verified two requests at once
+    wait_for(pool_empty, 30, "the KV pool to empty")
+
+
+def test_n_choices_generate_together_each_as_its_own_seed_alone(client: openai.OpenAI) -> None:
+    """n = 2 choices run in the same steps; each is what a request with its seed (choice 0: the request's; choice 1:
+    one derived from it) returns alone, logprobs and penalties included."""
+    fields: dict[str, Any] = {"temperature": 1.0, "max_tokens": 40, "logprobs": 1, "presence_penalty": 0.5}
+    before = model_status()["batch_sizes"].get(2, 0)
+    both = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], n=2, seed=5, extra_body=NO_EOS, **fields)
+    assert model_status()["batch_sizes"].get(2, 0) > before  # the two choices were verified in the same forwards
+    for index, seed in enumerate([5, choice_seed(5, 1)]):
+        alone = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], seed=seed, extra_body=NO_EOS, **fields)
+        assert both.choices[index].text == alone.choices[0].text
+        ours, theirs = both.choices[index].logprobs, alone.choices[0].logprobs
+        assert ours is not None and theirs is not None and theirs.token_logprobs is not None
+        assert ours.token_logprobs == pytest.approx(theirs.token_logprobs, abs=1e-9)
+    assert both.usage is not None and both.usage.completion_tokens == 80
     wait_for(pool_empty, 30, "the KV pool to empty")
 
 

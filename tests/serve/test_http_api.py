@@ -80,10 +80,12 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 # Answers
 
 
-def specserve_generate(prompt: str, max_new_tokens: int, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+def specserve_generate(
+    prompt: str, max_new_tokens: int, capsys: pytest.CaptureFixture[str], *flags: str
+) -> dict[str, Any]:
     capsys.readouterr()
     args = ["generate", "--prompt", prompt, "--max-new-tokens", str(max_new_tokens), "--temperature", "0", "--json"]
-    assert cli.main(args) == 0
+    assert cli.main([*args, *flags]) == 0
     return dict(json.loads(capsys.readouterr().out))
 
 
@@ -118,6 +120,52 @@ def test_streamed_text_equals_the_whole_answer(client: openai.OpenAI) -> None:
         assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
         assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
         assert all(p.choices[0].finish_reason is None for p in parts[:-1])
+
+
+def test_logprobs_penalties_and_n_through_the_openai_client(
+    client: openai.OpenAI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same greedy tokens and logprobs as ``specserve generate`` with the same flags, whole and streamed; n
+    choices (greedy: all the same) with usage over all of them; best_of; chat logprobs with alternatives."""
+    prompt = PROMPTS[0]
+    fields: dict[str, Any] = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "logit_bias": {"10": 3.0}}
+    extra = {"repetition_penalty": 1.2}
+    answer = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, logprobs=2, extra_body=extra, **fields
+    )
+    want = specserve_generate(
+        prompt, 24, capsys, "--presence-penalty", "0.8", "--frequency-penalty", "0.4", "--logit-bias", "10=3",
+        "--repetition-penalty", "1.2", "--logprobs", "2",
+    )  # fmt: skip
+    assert answer.choices[0].text == want["text"]
+    logprobs = answer.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs == pytest.approx([entry["logprob"] for entry in want["logprobs"]], abs=1e-4)
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+    parts = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, logprobs=2, stream=True,
+            extra_body=extra, **fields,
+        )
+    )  # fmt: skip
+    streamed = [v for part in parts if part.choices[0].logprobs for v in part.choices[0].logprobs.token_logprobs or []]
+    assert streamed == logprobs.token_logprobs
+
+    several = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in several.choices] == [0, 1, 2] and len({c.text for c in several.choices}) == 1
+    assert several.usage is not None and answer.usage is not None
+    one = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
+    assert one.usage is not None and several.usage.completion_tokens == 3 * one.usage.completion_tokens
+    best = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=1, seed=3, best_of=3)
+    assert len(best.choices) == 1 and best.usage is not None and best.usage.completion_tokens >= 3
+
+    messages: Any = [{"role": "user", "content": "A loop:"}]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and chat.usage is not None and len(content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
 
 
 def test_chat_whole_and_streamed(client: openai.OpenAI) -> None:

@@ -201,3 +201,83 @@ def test_every_request_field_is_documented() -> None:
     for model in (CompletionRequest, ChatCompletionRequest, ChatMessage, SpeculationOptions, *TREE_OPTIONS):
         undocumented = [name for name, field in model.model_fields.items() if not field.description]
         assert not undocumented, f"{model.__name__}: {undocumented}"
+
+
+# Logprobs, penalties, n and best_of ----------------------------------------------------------------
+
+
+def test_completion_logprobs_are_the_engines_in_the_api_shape(handler: Api) -> None:
+    request = {"model": "tiny", "prompt": "hello wor", "temperature": 0, "max_tokens": 10, "logprobs": 2}
+    answer = handler.completion(CompletionRequest(**request))
+    want = handler.runner.generate("hello wor", SamplingParams(logprobs=2), GenerationConfig(10, 3))
+    assert want.logprobs is not None
+    logprobs = answer["choices"][0]["logprobs"]
+    decode = handler.handler.token_text
+    assert logprobs["tokens"] == [decode(entry.token) for entry in want.logprobs]
+    assert logprobs["token_logprobs"] == [entry.logprob for entry in want.logprobs]
+    assert logprobs["top_logprobs"] == [{decode(t): v for t, v in entry.top} for entry in want.logprobs]
+    ends = [offset + len(token) for offset, token in zip(logprobs["text_offset"], logprobs["tokens"], strict=True)]
+    assert logprobs["text_offset"] == [0, *ends[:-1]]
+    streamed = events(handler.completion(CompletionRequest(**request, stream=True)))
+    merged = {key: [v for c in streamed if c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"][key]]
+              for key in logprobs}  # fmt: skip
+    assert merged == logprobs
+
+
+def test_chat_logprobs_carry_tokens_bytes_and_alternatives(handler: Api) -> None:
+    messages = [ChatMessage(role="user", content="hi")]
+    request = ChatCompletionRequest(
+        model="tiny", messages=messages, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3
+    )
+    answer = handler.chat(request)
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == answer["usage"]["completion_tokens"]
+    for entry in content:
+        assert entry["bytes"] == list(entry["token"].encode()) and len(entry["top_logprobs"]) == 3
+        assert entry["logprob"] <= 0 and entry["top_logprobs"][0]["logprob"] >= entry["logprob"]  # greedy: the top
+    plain = handler.chat(ChatCompletionRequest(model="tiny", messages=messages, temperature=0, max_tokens=6))
+    assert "logprobs" not in plain["choices"][0]
+    chunks = events(handler.chat(request.model_copy(update={"stream": True})))
+    assert [e for c in chunks for e in (c["choices"][0].get("logprobs") or {}).get("content", [])] == content
+
+
+def test_penalties_and_biases_are_the_engines(handler: Api) -> None:
+    fields = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "logit_bias": {"70": 3.0}, "repetition_penalty": 1.3}
+    answer = handler.completion(CompletionRequest(model="tiny", prompt="abcab", temperature=0, max_tokens=12, **fields))
+    params = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={70: 3.0}, repetition_penalty=1.3)
+    want = handler.runner.generate("abcab", params, GenerationConfig(max_new_tokens=12, gamma=3))
+    assert answer["choices"][0]["text"] == want.text
+    with pytest.raises(RequestError) as info:
+        handler.completion(CompletionRequest(model="tiny", prompt="x", logit_bias={"96": 1.0}))
+    assert (
+        info.value.status == 400 and info.value.param == "logit_bias" and "outside the vocabulary" in info.value.message
+    )
+
+
+def test_n_choices_have_their_own_seeds_and_usage_counts_them_all(handler: Api) -> None:
+    request = {"model": "tiny", "prompt": "abcab", "temperature": 1.0, "seed": 11, "max_tokens": 8}
+    answer = handler.completion(CompletionRequest(**request, n=3))
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    one = handler.completion(CompletionRequest(**request))
+    assert answer["choices"][0]["text"] == one["choices"][0]["text"]  # choice 0 keeps the request's seed
+    texts = {c["text"] for c in answer["choices"]}
+    assert len(texts) > 1, "three samples at T = 1 should not all be equal"
+    lengths = [len(handler.runner.prompts.encode(c["text"])) for c in answer["choices"]]
+    assert answer["usage"]["completion_tokens"] >= sum(lengths)
+    assert answer["speculation"]["cycles"] > one["speculation"]["cycles"]
+    streamed = events(handler.completion(CompletionRequest(**request, n=3, stream=True)))
+    assert streamed[-1]["choices"] == [] and streamed[-1]["usage"] == answer["usage"]
+    for index in range(3):
+        text = "".join(c["choices"][0]["text"] for c in streamed[:-1] if c["choices"][0]["index"] == index)
+        assert text == answer["choices"][index]["text"]
+
+
+def test_best_of_keeps_the_likeliest_per_token(handler: Api) -> None:
+    request = {"model": "tiny", "prompt": "abcab", "temperature": 1.0, "seed": 4, "max_tokens": 8}
+    answer = handler.completion(CompletionRequest(**request, best_of=4))
+    assert len(answer["choices"]) == 1 and answer["choices"][0]["logprobs"] is None  # not asked for
+    candidates = handler.completion(CompletionRequest(**request, n=4, logprobs=0))
+    means = [sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["token_logprobs"]) for c in candidates["choices"]]
+    best = max(range(4), key=lambda i: means[i])
+    assert answer["choices"][0]["text"] == candidates["choices"][best]["text"]
+    assert answer["usage"] == candidates["usage"]

@@ -60,7 +60,19 @@ GOOD = {"model": "m", "prompt": "hi"}
 @pytest.mark.parametrize(
     ("change", "param", "words"),
     [
-        ({"n": 2}, "n", "only n = 1"),
+        ({"n": 17}, "n", "less than or equal to 16"),
+        ({"best_of": 1, "n": 2}, "best_of", "best_of (1) must be at least n (2)"),
+        ({"best_of": 3, "stream": True}, "best_of", "best_of > n cannot stream"),
+        ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"logprobs": True}, "logprobs", "integer"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids written as strings of digits"),
+        ({"logit_bias": {"7": 101}}, "logit_bias", "biases must be in [-100, 100], got 101.0 for 7"),
+        ({"logit_bias": {"7": 1, "07": 2}}, "logit_bias", "a token id is named twice"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ({"logprobs_mode": "logits"}, "logprobs_mode", "'raw' or 'processed'"),
         ({"temperature": -0.5}, "temperature", "greater than or equal to 0"),
         ({"top_p": 0}, "top_p", "greater than 0"),
         ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
@@ -384,8 +396,8 @@ def refused_big(body: bytes) -> RequestError:
         ({"max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
         ({"temperature": MAX_TEMPERATURE * 2}, "temperature", "less than or equal to 100"),
         ({"top_p": -1e-300}, "top_p", "greater than 0"),
-        ({"n": 0}, "n", "only n = 1"),
-        ({"n": 10**30}, "n", "only n = 1"),
+        ({"n": 0}, "n", "greater than or equal to 1"),
+        ({"n": 10**30}, "n", "less than or equal to 16"),
         ({"stop": ""}, "stop", "non-empty"),
         ({"stop": ["a", ""]}, "stop", "non-empty"),
         ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop", f"at most {MAX_STOP_CHARS} characters"),
@@ -428,20 +440,9 @@ def test_engine_checks_that_still_fail_are_a_400_from_prepare() -> None:
 
 UNSUPPORTED_COMPLETION = [
     ("echo", True),
-    ("logprobs", 0),
-    ("logprobs", 5),
-    ("logit_bias", {"50256": -100}),
-    ("best_of", 2),
     ("suffix", "}"),
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -1),
-    ("frequency_penalty", False),  # a boolean is no 0
 ]
 UNSUPPORTED_CHAT = [
-    ("logprobs", True),
-    ("top_logprobs", 3),
-    ("logit_bias", {"1": 1}),
-    ("presence_penalty", 1.5),
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -510,7 +511,7 @@ def test_harmless_fields_are_accepted_and_ignored() -> None:
     ("kind", "body", "param"),
     [
         (CompletionRequest, {**GOOD, "foo": 1}, "foo"),
-        (CompletionRequest, {**GOOD, "repetition_penalty": 1.1}, "repetition_penalty"),  # vLLM's, not ours
+        (CompletionRequest, {**GOOD, "length_penalty": 1.1}, "length_penalty"),  # vLLM's, not ours
         (CompletionRequest, {**GOOD, "tools": []}, "tools"),  # a chat field, not a completions one
         (CompletionRequest, {**GOOD, "messages": []}, "messages"),
         (ChatCompletionRequest, {**CHAT, "prompt": "x"}, "prompt"),
@@ -537,3 +538,37 @@ def test_every_field_is_documented() -> None:
         if "refused unless" in (field.description or "")
     ]
     assert set(unsupported) <= set(NO_OP_VALUES)
+
+
+# Logprobs, penalties, biases, n and best_of -----------------------------------------------------
+
+
+def test_sampling_fields_reach_the_engine() -> None:
+    body = {
+        **GOOD, "logprobs": 3, "logit_bias": {"7": 1.5, "12": -100}, "presence_penalty": 0.5,
+        "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1, "logprobs_mode": "processed",
+        "n": 2, "best_of": 4, "temperature": 0.7,
+    }  # fmt: skip
+    request = parse(body)
+    params = request.sampling()
+    assert params.logprobs == 3 and params.logprobs_mode == "processed"
+    assert params.logit_bias == ((7, 1.5), (12, -100.0))
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert params.min_p == 0.1 and params.penalised
+    assert (request.n, request.choices()) == (2, 4)
+    assert parse(GOOD).sampling().logprobs is None and parse(GOOD).choices() == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "logprobs"),
+    [({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 5}, 5)],
+)
+def test_chat_logprobs_and_top_logprobs(fields: dict[str, object], logprobs: int | None) -> None:
+    assert parse({**CHAT, **fields}, ChatCompletionRequest).sampling().logprobs == logprobs
+
+
+def test_chat_top_logprobs_need_logprobs() -> None:
+    error = refused({**CHAT, "top_logprobs": 2}, ChatCompletionRequest)
+    assert error.param == "top_logprobs" and "top_logprobs needs logprobs: true" in error.message
+    error = refused({**CHAT, "logprobs": True, "top_logprobs": 21}, ChatCompletionRequest)
+    assert error.param == "top_logprobs" and "less than or equal to 20" in error.message

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especserve/v1/speculation.proto\x12\x0cspecserve.v1\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x01\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x88\x02\n\tDraftTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0f\n\x07parents\x18\x04 \x03(\x05\x12\x35\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32 .specserve.v1.SparseDistribution\x12\x19\n\x11\x64raft_probs_dtype\x18\x07 \x01(\t\x12\"\n\x05rules\x18\x08 \x01(\x0e\x32\x13.specserve.v1.Rules\x12\x17\n\x0fprobe_token_ids\x18\t \x03(\x05\x12\x15\n\rprobe_parents\x18\n \x03(\x05J\x04\x08\x06\x10\x07R\x08\x66\x65\x61tures\"\xfd\x02\n\x07Verdict\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x15\n\raccepted_path\x18\x03 \x03(\x05\x12\x12\n\nnext_token\x18\x04 \x01(\x05\x12*\n\tnext_kind\x18\x05 \x01(\x0e\x32\x17.specserve.v1.TokenKind\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\x04\x12\x31\n\rfinish_reason\x18\x0b \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\x16\n\x0etarget_seconds\x18\x08 \x01(\x01\x12\x19\n\x11\x61llreduce_seconds\x18\t \x01(\x01\x12&\n\x08\x66\x65\x61tures\x18\n \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x12\n\nbatch_size\x18\x0c \x01(\r\x12\x16\n\x0estep_positions\x18\r \x01(\x04\x12\x14\n\x0cprobe_argmax\x18\x0e \x03(\x05J\x04\x08\x07\x10\x08R\x08\x66inished*g\n\x05Rules\x12\x15\n\x11RULES_UNSPECIFIED\x10\x00\x12\x0f\n\x0bRULES_CHAIN\x10\x01\x12\x12\n\x0eRULES_TREE_IID\x10\x02\x12\"\n\x1eRULES_TREE_WITHOUT_REPLACEMENT\x10\x03*W\n\tTokenKind\x12\x1a\n\x16TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14TOKEN_KIND_RECOVERED\x10\x01\x12\x14\n\x10TOKEN_KIND_BONUS\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32K\n\x08Verifier\x12?\n\tSpeculate\x12\x17.specserve.v1.DraftTree\x1a\x15.specserve.v1.Verdict(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1especserve/v1/speculation.proto\x12\x0cspecserve.v1\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x01\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x88\x02\n\tDraftTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0f\n\x07parents\x18\x04 \x03(\x05\x12\x35\n\x0b\x64raft_probs\x18\x05 \x03(\x0b\x32 .specserve.v1.SparseDistribution\x12\x19\n\x11\x64raft_probs_dtype\x18\x07 \x01(\t\x12\"\n\x05rules\x18\x08 \x01(\x0e\x32\x13.specserve.v1.Rules\x12\x17\n\x0fprobe_token_ids\x18\t \x03(\x05\x12\x15\n\rprobe_parents\x18\n \x03(\x05J\x04\x08\x06\x10\x07R\x08\x66\x65\x61tures\"\xab\x03\n\x07Verdict\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x63ycle\x18\x02 \x01(\x04\x12\x15\n\raccepted_path\x18\x03 \x03(\x05\x12\x12\n\nnext_token\x18\x04 \x01(\x05\x12*\n\tnext_kind\x18\x05 \x01(\x0e\x32\x17.specserve.v1.TokenKind\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\x04\x12\x31\n\rfinish_reason\x18\x0b \x01(\x0e\x32\x1a.specserve.v1.FinishReason\x12\x16\n\x0etarget_seconds\x18\x08 \x01(\x01\x12\x19\n\x11\x61llreduce_seconds\x18\t \x01(\x01\x12&\n\x08\x66\x65\x61tures\x18\n \x01(\x0b\x32\x14.specserve.v1.Tensor\x12\x12\n\nbatch_size\x18\x0c \x01(\r\x12\x16\n\x0estep_positions\x18\r \x01(\x04\x12\x14\n\x0cprobe_argmax\x18\x0e \x03(\x05\x12,\n\x08logprobs\x18\x0f \x03(\x0b\x32\x1a.specserve.v1.TokenLogprobJ\x04\x08\x07\x10\x08R\x08\x66inished\"X\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x12\n\ntop_tokens\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01*g\n\x05Rules\x12\x15\n\x11RULES_UNSPECIFIED\x10\x00\x12\x0f\n\x0bRULES_CHAIN\x10\x01\x12\x12\n\x0eRULES_TREE_IID\x10\x02\x12\"\n\x1eRULES_TREE_WITHOUT_REPLACEMENT\x10\x03*W\n\tTokenKind\x12\x1a\n\x16TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14TOKEN_KIND_RECOVERED\x10\x01\x12\x14\n\x10TOKEN_KIND_BONUS\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32K\n\x08Verifier\x12?\n\tSpeculate\x12\x17.specserve.v1.DraftTree\x1a\x15.specserve.v1.Verdict(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.v1.speculation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RULES']._serialized_start=809
-  _globals['_RULES']._serialized_end=912
-  _globals['_TOKENKIND']._serialized_start=914
-  _globals['_TOKENKIND']._serialized_end=1001
-  _globals['_FINISHREASON']._serialized_start=1003
-  _globals['_FINISHREASON']._serialized_end=1121
+  _globals['_RULES']._serialized_start=945
+  _globals['_RULES']._serialized_end=1048
+  _globals['_TOKENKIND']._serialized_start=1050
+  _globals['_TOKENKIND']._serialized_end=1137
+  _globals['_FINISHREASON']._serialized_start=1139
+  _globals['_FINISHREASON']._serialized_end=1257
   _globals['_SPARSEDISTRIBUTION']._serialized_start=48
   _globals['_SPARSEDISTRIBUTION']._serialized_end=102
   _globals['_TENSOR']._serialized_start=104
@@ -44,7 +44,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTTREE']._serialized_start=159
   _globals['_DRAFTTREE']._serialized_end=423
   _globals['_VERDICT']._serialized_start=426
-  _globals['_VERDICT']._serialized_end=807
-  _globals['_VERIFIER']._serialized_start=1123
-  _globals['_VERIFIER']._serialized_end=1198
+  _globals['_VERDICT']._serialized_end=853
+  _globals['_TOKENLOGPROB']._serialized_start=855
+  _globals['_TOKENLOGPROB']._serialized_end=943
+  _globals['_VERIFIER']._serialized_start=1259
+  _globals['_VERIFIER']._serialized_end=1334
 # @@protoc_insertion_point(module_scope)

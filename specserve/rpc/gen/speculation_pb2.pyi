@@ -79,7 +79,7 @@ class DraftTree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., draft_probs_dtype: _Optional[str] = ..., rules: _Optional[_Union[Rules, str]] = ..., probe_token_ids: _Optional[_Iterable[int]] = ..., probe_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finish_reason", "target_seconds", "allreduce_seconds", "features", "batch_size", "step_positions", "probe_argmax")
+    __slots__ = ("request_id", "cycle", "accepted_path", "next_token", "next_kind", "committed_length", "finish_reason", "target_seconds", "allreduce_seconds", "features", "batch_size", "step_positions", "probe_argmax", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Verdict(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     PROBE_ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     cycle: int
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
@@ -106,4 +107,17 @@ class Verdict(_message.Message):
     batch_size: int
     step_positions: int
     probe_argmax: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., batch_size: _Optional[int] = ..., step_positions: _Optional[int] = ..., probe_argmax: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., cycle: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., next_kind: _Optional[_Union[TokenKind, str]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., target_seconds: _Optional[float] = ..., allreduce_seconds: _Optional[float] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., batch_size: _Optional[int] = ..., step_positions: _Optional[int] = ..., probe_argmax: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token", "logprob", "top_tokens", "top_logprobs")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    top_tokens: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_tokens: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
