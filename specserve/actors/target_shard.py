@@ -44,6 +44,7 @@ import torch
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft import Proposal
+from specserve.core.grammar import request_grammar
 from specserve.core.kv_pool import KVPool
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
@@ -500,6 +501,7 @@ class TargetShardActor:
                 eos_token_ids,
                 self.target.device,
                 feature_layers,
+                request_grammar(params, self.target.tokenizer, self.target.info),
             )
             request = self._prefilling[request_id] = _Request(sequence, verifier)
             return request

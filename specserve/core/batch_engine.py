@@ -54,9 +54,9 @@ from specserve.core.detokenize import TextStream
 from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft, drafter_counters, probe_nodes
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
+from specserve.core.grammar import request_grammar
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
-from specserve.core.processors import check_logit_bias
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import ScheduleFactory, fixed_schedules
@@ -134,7 +134,7 @@ class BatchedEngine(GenerationFrontend):
         params, config = params or SamplingParams(), config or GenerationConfig()
         prompt_ids = self.encode(prompt)
         self.validate(prompt_ids, config)
-        check_logit_bias(params, self.prompts.info.vocab_size)
+        self.prompts.check_params(params, config.ignore_eos)
         if len(prompt_ids) + config.max_new_tokens > self.max_seq_len:
             raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed the "
@@ -283,6 +283,7 @@ class BatchedEngine(GenerationFrontend):
             eos,
             device,
             side.feature_layers,
+            request_grammar(params, self.target.tokenizer, self.target.info),
         )
         # No target cache for a layer-skip drafter: the request's KV is a span of the pool, not a cache it can draft
         # in, so it keeps its own (as in a drafter process). A hidden-state drafter gets the prompt's features from

@@ -26,8 +26,8 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from specserve.core.errors import InvalidRequest
 from specserve.core.model import KVCache
-from specserve.core.prompts import InvalidRequest
 from specserve.core.sampling import SamplingParams
 from specserve.core.schedule import Budget
 from specserve.core.tree import (

@@ -44,9 +44,9 @@ from specserve.core.draft import (
     drafter_counters,
 )
 from specserve.core.draft_side import DraftSide
+from specserve.core.grammar import request_grammar
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import CausalLM
-from specserve.core.processors import check_logit_bias
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import MAX_GAMMA, Budget, ScheduleFactory, check_policy_name, fixed_schedules
@@ -189,7 +189,7 @@ class GenerationFrontend(ABC):
         config = config or GenerationConfig()
         prompt_ids = self.encode(prompt)
         self.validate(prompt_ids, config)
-        check_logit_bias(params, self.prompts.info.vocab_size)
+        self.prompts.check_params(params, config.ignore_eos)
         return self._run(prompt_ids, params, config)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -248,8 +248,17 @@ class SpeculativeEngine(GenerationFrontend):
             config.drafter,
         )
         sequence = LocalSequence(target)
+        grammar = request_grammar(params, target.tokenizer, target.info)
         verifier = TargetVerifier(
-            sequence, prompt_ids, params, generators.verify, config.max_new_tokens, eos, device, side.feature_layers
+            sequence,
+            prompt_ids,
+            params,
+            generators.verify,
+            config.max_new_tokens,
+            eos,
+            device,
+            side.feature_layers,
+            grammar,
         )
         prompt_features = verifier.prefill()
         side.start(prompt_ids, params, generators.draft, target_cache=sequence.cache)

@@ -2,7 +2,9 @@
 
 Shared by the single-process engine and the distributed coordinator so that a prompt is
 validated, and an output decoded, the same way wherever it runs. Knows the target's vocabulary,
-context length and tokenizer; knows nothing about drafting or verification.
+context length and tokenizer, and so also checks what of a request's sampling parameters needs them
+(:meth:`PromptCodec.check_params`: logit-bias ids, the grammar); knows nothing about drafting or
+verification.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from specserve.core.errors import InvalidRequest
+from specserve.core.grammar import compiler_for
 from specserve.core.model import ModelInfo
+from specserve.core.processors import check_logit_bias
+from specserve.core.sampling_params import SamplingParams
 
 __all__ = ["InvalidRequest", "PromptCodec"]
 
@@ -44,6 +49,16 @@ class PromptCodec:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"target's context of {limit} tokens; shorten the prompt or lower max_new_tokens"
             )
+
+    def check_params(self, params: SamplingParams, ignore_eos: bool = False) -> None:
+        """Raises :class:`InvalidRequest` for a logit bias outside the vocabulary, a grammar that does not compile
+        for this tokenizer, or a grammar with ``ignore_eos`` (a finished grammar allows only the end of text)."""
+        check_logit_bias(params, self.info.vocab_size)
+        if params.grammar is None:
+            return
+        if ignore_eos:
+            raise InvalidRequest("structured output cannot be combined with ignore_eos: a grammar ends the text")
+        compiler_for(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids).compile(params.grammar)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:

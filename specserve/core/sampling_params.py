@@ -40,6 +40,35 @@ class InvalidSamplingParams(UserError):
     """A sampling parameter is out of range; the message says which and what is allowed."""
 
 
+GrammarKind = Literal["json_schema", "regex", "lark"]
+GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "regex", "lark")
+MAX_GRAMMAR_CHARS = 1 << 16
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """Structured output: the text must match ``source``, a JSON schema (as JSON text), a regular expression or a
+    Lark grammar. Compiled against the model's tokenizer by :mod:`specserve.core.grammar`."""
+
+    kind: GrammarKind
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidSamplingParams(f"a grammar is json_schema, regex or lark, got {self.kind!r}")
+        if not isinstance(self.source, str) or not self.source:
+            raise InvalidSamplingParams(f"the {self.kind} grammar is empty")
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise InvalidSamplingParams(
+                f"the {self.kind} grammar has {len(self.source)} characters, more than {MAX_GRAMMAR_CHARS}"
+            )
+
+    @classmethod
+    def json_object(cls) -> GrammarSpec:
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+        return cls("json_schema", '{"type": "object"}')
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -71,8 +100,11 @@ class SamplingParams:
     logprobs: int | None = None
     logprobs_mode: LogprobsMode = "raw"
     # Of the prompt, the last this many tokens are earlier output (a resumed request): the penalties count them as
-    # output, as they did before the request moved.
+    # output, and the grammar has matched them, as before the request moved.
     prior_output_tokens: int = 0
+    # Structured output: every position's distribution is masked to the tokens the grammar allows there
+    # (specserve.core.grammar); None = free text.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
@@ -125,6 +157,8 @@ class SamplingParams:
             raise InvalidSamplingParams(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if self.prior_output_tokens < 0:
             raise InvalidSamplingParams(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidSamplingParams(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
 
     def _check_acceptance(self) -> None:
         if self.acceptance not in ACCEPTANCE_MODES:

@@ -34,16 +34,17 @@ from typing import Literal, Protocol
 import torch
 
 from specserve.core.draft import Draft, Proposal
+from specserve.core.grammar import RequestGrammar, mask_logits
 from specserve.core.invariant import invariant_scores
 from specserve.core.kv_pool import KVPool
 from specserve.core.logprobs import TokenLogprob, token_logprobs
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.processors import PenaltyState
 from specserve.core.sampling import SamplingParams, warp_probs
-from specserve.core.tree import DraftTree, block_nodes
+from specserve.core.tree import ROOT, DraftTree, block_nodes
 from specserve.core.tree_verification import TreeVerdict, verify_tree, verify_tree_greedy
 from specserve.core.typical import verify_chain_typical, verify_tree_typical
-from specserve.core.verification import ChainVerdict, verify_chain
+from specserve.core.verification import ChainVerdict, TokenKind, verify_chain
 
 FinishReason = Literal["eos", "length", "stop"]
 
@@ -194,10 +195,12 @@ class TargetVerifier:
         eos_token_ids: Sequence[int] = (),
         device: torch.device | str = "cpu",
         feature_layers: Sequence[int] = (),
+        grammar: RequestGrammar | None = None,
     ) -> None:
         """``feature_layers``: the target features a hidden-state drafter reads
         (:class:`~specserve.core.draft.FeatureDrafter`); :meth:`prefill` then returns the prompt's and each
-        :class:`CycleOutcome` carries the cycle's."""
+        :class:`CycleOutcome` carries the cycle's. ``grammar``: the request's structured output
+        (:mod:`specserve.core.grammar`, compiled from ``params.grammar``), at the start of its output."""
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         self.sequence = sequence
@@ -212,6 +215,11 @@ class TargetVerifier:
         self.feature_layers = tuple(feature_layers)
         self.penalties: PenaltyState | None = None  # made at the first cycle, which knows the vocabulary
         self.output_logprobs: list[TokenLogprob] = []  # every output token's, when the request asks for them
+        self.grammar = grammar
+        if grammar is not None and params.prior_output_tokens:  # a resumed request: its earlier output matched
+            grammar.advance(self.committed[len(self.committed) - params.prior_output_tokens :])
+        # the proposal being verified, as the grammar cut it, and the kept nodes' indices (block, then decide)
+        self._cut: tuple[Proposal, Proposal, list[int]] | None = None
 
     @property
     def num_output(self) -> int:
@@ -268,25 +276,42 @@ class TargetVerifier:
         start = time.perf_counter()
         capture = self.new_capture()
         root = self.committed[-1]
-        if isinstance(proposal, Draft) and proposal.probe is None:  # a chain needs no tree mask
+        sent, scored = proposal, self._cut_to_grammar(proposal)  # the grammar's cut (the proposal without one)
+        if isinstance(scored, Draft) and scored.probe is None:  # a chain needs no tree mask
             head = torch.tensor([root], dtype=torch.long, device=self.device)
-            block = torch.cat([head, proposal.tokens.to(self.device)])
+            block = torch.cat([head, scored.tokens.to(self.device)])
             target_logits = self.sequence.forward(block, capture=capture)  # [gamma + 1, vocab]
         else:
             sequence = self.sequence
             if not (hasattr(sequence, "forward_tree") and hasattr(sequence, "compact")):
                 raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
-            tokens, parents = block_nodes(proposal.tokens.to(self.device), proposal.parents, proposal.probe)
-            tree = proposal if proposal.probe is None else DraftTree(tokens, parents)
+            tokens, parents = block_nodes(scored.tokens.to(self.device), scored.parents, scored.probe)
+            tree = scored if scored.probe is None and isinstance(scored, DraftTree) else DraftTree(tokens, parents)
             target_logits = sequence.forward_tree(root, tree, capture=capture)  # [n + probe + 1, vocab]
-        return self.decide(proposal, target_logits, start, capture.take() if capture is not None else None)
+        return self.decide(sent, target_logits, start, capture.take() if capture is not None else None)
 
     def block(self, proposal: Proposal, seq_id: int) -> BatchBlock:
         """This cycle's verify block ``[last committed] + proposal`` as one row of a batched forward
         (:meth:`~specserve.core.model.CausalLM.forward_batch`) whose sequence ``seq_id`` holds this request's KV."""
         self._check_running()
-        tokens, parents = block_nodes(proposal.tokens, proposal.parents, proposal.probe)
+        scored = self._cut_to_grammar(proposal)
+        tokens, parents = block_nodes(scored.tokens, scored.parents, scored.probe)
         return BatchBlock.after(seq_id, self.committed[-1], tokens, parents)
+
+    def _cut_to_grammar(self, proposal: Proposal) -> Proposal:
+        """The proposal the target scores: ``proposal`` itself, or with a grammar, what is left once the nodes it
+        can never accept are cut (:meth:`~specserve.core.grammar.RequestGrammar.prune`); remembered for
+        :meth:`decide`."""
+        if self.grammar is None:
+            return proposal
+        if self._cut is not None and self._cut[0] is proposal:
+            return self._cut[1]
+        params = self.params
+        decided_without_q = params.greedy or params.invariant_sampling or params.lossy_acceptance
+        keep_refused = proposal.node_probs is not None and not decided_without_q
+        scored, kept = self.grammar.prune(proposal, keep_refused)
+        self._cut = (proposal, scored, kept)
+        return scored
 
     def decide(
         self,
@@ -300,16 +325,20 @@ class TargetVerifier:
         draft's: only their greedy tokens are kept (for the drafter); the rules never see them."""
         self._check_running()
         start = time.perf_counter() if start is None else start
+        sent, proposal = proposal, self._cut_to_grammar(proposal)  # the logits are the cut proposal's
+        kept = self._cut[2] if self._cut is not None else []
+        self._cut = None
         probe_argmax: tuple[int, ...] = ()
         if proposal.probe is not None:
             rows = proposal.size + 1
             probe_argmax = tuple(int(t) for t in target_logits[rows:].argmax(dim=-1).tolist())
             target_logits = target_logits[:rows]
         raw_logits = target_logits
+        tokens = proposal.tokens.to(self.device)
         if self.params.penalised:  # every row with its own history: the committed text and its path in the proposal
-            target_logits = self._penalty_state(target_logits.shape[-1]).apply(
-                target_logits, proposal.tokens.to(self.device), proposal.parents
-            )
+            target_logits = self._penalty_state(target_logits.shape[-1]).apply(target_logits, tokens, proposal.parents)
+        if self.grammar is not None:  # every row masked to what the grammar allows after its own path
+            target_logits = mask_logits(target_logits, self.grammar.row_masks(tokens, proposal.parents))
         if isinstance(proposal, Draft):  # which rules apply: the chain's or the tree's
             verdict, new, rows_taken = self._decide_chain(proposal, target_logits)
         else:
@@ -317,6 +346,8 @@ class TargetVerifier:
         if features is not None:  # rows: the root, then the accepted nodes
             features = features[rows_taken]
         outcome = self._commit(verdict, new, start, features)
+        if proposal is not sent:  # the verdict names the nodes of the proposal that was sent
+            outcome = dataclasses.replace(outcome, verdict=_as_sent(outcome.verdict, sent, kept))
         if self.params.logprobs is not None:
             kept = rows_taken[: len(outcome.new_tokens)]
             logprobs = token_logprobs(raw_logits[kept], target_logits[kept], outcome.new_tokens, self.params)
@@ -393,6 +424,8 @@ class TargetVerifier:
         self.committed.extend(new)
         if self.penalties is not None:
             self.penalties.commit(new)
+        if self.grammar is not None:
+            self.grammar.advance(new)
         self.sequence.rollback(len(self.committed) - 1)
         seconds = time.perf_counter() - start
         return CycleOutcome(verdict, new, self.finish, seconds, len(self.committed), features)
@@ -405,3 +438,14 @@ class TargetVerifier:
         del self.output_logprobs[num_output:]
         self.sequence.rollback(len(self.committed) - 1)
         self.finish = "stop"
+
+
+def _as_sent(verdict: Verdict, sent: Proposal, kept: Sequence[int]) -> Verdict:
+    """A verdict on the grammar's cut of ``sent`` (its nodes ``kept``), as a verdict on ``sent`` itself: the path
+    renumbered, and the next token recovered when ``sent`` had children after the path (the grammar refused them)."""
+    path = tuple(kept[node] for node in verdict.accepted)
+    last = path[-1] if path else ROOT
+    kind = TokenKind.RECOVERED if any(parent == last for parent in sent.parents) else TokenKind.BONUS
+    if isinstance(verdict, ChainVerdict):
+        return ChainVerdict(verdict.num_accepted, verdict.next_token, kind)
+    return TreeVerdict(path, verdict.next_token, kind)

@@ -248,13 +248,19 @@ class DraftTree:
         reserves holds it (:func:`~specserve.core.batch_step.kv_tokens`)."""
         if self.depth <= max_depth:
             return self
-        kept = [i for i, d in enumerate(self.depths) if d < max_depth]  # ancestors are shallower: all kept
+        return self.keep([i for i, d in enumerate(self.depths) if d < max_depth])  # ancestors are shallower
+
+    def keep(self, kept: Sequence[int]) -> DraftTree:
+        """The tree of the nodes ``kept`` (increasing, every kept node's parent kept too), renumbered in order; each
+        kept parent keeps its children's q row. The probe is kept whole."""
         index = {node: i for i, node in enumerate(kept)}
+        if any(self.parents[node] != ROOT and self.parents[node] not in index for node in kept):
+            raise InvalidTree("a kept node's parent must be kept too")
         probs = None
         if self.child_probs is not None:
             probs = self.child_probs[[0, *(i + 1 for i in kept)]]
         parents = tuple(index[self.parents[i]] if self.parents[i] != ROOT else ROOT for i in kept)
-        return DraftTree(self.tokens[kept], parents, probs, self.sampling, self.probe)
+        return DraftTree(self.tokens[list(kept)], parents, probs, self.sampling, self.probe)
 
     def path_tokens(self, node: int) -> list[int]:
         return [int(self.tokens[i]) for i in self.paths[node]]

@@ -1,0 +1,202 @@
+"""Structured output: a request's grammar as a matcher over the model's tokens, and what it does to a cycle.
+
+A request with a :class:`~specserve.core.sampling_params.GrammarSpec` (a JSON schema, a regular expression or a Lark
+grammar) is decoded as plain *constrained* decoding of the target would decode it: at every position the target's
+distribution is masked to the tokens the grammar allows after the text so far, and renormalised. Under speculation
+that holds for every verified row, each with its own history (:class:`RequestGrammar`):
+
+* **masks** (:meth:`RequestGrammar.row_masks`): row 0 of a cycle gets the tokens allowed after the committed text,
+  row ``i + 1`` those allowed after node ``i``'s root path; the matcher advances along each path and rolls back;
+* **cuts** (:meth:`RequestGrammar.prune`): before verification, every node below a token the grammar refuses is
+  dropped (the target would never reach it). The refused token itself is dropped too when the proposal is
+  deterministic (no q) or the request is decided without q (greedy, drafter-invariant, typical): a refused
+  point-mass proposal changes no residual. A refused token *sampled* from a q stays, as a leaf the rules reject
+  with certainty, because its rejection is what sends the next token through the residual norm(max(0, p − q));
+  emitting from p instead would not be exact (docs/verification.md, "Structured output").
+
+Built on llguidance, whose matchers advance, check (``validate_tokens``) and roll back token by token on the CPU.
+:class:`GrammarCompiler` wraps one tokenizer for it (built once) and compiles requests' grammars, refusing a bad
+one with llguidance's own words. Does not sample or verify.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from specserve.core.draft import Draft, Proposal
+from specserve.core.errors import InvalidRequest
+from specserve.core.model import ModelInfo
+from specserve.core.sampling_params import GrammarSpec, SamplingParams
+from specserve.core.tree import ROOT
+
+
+class _DecodedVocabulary:
+    """A tokenizer llguidance cannot read itself (a decoder it does not know), as the bytes of each token's own
+    decoding: exact for tokenizers whose tokens decode independently (char and byte-level vocabularies)."""
+
+    def __init__(self, tokenizer: Any, vocab: int) -> None:
+        specials = set(tokenizer.all_special_ids)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(specials)
+        size = len(tokenizer)
+        self.tokens = [
+            b"\xff" + str(tokenizer.convert_ids_to_tokens(i)).encode()
+            if i in specials
+            else (tokenizer.decode([i]).encode() if i < size else b"")
+            for i in range(vocab)
+        ]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class GrammarCompiler:
+    """One tokenizer as llguidance sees it (built once: about a second for a large vocabulary) and the grammars of
+    requests compiled against it. ``vocab``: the model's vocabulary (its logits' width), which may exceed the
+    tokenizer's."""
+
+    def __init__(self, tokenizer: Any, vocab: int, eos_token_ids: Sequence[int] = ()) -> None:
+        if tokenizer is None:
+            raise InvalidRequest("structured output needs the model's tokenizer, and this model has none")
+        eos: list[int] = list(eos_token_ids) or [int(tokenizer.eos_token_id)]
+        self.eos = frozenset(eos)
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
+        except ValueError:  # a decoder llguidance does not know: describe the vocabulary by each token's bytes
+            wrapper = llguidance.TokenizerWrapper(_DecodedVocabulary(tokenizer, vocab))
+            self.tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=vocab, eos_token=eos)
+        self.vocab = vocab
+
+    def compile(self, spec: GrammarSpec) -> RequestGrammar:
+        """A fresh matcher for ``spec``; :class:`InvalidRequest` saying what is wrong with a bad grammar."""
+        try:
+            if spec.kind == "json_schema":
+                text = llguidance.LLMatcher.grammar_from_json_schema(spec.source)
+            elif spec.kind == "regex":
+                text = llguidance.LLMatcher.grammar_from_regex(spec.source)
+            else:
+                text = llguidance.LLMatcher.grammar_from_lark(spec.source)
+        except ValueError as exc:
+            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {exc}") from exc
+        error = llguidance.LLMatcher.validate_grammar(text)
+        if error:
+            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {error}")
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {matcher.get_error()}")
+        return RequestGrammar(matcher, self.vocab, self.eos)
+
+
+_COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()
+_COMPILERS_LOCK = threading.Lock()
+
+
+def compiler_for(tokenizer: Any, vocab: int, eos_token_ids: Sequence[int] = ()) -> GrammarCompiler:
+    """The (cached) compiler of ``tokenizer``'s grammars."""
+    if tokenizer is None:
+        raise InvalidRequest("structured output needs the model's tokenizer, and this model has none")
+    with _COMPILERS_LOCK:
+        compiler = _COMPILERS.get(tokenizer)
+        if compiler is None or compiler.vocab != vocab:
+            compiler = _COMPILERS[tokenizer] = GrammarCompiler(tokenizer, vocab, eos_token_ids)
+        return compiler
+
+
+def request_grammar(params: SamplingParams, tokenizer: Any, info: ModelInfo) -> RequestGrammar | None:
+    """The request's grammar compiled for the model ``info`` describes and its ``tokenizer``; ``None`` for free
+    text."""
+    if params.grammar is None:
+        return None
+    return compiler_for(tokenizer, info.vocab_size, info.eos_token_ids).compile(params.grammar)
+
+
+class RequestGrammar:
+    """One request's matcher, kept at the end of its committed text (:meth:`advance`)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, eos_token_ids: frozenset[int]) -> None:
+        self.matcher = matcher
+        self.vocab = vocab
+        self.eos = eos_token_ids
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The committed text grew by ``tokens`` (each allowed where it stands: the masks made sure). An end of
+        text, which the masks allow only where the grammar is satisfied and which ends the request, is not fed to
+        the matcher (a finished matcher refuses it)."""
+        text = [int(t) for t in tokens if int(t) not in self.eos]
+        if text and not self.matcher.consume_tokens(text):
+            raise RuntimeError(f"the grammar refused committed tokens: {self.matcher.get_error()}")
+
+    def allowed(self) -> torch.Tensor:  # [vocab] bool
+        """The tokens the grammar allows next."""
+        mask = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)
+        allowed = torch.zeros(self.vocab, dtype=torch.bool)
+        allowed[: mask.numel()] = mask[: self.vocab] > 0
+        return allowed
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading ``tokens`` the grammar allows after the committed text."""
+        return int(self.matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+    def prune(self, proposal: Proposal, keep_refused: bool) -> tuple[Proposal, list[int]]:
+        """``proposal`` without the nodes below a token the grammar refuses (and without that token unless
+        ``keep_refused``), and the kept nodes' indices in ``proposal``."""
+        tokens = proposal.tokens.tolist()
+        if isinstance(proposal, Draft):
+            valid = self.valid_prefix(tokens)
+            keep = min(valid + 1, len(tokens)) if keep_refused else valid
+            return proposal.truncate(keep), list(range(keep))
+        paths = proposal.paths
+        kept = []
+        valid_nodes: set[int] = set()
+        for node, parent in enumerate(proposal.parents):
+            if parent != ROOT and parent not in valid_nodes:
+                continue  # below a refused token (or below a dropped node)
+            path = [tokens[i] for i in paths[node]]
+            if self.valid_prefix(path) == len(path):
+                valid_nodes.add(node)
+                kept.append(node)
+            elif keep_refused:
+                kept.append(node)
+        if len(kept) == proposal.size:
+            return proposal, kept
+        return proposal.keep(kept), kept
+
+    def row_masks(self, tokens: torch.Tensor, parents: Sequence[int]) -> torch.Tensor:
+        """[n + 1, vocab] bool: row 0 the tokens allowed after the committed text, row ``i + 1`` those allowed after
+        node ``i``'s root path (every token, when that path leaves the grammar: such a row is never read)."""
+        ids = tokens.tolist()
+        rows = [self.allowed()]
+        paths: list[list[int]] = []
+        for node, parent in enumerate(parents):
+            path = [*(paths[parent] if parent != ROOT else []), int(ids[node])]
+            paths.append(path)
+            if self.valid_prefix(path) < len(path):
+                rows.append(torch.ones(self.vocab, dtype=torch.bool))
+                continue
+            self.matcher.consume_tokens(path)
+            rows.append(self.allowed())
+            self.matcher.rollback(len(path))
+        return torch.stack(rows)
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token ``allowed`` does not hold set to minus infinity."""
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+__all__ = [
+    "GrammarCompiler",
+    "RequestGrammar",
+    "compiler_for",
+    "mask_logits",
+    "request_grammar",
+]
