@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from specserve import defaults
 from specserve.cluster.replica_config import DISTRIBUTED_SETTINGS, MODEL_SETTINGS, ReplicaConfig
 from specserve.core.errors import UserError
-from specserve.core.sampling_params import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
+from specserve.core.sampling_params import TYPICAL_DELTA, TYPICAL_EPSILON, GrammarSpec, SamplingParams
 from specserve.core.schedule import MAX_GAMMA, POLICY_NAMES
 from specserve.core.tree_spec import InvalidTree, TreeBudget, TreeSpec, TreeTopology
 
@@ -108,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="raw",
         help="logprobs of the model's own distribution (raw) or of the one each token was chosen from (processed)",
     )
+    formats = parser.add_argument_group(
+        "structured output (exact under speculation: drafts are cut where they leave the grammar); at most one"
+    ).add_mutually_exclusive_group()
+    formats.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    formats.add_argument("--json-schema", metavar="FILE", help="the output is JSON following the schema in FILE")
+    formats.add_argument("--regex", metavar="PATTERN", help="the output matches the regular expression PATTERN")
+    formats.add_argument("--lark", metavar="FILE", help="the output follows the Lark grammar in FILE (llguidance's)")
     lossy = parser.add_argument_group(
         "lossy acceptance (NOT exact: the output is no longer distributed as the target's)"
     )
@@ -195,8 +202,34 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         acceptance="typical" if args.typical_acceptance else "exact",
         logit_bias=logit_bias(args.logit_bias),
+        grammar=grammar_spec(args),
         **{name: getattr(args, name) for name in named},
     )
+
+
+def grammar_spec(args: argparse.Namespace) -> GrammarSpec | None:
+    """The structured output the flags ask for; ``None`` for free text."""
+    if args.json_object:
+        return GrammarSpec.json_object()
+    if args.regex is not None:
+        return GrammarSpec("regex", args.regex)
+    if args.lark is not None:
+        return GrammarSpec("lark", read_flag_file("--lark", args.lark))
+    if args.json_schema is not None:
+        text = read_flag_file("--json-schema", args.json_schema)
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--json-schema {args.json_schema} is not JSON: {exc}") from exc
+        return GrammarSpec("json_schema", text)
+    return None
+
+
+def read_flag_file(flag: str, path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise UserError(f"cannot read {flag} {path}: {exc.strerror or exc}") from exc
 
 
 def logit_bias(pairs: Sequence[str]) -> tuple[tuple[int, float], ...]:

@@ -61,6 +61,32 @@ def test_generate_json_with_penalties_and_logprobs(capsys: pytest.CaptureFixture
     assert outputs[0] == outputs[1]
 
 
+def test_generate_json_schema_gives_json_that_follows_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The shipped pair, a schema with bounded strings: the output parses and validates, whoever drafts."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer", "maximum": 999}},
+        "required": ["name", "size"],
+        "additionalProperties": False,
+    }
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    outputs = []
+    for draft in ("ngram", DRAFT):
+        code, out, err = run_cli(
+            capsys, "generate", "--prompt", "def main(", "--max-new-tokens", "64", "--json", "--draft", draft,
+            "--dtype", "float64", "--json-schema", str(path),
+        )  # fmt: skip
+        assert code == 0, err
+        obj = json.loads(out)
+        assert obj["finish_reason"] == "eos", obj["text"]
+        jsonschema.validate(json.loads(obj["text"]), schema)
+        outputs.append(obj["output_ids"])
+    assert outputs[0] == outputs[1]
+
+
 def test_generate_greedy_is_draft_independent(capsys: pytest.CaptureFixture[str]) -> None:
     """Greedy output of the shipped pair (float64, so no near-ties flip) is the same for every drafter."""
     outputs = []
@@ -188,6 +214,8 @@ BAD_ARGS = {
     "logit bias outside the vocabulary": (["--logit-bias", "99999999=1"], "outside the vocabulary"),
     "presence penalty too large": (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2]"),
     "too many logprobs": (["--logprobs", "21"], "logprobs must be between 0"),
+    "bad regex": (["--regex", "[a-"], "the regex grammar is not valid"),
+    "missing schema": (["--json-schema", "/nonexistent.json"], "cannot read --json-schema"),
 }
 
 

@@ -14,6 +14,7 @@ that holds for every verified row, each with its own history (:class:`RequestGra
   with certainty, because its rejection is what sends the next token through the residual norm(max(0, p − q));
   emitting from p instead would not be exact (docs/verification.md, "Structured output").
 
+JSON is laid out as ``json.dumps`` lays it out (``", "``, ``": "``, no other whitespace: :data:`JSON_LAYOUT`).
 Built on llguidance, whose matchers advance, check (``validate_tokens``) and roll back token by token on the CPU.
 :class:`GrammarCompiler` wraps one tokenizer for it (built once) and compiles requests' grammars, refusing a bad
 one with llguidance's own words. Does not sample or verify.
@@ -35,6 +36,10 @@ from specserve.core.errors import InvalidRequest
 from specserve.core.model import ModelInfo
 from specserve.core.sampling_params import GrammarSpec, SamplingParams
 from specserve.core.tree import ROOT
+
+# How JSON is laid out: json.dumps' separators and no other whitespace, so that a model cannot pad its output with
+# spaces and newlines forever; a schema may choose otherwise with llguidance's "x-guidance" options.
+JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class _DecodedVocabulary:
@@ -80,20 +85,28 @@ class GrammarCompiler:
         """A fresh matcher for ``spec``; :class:`InvalidRequest` saying what is wrong with a bad grammar."""
         try:
             if spec.kind == "json_schema":
-                text = llguidance.LLMatcher.grammar_from_json_schema(spec.source)
+                text = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
             elif spec.kind == "regex":
                 text = llguidance.LLMatcher.grammar_from_regex(spec.source)
             else:
                 text = llguidance.LLMatcher.grammar_from_lark(spec.source)
         except ValueError as exc:
-            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {exc}") from exc
+            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(str(exc))}") from exc
         error = llguidance.LLMatcher.validate_grammar(text)
         if error:
-            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {error}")
+            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(error)}")
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {matcher.get_error()}")
+            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(matcher.get_error())}")
         return RequestGrammar(matcher, self.vocab, self.eos)
+
+
+def one_line(error: str) -> str:
+    """llguidance's error report in one line: its first line and every line that names an error (no source
+    excerpts, no carets)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    kept = lines[:1] + [line for line in lines[1:] if "error" in line.lower()]
+    return " ".join(kept)
 
 
 _COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()

@@ -5,7 +5,7 @@ bounded: types are JSON's own (no ``true`` for a number, no ``"16"`` for an inte
 a number, as JSON clients send ``"temperature": 1``), every number has bounds (``seed`` in
 [0, 2**63), ``top_k`` at most :data:`~specserve.core.sampling_params.MAX_TOP_K`, ``max_tokens`` at
 most :data:`MAX_TOKENS`, no NaN or infinity...), an OpenAI field this server does not implement
-(``tools``, ``echo``, ``response_format``...) is refused unless it asks for
+(``tools``, ``echo``, ``suffix``...) is refused unless it asks for
 nothing (absent, ``null`` or its no-op value), and a field that is no OpenAI field nor one of
 ours is refused as unknown. ``user`` and ``stream_options`` are accepted and ignored (harmless).
 A request that breaks a rule becomes a :class:`RequestError` with the OpenAI error shape
@@ -15,8 +15,10 @@ names of the request's fields (``max_new_tokens``) replaced by the OpenAI ones t
 (``max_tokens``).
 
 OpenAI's ``logprobs`` (completions: how many alternatives; chat: ``logprobs`` + ``top_logprobs``), ``logit_bias``,
-``presence_penalty``, ``frequency_penalty``, ``n`` and (completions) ``best_of`` are served, exactly under
-speculation (:mod:`specserve.core.processors`, :mod:`specserve.core.logprobs`).
+``presence_penalty``, ``frequency_penalty``, ``n``, (completions) ``best_of`` and ``response_format``
+(``json_object``, ``json_schema``; on completions too, as in vLLM) are served, exactly under speculation
+(:mod:`specserve.core.processors`, :mod:`specserve.core.logprobs`, :mod:`specserve.core.grammar`), and so is the
+``structured_outputs`` extension (vLLM's: ``json``, ``regex``, ``grammar`` in Lark, ``choice``).
 
 Extensions beyond the OpenAI API: ``top_k``, ``min_p``, ``repetition_penalty``, ``logprobs_mode`` (``raw`` or
 ``processed``), ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
@@ -37,6 +39,7 @@ coordinator's prompt codec does it), or talk to Ray.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from typing import Annotated, Any, Literal
@@ -49,6 +52,7 @@ from pydantic import (
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -58,11 +62,13 @@ from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingPara
 from specserve.core.sampling_params import (
     GREEDY_BELOW,
     MAX_BIASED_TOKENS,
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_TOP_K,
+    GrammarSpec,
 )
 from specserve.core.schedule import MAX_GAMMA
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
@@ -162,6 +168,21 @@ def _common_prefix(locs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
     return prefix
 
 
+def tagged_union_error(exc: ValidationError, tag: str, tags: tuple[str, ...]) -> PydanticCustomError:
+    """Every fault inside an object of a tagged union as one error at the object, each inner field named in the
+    message without the union's tag (pydantic's locations contain it, and it is no key of the JSON)."""
+    reasons = []
+    for error in exc.errors():
+        loc = error["loc"][1:] if error["loc"][:1] and error["loc"][0] in tags else error["loc"]
+        where = ".".join(str(part) for part in loc)
+        reason = error_words(error)
+        if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            where = tag
+            reason = "Input should be " + ", ".join(repr(t) for t in tags[:-1]) + f" or {tags[-1]!r}"
+        reasons.append(f"{where}: {reason}" if where else reason)
+    return PydanticCustomError("invalid_object", "{reasons}", {"reasons": "; ".join(dict.fromkeys(reasons))})
+
+
 # ---------------------------------------------------------------------------------------------
 # Strictness and the OpenAI fields this server does not implement
 
@@ -173,7 +194,6 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -363,17 +383,81 @@ class SpeculationOptions(BaseModel):
         try:
             return handler(tree)
         except ValidationError as exc:
-            reasons = []
-            for error in exc.errors():
-                loc = error["loc"][1:] if error["loc"][:1] and error["loc"][0] in TREE_KINDS else error["loc"]
-                where = ".".join(str(part) for part in loc)
-                reason = error_words(error)
-                if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-                    where, reason = "kind", "Input should be 'chain', 'dynamic' or 'static'"
-                reasons.append(f"{where}: {reason}" if where else reason)
-            raise PydanticCustomError(
-                "invalid_tree", "{reasons}", {"reasons": "; ".join(dict.fromkeys(reasons))}
-            ) from exc
+            raise tagged_union_error(exc, "kind", TREE_KINDS) from exc
+
+
+class TextFormat(BaseModel):
+    """``{"type": "text"}``: free text (the default)."""
+
+    model_config = STRICT
+
+    type: Literal["text"] = Field(..., description="free text")
+
+
+class JsonObjectFormat(BaseModel):
+    """``{"type": "json_object"}``: any JSON object."""
+
+    model_config = STRICT
+
+    type: Literal["json_object"] = Field(..., description="a JSON object")
+
+
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's ``json_schema`` object: a name and the schema the output must follow."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="the format's name")
+    description: str | None = Field(None, max_length=1024, description="what the format is for (not used)")
+    json_schema: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="the JSON schema the output follows ({} = any JSON)"
+    )
+    strict: bool | None = Field(None, description="accepted: the output always follows the schema")
+
+
+class JsonSchemaFormat(BaseModel):
+    """``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``: JSON following a schema."""
+
+    model_config = STRICT
+
+    type: Literal["json_schema"] = Field(..., description="JSON following a schema")
+    json_schema: JsonSchemaSpec = Field(..., description="the schema and its name")
+
+
+FORMAT_TYPES = ("text", "json_object", "json_schema")
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(BaseModel):
+    """The ``structured_outputs`` extension (vLLM's): exactly one of a JSON schema, a regex, a Lark grammar or a
+    list of choices."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    json_schema: dict[str, Any] | None = Field(None, alias="json", description="a JSON schema the output follows")
+    regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a regular expression")
+    grammar: str | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a Lark grammar (llguidance's dialect)"
+    )
+    choice: list[Annotated[str, Field(min_length=1, max_length=1024)]] | None = Field(
+        None, min_length=1, max_length=256, description="the output is exactly one of these strings"
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [value for value in (self.json_schema, self.regex, self.grammar, self.choice) if value is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, grammar or choice")
+        return self
+
+    def spec(self) -> GrammarSpec:
+        if self.json_schema is not None:
+            return GrammarSpec("json_schema", json.dumps(self.json_schema))
+        if self.regex is not None:
+            return GrammarSpec("regex", self.regex)
+        if self.grammar is not None:
+            return GrammarSpec("lark", self.grammar)
+        return GrammarSpec("lark", "start: " + " | ".join(json.dumps(option) for option in self.choice or ()))
 
 
 class StreamOptions(BaseModel):
@@ -442,6 +526,17 @@ class _Request(BaseModel):
     min_p: float = Field(
         0.0, ge=0.0, le=1.0, description="extension: drop tokens less likely than min_p times the most likely (0 = off)"
     )
+    response_format: ResponseFormat | None = Field(
+        None,
+        description='{"type": "text"} (default), {"type": "json_object"} or {"type": "json_schema", "json_schema":'
+        ' {"name": ..., "schema": {...}}}: every position is masked to what the format allows (exact under'
+        " speculation)",
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None,
+        description='extension (vLLM\'s): {"json": schema}, {"regex": "..."}, {"grammar": "Lark"} or {"choice":'
+        " [...]}, one of them; not together with response_format",
+    )
     logprobs_mode: Literal["raw", "processed"] = Field(
         "raw",
         description="extension: logprobs under the model's own distribution (raw) or the one each token was chosen"
@@ -453,6 +548,23 @@ class _Request(BaseModel):
     # accepted and ignored
     user: str | None = Field(None, max_length=256, description="OpenAI's end-user id: accepted and ignored")
     stream_options: StreamOptions | None = Field(None, description="accepted and ignored")
+
+    @field_validator("response_format", mode="wrap")
+    @classmethod
+    def _one_format_error(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """Faults inside ``response_format`` are reported at it (see :func:`tagged_union_error`)."""
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            raise tagged_union_error(exc, "type", FORMAT_TYPES) from exc
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_format(cls, outputs: StructuredOutputs | None, info: ValidationInfo) -> StructuredOutputs | None:
+        given = info.data.get("response_format")
+        if outputs is not None and given is not None and not isinstance(given, TextFormat):
+            raise ValueError("response_format already asks for a format; send one of the two")
+        return outputs
 
     @field_validator("logit_bias")
     @classmethod
@@ -506,7 +618,18 @@ class _Request(BaseModel):
             min_p=self.min_p,
             logprobs=self.logprobs_wanted(),
             logprobs_mode=self.logprobs_mode,
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> GrammarSpec | None:
+        """The structured output asked for (``response_format`` or ``structured_outputs``); ``None``: free text."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if isinstance(self.response_format, JsonObjectFormat):
+            return GrammarSpec.json_object()
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return GrammarSpec("json_schema", json.dumps(self.response_format.json_schema.json_schema or {}))
+        return None
 
     def choices(self) -> int:
         """How many completions to generate (``best_of`` for completions, else ``n``)."""
@@ -591,7 +714,6 @@ class ChatMessage(BaseModel):
 
 
 CHAT_UNSUPPORTED = (
-    "response_format",
     "tools",
     "tool_choice",
     "functions",
@@ -617,7 +739,6 @@ class ChatCompletionRequest(_Request):
         le=MAX_LOGPROBS,
         description=f"with logprobs: the 0 to {MAX_LOGPROBS} most likely alternatives at every token",
     )
-    response_format: Any = unsupported("response format (JSON mode, structured output)")
     tools: Any = unsupported("tools")
     tool_choice: Any = unsupported("tool choice")
     functions: Any = unsupported("functions (deprecated tools)")

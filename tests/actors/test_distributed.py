@@ -19,6 +19,7 @@ from replicas import Case, config_for, greedy_reference
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.sampling import SamplingParams
+from specserve.core.sampling_params import GrammarSpec
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter
 
@@ -204,10 +205,12 @@ def test_resources_follow_the_placement(running: Running) -> None:
 
 
 def test_penalties_and_logprobs_cross_the_wire(running: Running) -> None:
-    """Penalties run on rank 0 with each row's own history, and every token's logprobs come back over gRPC: the
-    distributed replica emits what the single-process engine emits, with the same logprobs."""
+    """Penalties and grammars run on rank 0 with each row's own history (a grammar also cuts the drafts there and
+    renumbers the verdict for the drafter), and every token's logprobs come back over gRPC: the distributed replica
+    emits what the single-process engine emits, with the same logprobs."""
     penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.8, "frequency_penalty": 0.3, "logit_bias": {9: 2.0}}
-    cases = [SamplingParams(logprobs=3, **penalties)]  # type: ignore[arg-type]
+    lark = GrammarSpec("lark", 'start: "(" item ("," item)* ")"\nitem: /[a-k]+/ | /[0-9]/')
+    cases = [SamplingParams(logprobs=3, **penalties), SamplingParams(logprobs=1, grammar=lark)]  # type: ignore[arg-type]
     if not running.case.overlap:  # with overlap the drafter's random stream differs: greedy only
         cases.append(SamplingParams(temperature=1.0, top_k=20, seed=7, logprobs=2, **penalties))  # type: ignore[arg-type]
     for params in cases:

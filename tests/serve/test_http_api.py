@@ -14,6 +14,7 @@ exporter.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -166,6 +167,59 @@ def test_logprobs_penalties_and_n_through_the_openai_client(
     content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
     assert content is not None and chat.usage is not None and len(content) == chat.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+
+
+def test_json_schema_and_structured_outputs(client: openai.OpenAI) -> None:
+    """response_format json_schema through the official client, whole and streamed: JSON that follows the schema;
+    a regex and a choice through the structured_outputs extension; a schema that does not compile is a 400."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "size": {"type": "integer", "maximum": 99}},
+        "required": ["name", "size"],
+        "additionalProperties": False,
+    }
+    messages: Any = [{"role": "user", "content": "Describe a file as JSON."}]
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "file", "schema": schema, "strict": True}}
+    whole = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=64, temperature=0, response_format=fmt
+    )
+    text = whole.choices[0].message.content
+    assert text is not None and whole.choices[0].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+    parts = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=64, temperature=0, response_format=fmt, stream=True
+        )
+    )
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == text
+    sampled = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=64, temperature=1, seed=2, response_format=fmt
+    )
+    jsonschema.validate(json.loads(sampled.choices[0].message.content or ""), schema)
+
+    regex = client.completions.create(
+        model=MODEL_NAME,
+        prompt="x = ",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": "[0-9]{2,5}"}},
+    )
+    assert re.fullmatch("[0-9]{2,5}", regex.choices[0].text)
+    choice = client.completions.create(
+        model=MODEL_NAME,
+        prompt="ok = ",
+        max_tokens=8,
+        temperature=1,
+        extra_body={"structured_outputs": {"choice": ["True", "False"]}},
+    )
+    assert choice.choices[0].text in ("True", "False")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=4, extra_body={"structured_outputs": {"json": {"type": "objekt"}}}
+        )
+    assert "json_schema grammar is not valid" in str(info.value)
 
 
 def test_chat_whole_and_streamed(client: openai.OpenAI) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from typing import Any
 
@@ -281,3 +282,30 @@ def test_best_of_keeps_the_likeliest_per_token(handler: Api) -> None:
     best = max(range(4), key=lambda i: means[i])
     assert answer["choices"][0]["text"] == candidates["choices"][best]["text"]
     assert answer["usage"] == candidates["usage"]
+
+
+def test_structured_outputs_choice_and_regex(handler: Api) -> None:
+    choices = ["alpha", "beta gamma", "delta"]
+    answer = handler.chat(
+        ChatCompletionRequest(
+            model="tiny",
+            messages=[ChatMessage(role="user", content="pick")],
+            temperature=0,
+            max_tokens=20,
+            structured_outputs={"choice": choices},  # type: ignore[arg-type]
+        )
+    )
+    assert answer["choices"][0]["message"]["content"] in choices and answer["choices"][0]["finish_reason"] == "stop"
+    request = {"model": "tiny", "prompt": "abcab", "temperature": 0, "max_tokens": 20}
+    regex = {"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2,4}"}}
+    whole = handler.completion(CompletionRequest(**request, **regex))
+    assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", whole["choices"][0]["text"])
+    streamed = events(handler.completion(CompletionRequest(**request, **regex, stream=True)))
+    assert "".join(c["choices"][0]["text"] for c in streamed) == whole["choices"][0]["text"]
+    with pytest.raises(RequestError) as info:
+        handler.completion(CompletionRequest(**request, structured_outputs={"regex": "[0-"}))  # type: ignore[arg-type]
+    assert info.value.status == 400 and info.value.param == "structured_outputs"
+    assert "the regex grammar is not valid" in info.value.message
+    with pytest.raises(RequestError) as info:
+        handler.completion(CompletionRequest(**request, **regex, ignore_eos=True))
+    assert info.value.param == "structured_outputs" and "ignore_eos" in info.value.message

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from specserve.core.engine import REQUEST_DRAFTERS
 from specserve.core.model import ModelInfo
 from specserve.core.prompts import PromptCodec
-from specserve.core.sampling_params import MAX_TOP_K
+from specserve.core.sampling_params import MAX_TOP_K, GrammarSpec
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.serve.config import API_KEY_ENV, ServeConfig
 from specserve.serve.openai_api import OpenAIHandler
@@ -443,8 +443,6 @@ UNSUPPORTED_COMPLETION = [
     ("suffix", "}"),
 ]
 UNSUPPORTED_CHAT = [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]),
@@ -572,3 +570,58 @@ def test_chat_top_logprobs_need_logprobs() -> None:
     assert error.param == "top_logprobs" and "top_logprobs needs logprobs: true" in error.message
     error = refused({**CHAT, "logprobs": True, "top_logprobs": 21}, ChatCompletionRequest)
     assert error.param == "top_logprobs" and "less than or equal to 20" in error.message
+
+
+# Structured output -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [CompletionRequest, ChatCompletionRequest])
+def test_formats_become_grammars(kind: type) -> None:
+    base = GOOD if kind is CompletionRequest else CHAT
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases: list[tuple[dict[str, object], GrammarSpec | None]] = [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, GrammarSpec.json_object()),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "thing", "schema": schema, "strict": True},
+                }
+            },
+            GrammarSpec("json_schema", json.dumps(schema)),
+        ),
+        ({"structured_outputs": {"json": schema}}, GrammarSpec("json_schema", json.dumps(schema))),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, GrammarSpec("regex", "[a-z]+")),
+        ({"structured_outputs": {"grammar": 'start: "x"'}}, GrammarSpec("lark", 'start: "x"')),
+        ({"structured_outputs": {"choice": ["yes", 'n"o']}}, GrammarSpec("lark", 'start: "yes" | "n\\"o"')),
+    ]
+    for fields, grammar in cases:
+        assert parse({**base, **fields}, kind).sampling().grammar == grammar, fields
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format", "type: Input should be 'text', 'json_object' or"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema: Field required"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+            "response_format",
+            "json_schema.name: String should match pattern",
+        ),
+        ({"structured_outputs": {}}, "structured_outputs", "give exactly one of json, regex, grammar or choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1 item"),
+        ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml", "unknown field"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "response_format already asks for a format; send one of the two",
+        ),
+    ],
+)
+def test_bad_formats_name_the_field(fields: dict[str, object], param: str, words: str) -> None:
+    error = refused({**CHAT, **fields}, ChatCompletionRequest)
+    assert error.param == param and words in error.message, error.message
