@@ -17,7 +17,8 @@ that holds for every verified row, each with its own history (:class:`RequestGra
 JSON is laid out as ``json.dumps`` lays it out (``", "``, ``": "``, no other whitespace: :data:`JSON_LAYOUT`).
 Built on llguidance, whose matchers advance, check (``validate_tokens``) and roll back token by token on the CPU.
 :class:`GrammarCompiler` wraps one tokenizer for it (built once) and compiles requests' grammars, refusing a bad
-one with llguidance's own words. Does not sample or verify.
+one with llguidance's own words. :class:`DraftGrammar` lets a drafter propose only what the grammar allows (the
+draft model does: its q is then the masked law it samples from). Does not sample or verify.
 """
 
 from __future__ import annotations
@@ -201,12 +202,64 @@ class RequestGrammar:
         return torch.stack(rows)
 
 
+class DraftGrammar:
+    """A drafter's view of the request's grammar: the matcher kept at the end of the drafter's own context (which
+    it may rewind) plus the tokens drafted so far this cycle, so a drafter can propose only what the grammar
+    allows (:meth:`allowed`) — its q is then the masked law it really samples from, and the rules stay exact. The
+    context's first ``output_start`` tokens are the prompt (a resumed request's earlier output counts as output)."""
+
+    def __init__(self, grammar: RequestGrammar, output_start: int) -> None:
+        self.grammar = grammar
+        self.output_start = output_start
+        self.matched: list[int] = []  # the output tokens the matcher has consumed (ends of text excluded)
+        self.drafted = 0  # tokens consumed on top of them this cycle
+
+    @classmethod
+    def of(cls, params: SamplingParams, tokenizer: Any, info: ModelInfo, prompt_length: int) -> DraftGrammar | None:
+        """The drafter's grammar for a request (``None`` without one, or when the drafter has no tokenizer)."""
+        if params.grammar is None or tokenizer is None:
+            return None
+        grammar = request_grammar(params, tokenizer, info)
+        assert grammar is not None
+        return cls(grammar, prompt_length - min(params.prior_output_tokens, prompt_length))
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Bring the matcher to the end of ``context`` (prompt + committed output), dropping this cycle's drafts."""
+        self.rewind_drafts()
+        output = [int(t) for t in context[self.output_start :] if int(t) not in self.grammar.eos]
+        keep = 0
+        while keep < min(len(self.matched), len(output)) and self.matched[keep] == output[keep]:
+            keep += 1
+        if keep < len(self.matched):
+            self.grammar.matcher.rollback(len(self.matched) - keep)
+        self.grammar.advance(output[keep:])
+        self.matched = output
+
+    def allowed(self) -> torch.Tensor:  # [vocab] bool
+        return self.grammar.allowed()
+
+    def push(self, token: int) -> bool:
+        """Draft ``token`` (one :meth:`allowed` holds); False once the text is over (an end of text or a finished
+        grammar): nothing can follow."""
+        if int(token) in self.grammar.eos:
+            return False
+        self.grammar.advance([int(token)])
+        self.drafted += 1
+        return not self.grammar.matcher.is_stopped()
+
+    def rewind_drafts(self) -> None:
+        if self.drafted:
+            self.grammar.matcher.rollback(self.drafted)
+            self.drafted = 0
+
+
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """``logits`` with every token ``allowed`` does not hold set to minus infinity."""
     return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
 
 __all__ = [
+    "DraftGrammar",
     "GrammarCompiler",
     "RequestGrammar",
     "compiler_for",

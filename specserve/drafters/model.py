@@ -12,6 +12,11 @@ The drafter keeps its own KV cache. Before proposing it rolls the cache back to 
 prefix shared with the committed text and feeds the rest in one forward (usually one or two
 tokens), so rejected draft tokens never leak into later proposals.
 
+Under a grammar (structured output) the drafter drafts only what the grammar allows: each step's logits are
+masked by the request's grammar after the committed text and the tokens drafted so far
+(:class:`~specserve.core.grammar.DraftGrammar`), so the q it sends is the masked law it sampled from, and it stops
+at the end of the text. Without that, most of its drafts would be cut by the verifier.
+
 Trees (:meth:`DraftModelDrafter.propose_tree`) are drafted by a
 :class:`~specserve.drafters.tree.TreeModelDrafter` on the same model, with a cache of its own.
 """
@@ -23,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.core.draft import Draft
+from specserve.core.grammar import DraftGrammar, mask_logits
 from specserve.core.invariant import invariant_tokens
 from specserve.core.model import CausalLM, KVCache, TargetDescription
 from specserve.core.sampling import SamplingParams, sample, warp_probs
@@ -45,6 +51,7 @@ class DraftModelDrafter:
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
         self._trees: TreeModelDrafter | None = None  # once trees are asked for: its own cache, this context
+        self._grammar: DraftGrammar | None = None  # the request's grammar (structured output), if any
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         self._cache = self.model.new_cache()
@@ -53,6 +60,7 @@ class DraftModelDrafter:
         self._context = list(prompt_ids)
         self._params = params
         self._generator = generator
+        self._grammar = DraftGrammar.of(params, self.model.tokenizer, self.model.info, len(prompt_ids))
 
     def accept(self, committed: Sequence[int]) -> None:
         self._context.extend(committed)
@@ -93,7 +101,12 @@ class DraftModelDrafter:
         greedy = self._params.greedy
         coupled = self._params.invariant_sampling
         first = len(self._context)  # the absolute position of the first proposed token
+        grammar = self._grammar
+        if grammar is not None:
+            grammar.sync(self._context)
         for i in range(budget):
+            if grammar is not None:  # only what the grammar allows after the text and the drafts so far
+                logits = mask_logits(logits, grammar.allowed())
             if greedy:
                 token = logits.argmax(-1)
             elif coupled:  # argmax(log q + G) at this position; no q is sent
@@ -104,9 +117,13 @@ class DraftModelDrafter:
                 token = sample(row, self._generator)
                 probs.append(row)
             tokens.append(token)
+            if grammar is not None and not grammar.push(int(token)):
+                break  # the text ends here: nothing to draft after it
             if i + 1 < budget:
                 assert self._cache is not None
                 logits = self.model.forward(self._cache, token.reshape(1), last_only=True)[-1]
+        if grammar is not None:
+            grammar.rewind_drafts()
         token_tensor = torch.stack(tokens).to(self._output_device)
         self._cached.extend(int(t) for t in token_tensor[:-1].tolist())
         draft_probs = torch.stack(probs).to(self._output_device) if probs else None

@@ -22,13 +22,13 @@ from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.grammar import compiler_for
 from specserve.core.prompts import InvalidRequest
 from specserve.core.resume import Resume, continuation
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.sampling_params import GrammarSpec, InvalidSamplingParams
 from specserve.core.target import _as_sent
 from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec
 from specserve.core.tree_verification import TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
-from specserve.drafters import build_drafter_set
+from specserve.drafters import DraftModelDrafter, build_drafter_set
 from specserve.drafters.registry import request_drafters
 
 ALPHA = 1e-3  # per chi-square test; two of them: a false failure at most 2e-3 per run
@@ -232,3 +232,28 @@ def test_grammar_specs_and_ignore_eos_are_checked(pair: TinyPair, engines: dict[
         engines[pair.family].generate(
             [5, 6], SamplingParams(grammar=GRAMMARS["regex"]), GenerationConfig(4, ignore_eos=True)
         )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_model_drafts_only_what_the_grammar_allows(pair: TinyPair, temperature: float) -> None:
+    """Its q is the masked law it sampled from (zero outside the grammar), and it stops at a finished text."""
+    spec = GrammarSpec("regex", "[0-9a-f]{4}-[0-9a-f]{2,6}")
+    drafter = DraftModelDrafter(pair.draft, pair.target)
+    prompt = list(pair.prompts[0])
+    params = SamplingParams(temperature=temperature, seed=1, grammar=spec)
+    drafter.start(prompt, params, make_generators(1).draft)
+    check = compiler_for(pair.target.tokenizer, VOCAB).compile(spec)
+    committed: list[int] = []
+    for _ in range(6):
+        draft = drafter.propose(4)
+        tokens = draft.tokens.tolist()
+        assert check.valid_prefix(tokens) == len(tokens), tokens
+        if draft.draft_probs is not None:
+            allowed = check.row_masks(draft.tokens, draft.parents)[: len(tokens)]
+            assert float(draft.draft_probs.masked_fill(allowed, 0.0).abs().max()) == 0.0
+        if not tokens:
+            break
+        committed, step = [*committed, tokens[0]], tokens[:1]  # as if the target accepted the first only
+        check.advance(step)
+        drafter.accept(step)
+    assert len(committed) >= 4
