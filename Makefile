@@ -56,7 +56,7 @@ typecheck: install
 	$(BIN)/mypy
 
 pytest: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test: lint typecheck pytest
 

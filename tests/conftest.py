@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,120 @@ def ray_cluster() -> Iterator[Any]:
             )
     yield ray
     ray.shutdown()
+
+
+def cases_in_use(request: pytest.FixtureRequest, fixture: str) -> list[str]:
+    """The params of the module-scoped, parametrised ``fixture`` that this session's tests of the requesting module
+    use, in the order they run (a module fixture may prepare them all at once)."""
+    module = request.node.path
+    names = [item.callspec.params.get(fixture) for item in request.session.items if item.path == module]  # type: ignore[attr-defined]
+    return list(dict.fromkeys(name for name in names if name is not None))
+
+
+class SharedReplicas:
+    """Replicas of the distributed runtime that consecutive test modules use alike (``shared_replicas``): each is
+    spawned when first asked for, with ``DRAFTER_MAX_RESTARTS`` raised (their users' fault tests each cost the drafter
+    a restart or two), and all are shut down after the last test of the session that uses the fixture (the
+    ``pytest_runtest_teardown`` hook below), so that later modules find the cluster's resources free.
+
+    Every user gets a :class:`~specserve.actors.coordinator.Coordinator` of its own (a fresh front door: none of
+    another module's fault bookkeeping), whose view of the settings only the coordinator reads (``stall_timeout_s``)
+    may differ; and only once the replica's shards and drafter answer (a previous user may have left the drafter
+    restarting). A replica whose shards do not answer (a previous user broke it) is replaced.
+    """
+
+    DRAFTER_MAX_RESTARTS = 10
+    COORDINATOR_ONLY = frozenset({"stall_timeout_s"})  # settings the actors never read
+
+    def __init__(self) -> None:
+        self.replicas: dict[str, Any] = {}
+
+    def coordinator(self, config: Any, **coordinator_settings: Any) -> Any:
+        import dataclasses
+
+        import ray
+
+        from specserve.actors import replica as replica_module
+        from specserve.actors.coordinator import Coordinator
+
+        assert set(coordinator_settings) <= self.COORDINATOR_ONLY, coordinator_settings
+        key = config.model_dump_json()
+        replica = self.replicas.get(key)
+        if replica is not None:
+            try:
+                ray.get([shard.node_id.remote() for shard in replica.shards], timeout=30)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                del self.replicas[key]
+                replica.shutdown()
+                replica = None
+        if replica is None:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(replica_module, "DRAFTER_MAX_RESTARTS", self.DRAFTER_MAX_RESTARTS)
+                replica = self.replicas[key] = replica_module.spawn_replica(config)
+        deadline = time.monotonic() + 120
+        while True:  # Ray restarts a drafter a previous user killed: wait until it answers
+            try:
+                ray.get(replica.drafter.node_id.remote(), timeout=5)
+                break
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                assert time.monotonic() < deadline, "the shared replica's drafter did not come back"
+                time.sleep(0.5)
+        if coordinator_settings:
+            replica = dataclasses.replace(replica, config=config.model_copy(update=coordinator_settings))
+        return Coordinator(replica)
+
+    def prepare(self, configs: Iterable[Any]) -> None:
+        """Spawns those of ``configs`` not spawned yet all at once, on threads: a replica's start keeps about one core
+        busy at a time (its shard, then its drafter, each a process importing torch and loading weights)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from specserve.actors import replica as replica_module
+
+        missing = {config.model_dump_json(): config for config in configs}
+        missing = {key: config for key, config in missing.items() if key not in self.replicas}
+        if len(missing) < 2:
+            return  # spawned when asked for
+        with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(len(missing)) as pool:
+            patch.setattr(replica_module, "DRAFTER_MAX_RESTARTS", self.DRAFTER_MAX_RESTARTS)
+            futures = {key: pool.submit(replica_module.spawn_replica, config) for key, config in missing.items()}
+            errors = [future.exception() for future in futures.values()]
+        for key, future in futures.items():
+            if future.exception() is None:
+                self.replicas[key] = future.result()
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def close(self) -> None:
+        while self.replicas:
+            self.replicas.popitem()[1].shutdown()
+
+
+_shared_replicas: SharedReplicas | None = None
+_last_shared_user: pytest.Item | None = None
+
+
+@pytest.fixture(scope="session")
+def shared_replicas(ray_cluster: Any, request: pytest.FixtureRequest) -> Iterator[SharedReplicas]:
+    global _shared_replicas, _last_shared_user
+    users = [item for item in request.session.items if "shared_replicas" in item.fixturenames]
+    _last_shared_user = users[-1] if users else None
+    _shared_replicas = SharedReplicas()
+    try:
+        yield _shared_replicas
+    finally:
+        _shared_replicas.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test that uses ``shared_replicas``, its replicas are shut down (the fixture itself, being
+    session-scoped, would hold them, and the cluster's resources, until the session ends)."""
+    try:
+        return (yield)
+    finally:
+        if _shared_replicas is not None and item is _last_shared_user:
+            _shared_replicas.close()
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import os
+import pickle
+import signal
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import scipy.stats
 import torch
+
+T = TypeVar("T")
 
 
 def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
@@ -43,10 +49,26 @@ def two_token_pvalue(
     params: Any,
     trials: int,
     process: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None,
+    forked: bool = False,
 ) -> float:
     """Chi-square p-value of the first two tokens ``generate(seed)`` emits, over seeds ``0 .. trials - 1``, against
     the target's joint law of two tokens after ``prompt`` under the warp of ``params`` (a ``SamplingParams``);
-    ``process(ids, logits)``, when given, processes each position's logits (penalties) before the warp."""
+    ``process(ids, logits)``, when given, processes each position's logits (penalties, a grammar's mask) before the
+    warp. ``forked``: the seeds are drawn by two processes at once (:func:`draws_over_seeds`)."""
+    pairs = draws_over_seeds(generate, trials) if forked else [generate(seed) for seed in range(trials)]
+    return two_token_fit(pairs, target, prompt, params, process)
+
+
+def two_token_fit(
+    pairs: Sequence[Sequence[int]],
+    target: Any,
+    prompt: list[int],
+    params: Any,
+    process: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """Chi-square p-value of the token pairs ``pairs`` (two tokens emitted after ``prompt`` each) against the target's
+    joint law of two tokens after ``prompt`` under the warp of ``params`` (a ``SamplingParams``), each position's
+    logits processed by ``process`` first when given."""
     from specserve.core.sampling import warp_probs
 
     def law(ids: list[int]) -> torch.Tensor:
@@ -56,5 +78,43 @@ def two_token_pvalue(
 
     first = law(prompt)
     joint = torch.stack([first[a] * law([*prompt, a]) for a in range(first.numel())])
-    pairs = [generate(seed) for seed in range(trials)]
     return chi2_pvalue(torch.tensor([a * first.numel() + b for a, b in pairs]), joint)
+
+
+def draws_over_seeds(draw: Callable[[int], T], trials: int) -> list[T]:
+    """``[draw(seed) for seed in range(trials)]``, computed by two processes at once: a forked copy of this one draws
+    the first half of the seeds while this one draws the second (the seeds of a statistical test are fixed, so where
+    each is drawn changes nothing but the time: a test sampling in process uses one core of a 2-core machine).
+
+    Each process draws its seeds in order, from the state ``draw`` had at the fork; ``draw`` must be a function of
+    its seed and that state (side effects in the child are lost: return what the test needs). The split is fixed, not
+    the machine's core count, so a run is reproducible anywhere. Without ``os.fork`` it draws in this process."""
+    half = trials // 2
+    if not hasattr(os, "fork") or half == 0:
+        return [draw(seed) for seed in range(trials)]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the first half, sent back pickled; it never returns into the test session
+        try:
+            os.close(read_end)
+            try:
+                message: tuple[str, Any] = ("ok", [draw(seed) for seed in range(half)])
+            except BaseException:
+                message = ("error", traceback.format_exc())
+            with os.fdopen(write_end, "wb") as out:
+                pickle.dump(message, out)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        second = [draw(seed) for seed in range(half, trials)]
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        with os.fdopen(read_end, "rb") as received:
+            data = received.read()
+        os.waitpid(pid, 0)
+    status, first = pickle.loads(data) if data else ("error", "the child process died")
+    assert status == "ok", f"drawing seeds 0..{half - 1} in a forked process failed:\n{first}"
+    return [*first, *second]

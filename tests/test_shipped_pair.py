@@ -36,21 +36,34 @@ def top2_gap(model: torch.nn.Module, ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-@pytest.mark.parametrize("drafter_name", ["model", "ngram"])
-def test_float32_greedy_matches_generate_up_to_near_ties(shipped: tuple[CausalLM, CausalLM], drafter_name: str) -> None:
-    target, draft = shipped
+@pytest.fixture(scope="module")
+def references(shipped: tuple[CausalLM, CausalLM]) -> list[tuple[list[int], list[int]]]:
+    """Each held-out prompt (its last 200 tokens) and transformers' greedy continuation of it, computed once for
+    both drafters below."""
+    target, _ = shipped
     assert target.tokenizer is not None
-    drafter = build_drafter(draft if drafter_name == "model" else "ngram", target)
-    engine = SpeculativeEngine(target, drafter)
     eos = list(target.info.eos_token_ids)
-    compared = 0
+    out = []
     for text in heldout_prompts(4):
         prompt = list(target.tokenizer(text, add_special_tokens=False)["input_ids"])[-200:]
-        ours = engine.generate(prompt, SamplingParams(), GenerationConfig(max_new_tokens=MAX_NEW, gamma=4)).output_ids
         with torch.inference_mode():
             ref = target.model.generate(
                 torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=eos[0]
             )[0, len(prompt) :].tolist()
+        out.append((prompt, ref))
+    return out
+
+
+@pytest.mark.parametrize("drafter_name", ["model", "ngram"])
+def test_float32_greedy_matches_generate_up_to_near_ties(
+    shipped: tuple[CausalLM, CausalLM], references: list[tuple[list[int], list[int]]], drafter_name: str
+) -> None:
+    target, draft = shipped
+    drafter = build_drafter(draft if drafter_name == "model" else "ngram", target)
+    engine = SpeculativeEngine(target, drafter)
+    compared = 0
+    for prompt, ref in references:
+        ours = engine.generate(prompt, SamplingParams(), GenerationConfig(max_new_tokens=MAX_NEW, gamma=4)).output_ids
         diverged = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), None)
         if diverged is None:
             assert ours == ref

@@ -9,7 +9,7 @@ the same tokens), the requests really shared steps, and the whole pool is free a
 Prompts are prefilled 8 tokens at a time, between steps. Without overlap, the drafter actor drafts the
 running requests' chains together (its request loops meet in a round), and seeded requests still emit exactly
 what they emit alone.
-Float64 tiny models on a real local Ray cluster.
+Float64 tiny models on a real local Ray cluster; the cases' replicas are spawned at once as the module starts.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TinyPair
-from replicas import Case, config_for, greedy_reference
+from conftest import TinyPair, cases_in_use
+from replicas import Case, config_for, greedy_reference, spawned_at_once
 
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
@@ -50,18 +50,35 @@ class Running:
     kv_tokens: int  # the replica's KV pool
 
 
+def kv_tokens_of(pair: TinyPair) -> int:
+    return 2 * (max(len(p) for p in pair.prompts[:SLOTS]) + LONGEST_OUTPUT)  # two requests at a time
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    request: pytest.FixtureRequest, ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
+) -> Iterator[Callable[[str], Coordinator]]:
+    """The cases' replicas, spawned all at once (they fit the cluster together)."""
+    configs = []
+    for name in cases_in_use(request, "running"):
+        case = CASES[name]
+        config = config_for(
+            case, saved_pairs[case.family], max_num_seqs=SLOTS, batch_wait_ms=200, max_batch_tokens=8,
+            kv_pool_tokens=kv_tokens_of(tiny_pairs[case.family]),
+        )  # fmt: skip
+        configs.append((name, config))
+    with spawned_at_once(configs) as take:
+        yield take
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def running(
-    request: pytest.FixtureRequest, ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
+    request: pytest.FixtureRequest, replicas: Callable[[str], Coordinator], tiny_pairs: dict[str, TinyPair]
 ) -> Iterator[Running]:
     case = CASES[request.param]
     pair = tiny_pairs[case.family]
-    kv_tokens = 2 * (max(len(p) for p in pair.prompts[:SLOTS]) + LONGEST_OUTPUT)  # two requests at a time
-    config = config_for(
-        case, saved_pairs[case.family], max_num_seqs=SLOTS, batch_wait_ms=200, max_batch_tokens=8,
-        kv_pool_tokens=kv_tokens,
-    )  # fmt: skip
-    coordinator = Coordinator.spawn(config)
+    kv_tokens = kv_tokens_of(pair)
+    coordinator = replicas(request.param)
     try:
         engine = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
         yield Running(case, pair, coordinator, engine, kv_tokens)

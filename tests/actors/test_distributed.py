@@ -1,7 +1,9 @@
 """The distributed runtime against the single-process engine and transformers, on a real local Ray cluster.
 
 Each replica configuration (TP degree, drafter placement, overlap, drafter) is spawned once per
-module and shared by the tests that use it; the Ray cluster is shared by the whole session.
+module and shared by the tests that use it; the Ray cluster is shared by the whole session. The next
+configuration's replica starts spawning while a configuration's tests run, once its first test, the resource
+check, has seen the cluster hold only its own replica.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TinyPair
-from replicas import Case, config_for, greedy_reference
+from conftest import TinyPair, cases_in_use
+from replicas import Case, OneAhead, config_for, greedy_reference
 
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
@@ -43,18 +45,47 @@ class Running:
     engine: SpeculativeEngine  # the single-process reference with the same drafter
 
 
+@pytest.fixture(scope="module")
+def replicas(request: pytest.FixtureRequest, ray_cluster: Any, saved_pairs: dict[str, Path]) -> Iterator[OneAhead]:
+    """The cases' replicas, one spawned ahead: the next case's starts once this case's resource check has run."""
+    spawner = OneAhead(
+        cases_in_use(request, "running"), lambda name: config_for(CASES[name], saved_pairs[CASES[name].family])
+    )
+    try:
+        yield spawner
+    finally:
+        spawner.close()
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def running(
-    request: pytest.FixtureRequest, ray_cluster: Any, saved_pairs: dict[str, Path], tiny_pairs: dict[str, TinyPair]
-) -> Iterator[Running]:
+def running(request: pytest.FixtureRequest, replicas: OneAhead, tiny_pairs: dict[str, TinyPair]) -> Iterator[Running]:
     case = CASES[request.param]
     pair = tiny_pairs[case.family]
-    coordinator = Coordinator.spawn(config_for(case, saved_pairs[case.family]))
+    coordinator = replicas.take(request.param)
     drafter = build_drafter(pair.draft if case.draft == "model" else "ngram", pair.target)
     try:
         yield Running(case, pair, coordinator, SpeculativeEngine(pair.target, drafter))
     finally:
-        coordinator.shutdown()
+        replicas.release(request.param)
+
+
+@pytest.fixture(autouse=True)
+def the_next_case_starts_after_the_resource_check(request: pytest.FixtureRequest, replicas: OneAhead) -> None:
+    """test_resources_follow_the_placement (each case's first test) needs the cluster to this case's replica; the
+    case's other tests do not, so the next case's replica starts spawning as they run."""
+    if request.node.originalname != "test_resources_follow_the_placement":  # type: ignore[attr-defined]
+        replicas.start_next(request.node.callspec.params["running"])  # type: ignore[attr-defined]
+
+
+def test_resources_follow_the_placement(running: Running) -> None:
+    import ray
+
+    total, available = ray.cluster_resources(), ray.available_resources()
+    case = running.case
+    assert total["large"] - available.get("large", 0.0) == case.tp
+    assert total["cheap"] - available.get("cheap", 0.0) == (1 if case.placement == "separate" else 0)
+    placement = running.coordinator.placement()
+    assert len(placement["shards"]) == case.tp and placement["verifier"].startswith("127.0.0.1:")
 
 
 def test_greedy_equals_engine_and_transformers(running: Running) -> None:
@@ -191,17 +222,6 @@ def test_abandoned_stream_frees_the_request(running: Running) -> None:
     # ... and the replica keeps serving
     again = running.coordinator.generate(running.pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=8))
     assert len(again.output_ids) >= 1
-
-
-def test_resources_follow_the_placement(running: Running) -> None:
-    import ray
-
-    total, available = ray.cluster_resources(), ray.available_resources()
-    case = running.case
-    assert total["large"] - available.get("large", 0.0) == case.tp
-    assert total["cheap"] - available.get("cheap", 0.0) == (1 if case.placement == "separate" else 0)
-    placement = running.coordinator.placement()
-    assert len(placement["shards"]) == case.tp and placement["verifier"].startswith("127.0.0.1:")
 
 
 def test_penalties_and_logprobs_cross_the_wire(running: Running) -> None:

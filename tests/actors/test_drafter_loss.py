@@ -2,21 +2,21 @@
 
 Greedy: the tokens of an undisturbed run (transformers' greedy reference). Drafter-invariant sampling: the same
 tokens as an undisturbed run with the same seed. Ray restarts the drafter, and the next request drafts again.
-One replica at a time, one at a time and batched (the distributed runtime at TP 1).
+One replica at a time, one at a time and batched (the distributed runtime at TP 1); test_faults.py goes on with the
+same two replicas (``shared_replicas``), each module through a coordinator of its own.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import TinyPair
+from conftest import SharedReplicas, TinyPair, cases_in_use
 from replicas import Case, config_for, greedy_reference
 
 from specserve.actors.coordinator import Coordinator
+from specserve.actors.replica import ReplicaConfig
 from specserve.core.engine import GenerationConfig, GenerationResult
 from specserve.core.sampling import SamplingParams
 
@@ -29,16 +29,18 @@ def longest(pair: TinyPair, prompt: tuple[int, ...]) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=pair.target.info.max_positions - len(prompt), gamma=3, ignore_eos=True)
 
 
+def tp1_config(models: Path, max_num_seqs: int) -> ReplicaConfig:
+    """The replica of this module and of test_faults.py (they share it: ``shared_replicas``)."""
+    return config_for(Case("llama", 1, "model", "colocated", False), models, max_num_seqs=max_num_seqs)
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-at-a-time", "batched"])
 def coordinator(
-    request: pytest.FixtureRequest, ray_cluster: Any, saved_pairs: dict[str, Path]
-) -> Iterator[Coordinator]:
-    case = Case("llama", 1, "model", "colocated", False)
-    coordinator = Coordinator.spawn(config_for(case, saved_pairs["llama"], max_num_seqs=request.param))
-    try:
-        yield coordinator
-    finally:
-        coordinator.shutdown()
+    request: pytest.FixtureRequest, shared_replicas: SharedReplicas, saved_pairs: dict[str, Path]
+) -> Coordinator:
+    # both kinds' replicas start at once
+    shared_replicas.prepare(tp1_config(saved_pairs["llama"], kind) for kind in cases_in_use(request, "coordinator"))
+    return shared_replicas.coordinator(tp1_config(saved_pairs["llama"], request.param))
 
 
 def generate_killing_the_drafter(

@@ -3,9 +3,15 @@
 A drafter whose process is stopped (SIGSTOP) mid-stream: after ``stall_timeout_s`` without a report the coordinator
 probes the replica, kills the drafter (Ray restarts it) and finishes the request without speculation — greedy, the
 tokens of an undisturbed run (transformers' greedy reference); drafter-invariant sampling, the same tokens as an
-undisturbed run with the same seed; the next request drafts again. One at a time and batched (TP 1); batched, two
-requests stalling on the one drafter kill it once. A drafter that does not answer a health check is restarted the
-same way, and the check passes.
+undisturbed run with the same seed; the next request drafts again. One at a time and batched (TP 1, the replicas of
+test_drafter_loss.py: ``shared_replicas``); batched, two requests stalling on the one drafter kill it once. A drafter
+that does not answer a health check is restarted the same way, and the check passes.
+
+Each path runs on each replica kind where the kind changes it: the greedy request (the coordinator's plain cycles on
+a one-at-a-time and on a batched rank 0), garbage drafts. Where the kind changes nothing the coordinator does, one kind
+is enough: drafter-invariant sampling (batched; the same stall and kill as the greedy case, and its plain cycles after
+a lost drafter run on both kinds in test_drafter_loss.py) and the health check (one at a time; a probe of the drafter
+actor, whatever it serves).
 
 A target shard killed or stopped mid-stream (TP 2): the stream raises ``ReplicaLost`` instead of hanging, and so do
 the health check and every later request, at once. Each such test spawns its own replica.
@@ -26,11 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TinyPair
+from conftest import SharedReplicas, TinyPair
 from replicas import Case, config_for, greedy_reference
-from test_drafter_loss import longest, plain_cycles
+from test_drafter_loss import longest, plain_cycles, tp1_config
 
-from specserve.actors import replica as replica_module
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, GenerationResult
 from specserve.core.errors import ReplicaLost
@@ -75,19 +80,22 @@ def wait_for_a_new_drafter(coordinator: Coordinator, old_pid: int, timeout_s: fl
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-at-a-time", "batched"])
+ONE_AT_A_TIME, BATCHED = 1, 2
+KINDS = {"one-at-a-time": ONE_AT_A_TIME, "batched": BATCHED}
+
+
+@pytest.fixture(scope="module", params=list(KINDS.values()), ids=list(KINDS))
 def coordinator(
-    request: pytest.FixtureRequest, ray_cluster: Any, saved_pairs: dict[str, Path]
-) -> Iterator[Coordinator]:
-    case = Case("llama", 1, "model", "colocated", False)
-    config = config_for(case, saved_pairs["llama"], max_num_seqs=request.param, stall_timeout_s=STALL_TIMEOUT_S)
-    with pytest.MonkeyPatch.context() as patch:  # each test below costs the drafter a restart: more than 3
-        patch.setattr(replica_module, "DRAFTER_MAX_RESTARTS", 10)
-        coordinator = Coordinator.spawn(config)
-    try:
-        yield coordinator
-    finally:
-        coordinator.shutdown()
+    request: pytest.FixtureRequest, shared_replicas: SharedReplicas, saved_pairs: dict[str, Path]
+) -> Coordinator:
+    # the shared replica's drafter may be restarted more than the default 3 times (each test below costs one)
+    config = tp1_config(saved_pairs["llama"], request.param)
+    return shared_replicas.coordinator(config, stall_timeout_s=STALL_TIMEOUT_S)
+
+
+def only(kind: str) -> pytest.MarkDecorator:
+    """Runs a test on one replica kind of ``coordinator`` (the module-scoped fixture's own replica)."""
+    return pytest.mark.parametrize("coordinator", [KINDS[kind]], ids=[kind], indirect=True)
 
 
 def generate_freezing_the_drafter(
@@ -123,6 +131,7 @@ def test_greedy_request_survives_a_frozen_drafter(coordinator: Coordinator, tiny
     assert plain_cycles(again) == plain_cycles(undisturbed) and again.stats.accepted_tokens > 0
 
 
+@only("batched")
 def test_drafter_invariant_request_emits_the_undisturbed_tokens(
     coordinator: Coordinator, tiny_pairs: dict[str, TinyPair]
 ) -> None:
@@ -137,13 +146,13 @@ def test_drafter_invariant_request_emits_the_undisturbed_tokens(
     coordinator.check_health(timeout_s=10)  # the coordinator sees its drafter back
 
 
+@only("batched")
 def test_concurrent_requests_survive_one_frozen_drafter(
     coordinator: Coordinator, tiny_pairs: dict[str, TinyPair], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Batched: two requests stall on the one drafter; both finish exactly, and the drafter is killed once (a second
     kill would cost Ray another restart)."""
-    if coordinator.max_concurrency < 2:
-        pytest.skip("a replica that serves one request at a time")
+    assert coordinator.max_concurrency == 2
     pair = tiny_pairs["llama"]
     prompts = (pair.prompts[0], pair.prompts[1])
     configs = [longest(pair, prompt) for prompt in prompts]
@@ -182,6 +191,7 @@ def test_concurrent_requests_survive_one_frozen_drafter(
     coordinator.check_health(timeout_s=10)
 
 
+@only("one-at-a-time")
 def test_health_check_restarts_a_frozen_idle_drafter(coordinator: Coordinator) -> None:
     """A drafter is an optimisation: one that does not answer the health check is killed (Ray restarts it), and the
     check passes."""

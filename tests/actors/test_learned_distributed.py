@@ -6,21 +6,21 @@ features come back from rank 0's prefill and each verdict carries its root's and
 features — at TP 2 from rank 0, whose residual stream is whole after every all-reduce. Layer-skip
 with a trained exit head needs no features. Output equals the single-process engine with the same
 drafter (the same accepted counts: the same features reached the drafter) and transformers' greedy
-decoding; seeded sampling equals the engine's run.
+decoding; seeded sampling equals the engine's run. The cases' replicas are spawned all at once as the module starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import TinyPair
+from conftest import TinyPair, cases_in_use
 from head_helpers import trained_head
-from replicas import greedy_reference
+from replicas import greedy_reference, spawned_at_once
 
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.replica import ReplicaConfig
@@ -68,19 +68,10 @@ def save_head(kind: str, pair: TinyPair, directory: Path) -> str:
     return f"layerskip:{directory}"
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def running(
-    request: pytest.FixtureRequest,
-    ray_cluster: Any,
-    saved_pairs: dict[str, Path],
-    tiny_pairs: dict[str, TinyPair],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Running]:
-    family, tp, placement, kind = CASES[request.param]
-    pair = tiny_pairs[family]
-    spec = save_head(kind, pair, tmp_path_factory.mktemp(f"{kind}-{family}"))
-    config = ReplicaConfig(
-        target=str(saved_pairs[family] / "target"),
+def config_for(name: str, models: Path, spec: str) -> ReplicaConfig:
+    _, tp, placement, kind = CASES[name]
+    return ReplicaConfig(
+        target=str(models / "target"),
         draft=spec,
         dtype="float64",
         tp_degree=tp,
@@ -89,9 +80,43 @@ def running(
         # engine's); layer-skip would draft ahead, which changes a seed's text (README: overlap mode)
         overlap=kind != "layerskip",
     )
-    coordinator = Coordinator.spawn(config)
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    request: pytest.FixtureRequest,
+    ray_cluster: Any,
+    saved_pairs: dict[str, Path],
+    tiny_pairs: dict[str, TinyPair],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[dict[str, str], Callable[[str], Coordinator]]]:
+    """Each case's head saved (its ``--draft`` spec), and its replica: all spawned at once (they fit the cluster
+    together), each as soon as its head is saved."""
+    specs: dict[str, str] = {}
+
+    def configs() -> Iterator[tuple[str, ReplicaConfig]]:
+        for name in cases_in_use(request, "running"):
+            family, _, _, kind = CASES[name]
+            specs[name] = save_head(kind, tiny_pairs[family], tmp_path_factory.mktemp(f"{kind}-{family}"))
+            yield name, config_for(name, saved_pairs[family], specs[name])
+
+    with spawned_at_once(configs()) as take:
+        yield specs, take
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def running(
+    request: pytest.FixtureRequest,
+    replicas: tuple[dict[str, str], Callable[[str], Coordinator]],
+    tiny_pairs: dict[str, TinyPair],
+) -> Iterator[Running]:
+    family, _, _, kind = CASES[request.param]
+    pair = tiny_pairs[family]
+    specs, take = replicas
+    coordinator = take(request.param)
     try:
-        yield Running(kind, pair, coordinator, SpeculativeEngine(pair.target, build_drafter(spec, pair.target)))
+        engine = SpeculativeEngine(pair.target, build_drafter(specs[request.param], pair.target))
+        yield Running(kind, pair, coordinator, engine)
     finally:
         coordinator.shutdown()
 

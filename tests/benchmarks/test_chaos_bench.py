@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import requests
+from serve_helpers import quick_shutdown
 
 from specserve import cli
 from specserve.benchmarks import chaos
@@ -457,7 +458,7 @@ def test_a_short_soak_with_the_drafter_and_a_shard_killed(serve_url: str, long_c
         drain_s=120.0,  # the replica's replacement and the resumed requests
     )
     config = chaos.serve_config(cfg)
-    serve.run(application(config), name=APP, route_prefix=PREFIX)
+    serve.run(application(config, quick_shutdown()), name=APP, route_prefix=PREFIX)
     try:
         report = chaos.run_soak(f"{serve_url}{PREFIX}", config.model_name, PROMPTS, cfg, app_name=APP)
     finally:

@@ -24,6 +24,7 @@ import pytest
 import scipy.stats
 import torch
 from conftest import EOS_ID, MAX_POSITIONS, REF_TOKENS, TinyPair, no_cache_greedy_ids
+from stats_helpers import draws_over_seeds
 
 from specserve.core.draft import REQUEST_DRAFTERS, Draft, Drafter, DrafterSet
 from specserve.core.engine import MAX_GAMMA, GenerationConfig, GenerationResult, InvalidRequest, SpeculativeEngine
@@ -361,13 +362,15 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_pairs: dict[str, Tin
 
     engine = SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target))
     n = 1200
-    first, second = [], []
-    accepted = 0
-    for seed in range(n):
+
+    def run(seed: int) -> tuple[list[int], int]:
         result = engine.generate(prompt, SamplingParams(temperature=1.0, top_k=6, seed=seed), GenerationConfig(2, 1))
-        first.append(result.output_ids[0])
-        second.append(result.output_ids[1])
-        accepted += result.stats.accepted_tokens
+        return result.output_ids, result.stats.accepted_tokens
+
+    runs = draws_over_seeds(run, n)
+    first = [output[0] for output, _ in runs]
+    second = [output[1] for output, _ in runs]
+    accepted = sum(count for _, count in runs)
     assert 0 < accepted < n, "both the accept and the reject path must occur"
 
     for tokens, probs in ((first, p1), (second, p2)):

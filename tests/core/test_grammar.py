@@ -141,7 +141,7 @@ def test_sampled_output_follows_the_constrained_law(tiny_pairs: dict[str, TinyPa
         grammar.advance(output)
         return logits.masked_fill(~grammar.allowed(), float("-inf"))
 
-    assert two_token_pvalue(generate, pair.target, prompt, base, 1500, process=process) > ALPHA
+    assert two_token_pvalue(generate, pair.target, prompt, base, 1500, process=process, forked=True) > ALPHA
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import pytest
 import scipy.stats
 import torch
 from conftest import TinyPair
-from stats_helpers import chi2_pvalue
+from stats_helpers import chi2_pvalue, draws_over_seeds
 
 from specserve import defaults
 from specserve.cli import main
@@ -239,12 +239,15 @@ def test_emitted_tokens_follow_the_target_distribution(tiny_pairs: dict[str, Tin
 
     engine = SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target))
     n = 1200
-    first, second, accepted = [], [], 0
-    for seed in range(n):
+
+    def run(seed: int) -> tuple[list[int], int]:
         result = engine.generate(prompt, invariant(seed=seed, **warps), GenerationConfig(2, 1, ignore_eos=True))
-        first.append(result.output_ids[0])
-        second.append(result.output_ids[1])
-        accepted += result.stats.accepted_tokens
+        return result.output_ids, result.stats.accepted_tokens
+
+    runs = draws_over_seeds(run, n)
+    first = [output[0] for output, _ in runs]
+    second = [output[1] for output, _ in runs]
+    accepted = sum(count for _, count in runs)
     assert 0 < accepted < n, "both accepted and rejected drafts must occur"
     assert chi2_pvalue(torch.tensor(first), p1) > ALPHA
     assert chi2_pvalue(torch.tensor(second), p2) > ALPHA

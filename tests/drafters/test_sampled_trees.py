@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 from conftest import TinyPair
-from stats_helpers import chi2_pvalue
+from stats_helpers import chi2_pvalue, draws_over_seeds
 
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
@@ -82,7 +82,7 @@ def test_a_support_smaller_than_the_topology_prunes_its_ranks(pair: TinyPair) ->
 
 def test_the_first_drawn_child_follows_q(pair: TinyPair) -> None:
     q = plain_q(pair.draft, PROMPT, PARAMS)
-    firsts = [int(drafter_for(pair, seed).propose_static(TOPOLOGY).tokens[0]) for seed in range(1500)]
+    firsts = draws_over_seeds(lambda seed: int(drafter_for(pair, seed).propose_static(TOPOLOGY).tokens[0]), 1500)
     assert chi2_pvalue(torch.tensor(firsts), q) > ALPHA
 
 
@@ -98,11 +98,11 @@ def test_two_emitted_tokens_follow_the_target_joint_law(tiny_pairs: dict[str, Ti
     spec = TreeSpec("static", topology=TOPOLOGY) if shape == "static" else TreeSpec("dynamic", budget=BUDGET)
     engine = SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target))
     config = GenerationConfig(max_new_tokens=2, tree=spec, ignore_eos=True)
-    trials = 2500
-    pairs = []
-    for seed in range(trials):
-        params = SamplingParams(temperature=1.0, top_k=24, seed=seed)
-        pairs.append(engine.generate(PROMPT, params, config).output_ids)
+
+    def generate(seed: int) -> list[int]:
+        return engine.generate(PROMPT, SamplingParams(temperature=1.0, top_k=24, seed=seed), config).output_ids
+
+    pairs = draws_over_seeds(generate, 2500)
     first = target_probs(pair.target, PROMPT, PARAMS)
     joint = torch.stack([first[a] * target_probs(pair.target, [*PROMPT, a], PARAMS) for a in range(first.numel())])
     cells = torch.tensor([a * first.numel() + b for a, b in pairs])

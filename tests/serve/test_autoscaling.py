@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import requests
+from serve_helpers import quick_shutdown
 
 from specserve.serve.app import MODEL, application
 from specserve.serve.config import ServeConfig
@@ -72,7 +73,8 @@ def url(serve_url: str, saved_pairs: dict[str, Path]) -> Iterator[str]:
         default_max_tokens=100,
         max_ongoing_requests=4,
     )
-    serve.run(application(config, {MODEL: {"autoscaling_config": AUTOSCALING}}), name=APP, route_prefix="/")
+    options = quick_shutdown({MODEL: {"autoscaling_config": AUTOSCALING}})
+    serve.run(application(config, options), name=APP, route_prefix="/")
     yield serve_url
     serve.delete(APP)
 

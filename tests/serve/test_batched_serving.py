@@ -22,6 +22,7 @@ import openai
 import pytest
 import requests
 from conftest import LONG_CONTEXT as CONTEXT
+from serve_helpers import quick_shutdown
 
 from specserve.serve.app import MODEL, application
 from specserve.serve.config import ServeConfig
@@ -54,7 +55,7 @@ def url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
         max_batch_tokens=32,
         max_ongoing_requests=8,  # above max_num_seqs + max_queue: the replica itself refuses the excess
     )
-    serve.run(application(config), name=APP, route_prefix="/")
+    serve.run(application(config, quick_shutdown()), name=APP, route_prefix="/")
     yield serve_url
     serve.delete(APP)
 

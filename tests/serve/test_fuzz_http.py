@@ -2,8 +2,8 @@
 
 One application (the tiny float64 llama pair, a 128-token context) on the session's Serve, twice: with
 the default one-at-a-time replica (its target shard and drafter as Ray actors), then with a replica
-batching 4 requests in its own process; everything below runs against each. First the
-operator's probe from issue 17, each finding as a named request; then a hypothesis fuzzer that
+batching 4 requests in its own process (deploying while the first is tested); everything below runs against
+each. First the operator's probe from issue 17, each finding as a named request; then a hypothesis fuzzer that
 posts generated JSON bodies to ``/v1/completions`` and ``/v1/chat/completions``: mixtures of valid
 fields and mutated ones (wrong types, huge and non-finite numbers, NaN-like strings, empty and long
 strings, nested junk, random extra keys, unsupported OpenAI fields), some whole, some streamed.
@@ -24,8 +24,11 @@ from typing import Any
 
 import pytest
 import requests
+from conftest import cases_in_use
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ray.serve import Application
+from serve_helpers import deploy_without_waiting, quick_shutdown, wait_until_running
 
 from specserve.core.sampling_params import MAX_TOP_K
 from specserve.serve.app import application
@@ -33,7 +36,7 @@ from specserve.serve.config import ServeConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-APP = "fuzz-http"
+APP = "fuzz-http"  # the application of a replica kind is APP-<kind>, at /<kind>
 MODEL_NAME = "tiny-fuzz"
 MAX_BODY = 8192
 MAX_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "150"))  # in all; more, for a longer hunt
@@ -44,13 +47,10 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 STATUSES: Counter[int] = Counter()  # what the fuzzer's requests were answered
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["one-at-a-time", "batched"])
-def url(request: pytest.FixtureRequest, serve_url: str, saved_pairs: dict[str, Path]) -> Iterator[str]:
-    """The application with a one-at-a-time replica (target shard and drafter as Ray actors), then with a replica
-    batching 4 requests in its own process."""
-    from ray import serve
+KINDS = {"one-at-a-time": 1, "batched": 4}  # max_num_seqs
 
-    models = saved_pairs["llama"]
+
+def app_of(kind: str, models: Path) -> Application:
     config = ServeConfig(
         model_name=MODEL_NAME,
         target=str(models / "target"),
@@ -59,12 +59,28 @@ def url(request: pytest.FixtureRequest, serve_url: str, saved_pairs: dict[str, P
         gamma=3,
         default_max_tokens=4,  # a body without max_tokens stays cheap
         max_body_bytes=MAX_BODY,
-        max_num_seqs=request.param,
+        max_num_seqs=KINDS[kind],
     )
+    return application(config, quick_shutdown())
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def url(request: pytest.FixtureRequest, serve_url: str, saved_pairs: dict[str, Path]) -> Iterator[str]:
+    """The application with a one-at-a-time replica (target shard and drafter as Ray actors), then with a replica
+    batching 4 requests in its own process. The first kind's tests begin once its application runs; the next kind's
+    application deploys meanwhile."""
+    from ray import serve
+
+    kinds = cases_in_use(request, "url")
+    kind = request.param
+    if kind == kinds[0]:
+        serve.run(app_of(kind, saved_pairs["llama"]), name=f"{APP}-{kind}", route_prefix=f"/{kind}")
+        for later in kinds[1:]:
+            deploy_without_waiting(app_of(later, saved_pairs["llama"]), f"{APP}-{later}", f"/{later}")
+    wait_until_running(f"{APP}-{kind}")
     STATUSES.clear()  # what this replica's fuzzing was answered
-    serve.run(application(config), name=APP, route_prefix="/")
-    yield serve_url
-    serve.delete(APP)
+    yield f"{serve_url}/{kind}"
+    serve.delete(f"{APP}-{kind}")
 
 
 def post(url: str, route: str, body: Any) -> requests.Response:

@@ -23,6 +23,7 @@ import openai
 import pytest
 import requests
 import torch
+from serve_helpers import quick_shutdown
 
 from specserve import cli, defaults
 from specserve.benchmarks.serve_load import LoadConfig, compare, markdown, run_load
@@ -47,7 +48,7 @@ def url(serve_url: str) -> Iterator[str]:
     global STARTED
     config = ServeConfig(model_name=MODEL_NAME, api_key=KEY, default_max_tokens=24, max_body_bytes=MAX_BODY)
     STARTED = int(time.time())
-    serve.run(application(config), name=APP, route_prefix="/")
+    serve.run(application(config, quick_shutdown()), name=APP, route_prefix="/")
     yield serve_url
     serve.delete(APP)
 

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 from conftest import TinyPair
+from serve_helpers import quick_shutdown
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
@@ -292,7 +293,7 @@ def app_config(pair: Path, **settings: Any) -> ServeConfig:
 def url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
     from ray import serve
 
-    serve.run(application(app_config(long_context_pair)), name=APP, route_prefix=PREFIX)
+    serve.run(application(app_config(long_context_pair), quick_shutdown()), name=APP, route_prefix=PREFIX)
     yield serve_url + PREFIX
     serve.delete(APP)
 
@@ -302,7 +303,7 @@ def timeout_url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
     from ray import serve
 
     config = app_config(long_context_pair, request_timeout_s=REQUEST_TIMEOUT_S)
-    serve.run(application(config), name=APP_TIMEOUT, route_prefix=PREFIX_TIMEOUT)
+    serve.run(application(config, quick_shutdown()), name=APP_TIMEOUT, route_prefix=PREFIX_TIMEOUT)
     yield serve_url + PREFIX_TIMEOUT
     serve.delete(APP_TIMEOUT)
 
