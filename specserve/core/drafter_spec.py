@@ -1,5 +1,5 @@
 """The drafter spec strings (``ngram``, ``suffix``, ``lookahead[:W,N,G]``, ``none``, ``layerskip:L|DIR``, ``eagle:DIR``,
-``medusa:DIR``, ``rest:FILE``, a draft model directory): their grammar, checks and paths. Torch-free.
+``medusa:DIR``, ``rest:FILE``, ``text:DIR``, a draft model directory): their grammar, checks and paths. Torch-free.
 
 Every edge that takes a drafter (``--draft``, the Serve ``draft`` setting, Python) parses the same
 strings. :func:`check_drafter_spec` refuses a spec that names nothing here with a message listing
@@ -24,9 +24,10 @@ EAGLE_PREFIX = "eagle:"
 MEDUSA_PREFIX = "medusa:"
 REST_PREFIX = "rest:"  # rest:FILE, a token datastore file (specserve datastore build)
 LOOKAHEAD_PREFIX = "lookahead:"  # lookahead:W,N,G, Lookahead decoding with a window W, n-grams N, G candidates
+TEXT_PREFIX = "text:"  # text:DIR, a draft model with another tokenizer, drafting through text
 LOOKAHEAD_DEFAULTS = (4, 3, 4)  # W, N, G of a bare ``lookahead``
 MAX_PROBE_NODES = 256  # W x (N - 1) at most: the window is computed in every verify forward
-DIRECTORY_PREFIXES = (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX)
+DIRECTORY_PREFIXES = (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX, TEXT_PREFIX)
 
 # Every form, as the error message lists them ("DIR" alone: a draft model directory).
 FORMS = (
@@ -40,6 +41,7 @@ FORMS = (
     "eagle:DIR",
     "medusa:DIR",
     "rest:FILE",
+    "text:DIR",
     "DIR",
 )
 

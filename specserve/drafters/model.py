@@ -62,6 +62,11 @@ class DraftModelDrafter:
         self._generator = generator
         self._grammar = DraftGrammar.of(params, self.model.tokenizer, self.model.info, len(prompt_ids))
 
+    @property
+    def context(self) -> tuple[int, ...]:
+        """The committed tokens this drafter continues (prompt and output)."""
+        return tuple(self._context)
+
     def accept(self, committed: Sequence[int]) -> None:
         self._context.extend(committed)
 

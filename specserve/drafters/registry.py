@@ -19,6 +19,7 @@ from specserve.core.drafter_spec import (
     LOOKAHEAD_PREFIX,
     MEDUSA_PREFIX,
     REST_PREFIX,
+    TEXT_PREFIX,
 )
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
@@ -32,6 +33,7 @@ from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
 from specserve.drafters.rest import RestDrafter
 from specserve.drafters.suffix import SuffixCache, SuffixDrafter
+from specserve.drafters.text import TextDrafter
 
 
 def build_drafter(
@@ -46,7 +48,8 @@ def build_drafter(
     """``spec`` is ``"none"``, ``"ngram"``, ``"suffix"``, ``"lookahead"`` / ``"lookahead:W,N,G"`` (Lookahead
     decoding), ``"layerskip:L"`` (the target's first L layers) or
     ``"layerskip:DIR"`` (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads),
-    ``"rest:FILE"`` (a token datastore), a draft model directory, or an already loaded draft model. Drafters built
+    ``"rest:FILE"`` (a token datastore), ``"text:DIR"`` (a draft model with another tokenizer, drafting through
+    text), a draft model directory, or an already loaded draft model. Drafters built
     on the target's own weights load their own copy of the target in a process that holds only its description."""
     if isinstance(spec, CausalLM):
         return DraftModelDrafter(spec, target)
@@ -80,6 +83,11 @@ def build_drafter(
         if not path:
             raise UserError(f"REST drafting is 'rest:FILE' with FILE a token datastore file, got {spec!r}")
         return RestDrafter.load(path, target)
+    if spec.startswith(TEXT_PREFIX):
+        directory = spec[len(TEXT_PREFIX) :]
+        if not directory:
+            raise UserError(f"drafting through text is 'text:DIR' with DIR a draft model directory, got {spec!r}")
+        return TextDrafter(CausalLM.load(Path(directory), dtype=dtype, device=device), target)
     if spec == "none":
         return NoDrafter(target.device)
     if spec == "ngram":

@@ -20,12 +20,14 @@ def check_same_vocabulary(target: CausalLM | TargetDescription, draft: CausalLM)
     if target.info.vocab_size != draft.info.vocab_size:
         raise VocabularyMismatch(
             f"draft model {draft.info.path} has a vocabulary of {draft.info.vocab_size} tokens but the target "
-            f"{target.info.path} has {target.info.vocab_size}; a draft model must share the target's tokenizer"
+            f"{target.info.path} has {target.info.vocab_size}; a draft model must share the target's tokenizer, "
+            f"or draft through text: --draft text:{draft.info.path}"
         )
     if target.tokenizer is None or draft.tokenizer is None:
         return
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise VocabularyMismatch(
             f"draft model {draft.info.path} and target {target.info.path} have different tokenizers "
-            "(same size, different token ids); a draft model must share the target's tokenizer"
+            "(same size, different token ids); a draft model must share the target's tokenizer, or draft through "
+            f"text: --draft text:{draft.info.path}"
         )

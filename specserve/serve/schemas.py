@@ -671,6 +671,16 @@ class CompletionRequest(_Request):
 
     _unsupported_completion = field_validator("echo", "suffix")(refuse_unsupported)
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, logprobs: Any) -> Any:
+        """``false`` (which some clients send, as chat's boolean) asks for no logprobs; ``true`` names no count."""
+        if logprobs is False:
+            return None
+        if logprobs is True:
+            raise ValueError(f"completions take the number of alternatives, 0 to {MAX_LOGPROBS}; true names none")
+        return logprobs
+
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, best_of: int | None, info: ValidationInfo) -> int | None:

@@ -141,11 +141,13 @@ def test_probe_temperatures_below_the_floor_answer_greedily(url: str) -> None:
         ({"max_tokens": "16"}, "max_tokens"),
         ({"speculation": {"enabled": "no"}}, "speculation.enabled"),
         ({"echo": True}, "echo"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
-        ({"best_of": 3}, "best_of"),
-        ({"presence_penalty": 1.0}, "presence_penalty"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logit_bias": {"x5": 10}}, "logit_bias"),
+        ({"logit_bias": {"96": 1}}, "logit_bias"),  # outside the tiny vocabulary
+        ({"best_of": 17}, "best_of"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
     ],
 )
 def test_probe_refusals_are_400s_naming_the_field(url: str, change: dict[str, Any], param: str) -> None:
@@ -225,9 +227,11 @@ COMMON = {
     "user": st.text(max_size=10),
     "stream_options": st.just({"include_usage": True}),
     "logprobs": st.sampled_from([None, False]),
-    "logit_bias": st.just({}),
-    "presence_penalty": st.sampled_from([0, 0.0]),
-    "frequency_penalty": st.sampled_from([0, 0.0]),
+    "logit_bias": st.one_of(
+        st.just({}), st.dictionaries(st.integers(0, 95).map(str), st.floats(-100, 100), max_size=4)
+    ),
+    "presence_penalty": st.one_of(st.sampled_from([0, 0.0]), st.floats(-2.0, 2.0)),
+    "frequency_penalty": st.one_of(st.sampled_from([0, 0.0]), st.floats(-2.0, 2.0)),
 }
 PROMPTS = st.one_of(
     st.text(min_size=1, max_size=20),

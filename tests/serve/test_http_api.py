@@ -321,7 +321,7 @@ BAD_REQUESTS: list[tuple[Any, int, str | None, str]] = [
     ({**GOOD, "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
     ({**GOOD, "top_p": 0}, 400, "top_p", "greater than 0"),
     ({**GOOD, "top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
-    ({**GOOD, "n": 2}, 400, "n", "only n = 1"),
+    ({**GOOD, "n": 17}, 400, "n", "less than or equal to 16"),
     ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ({**GOOD, "speculation": {"gamma": 0}}, 400, "speculation.gamma", "greater than or equal to 1"),
     ({**GOOD, "speculation": {"drafter": "eagle"}}, 400, "speculation.drafter", "'suffix', 'lookahead' or 'none'"),

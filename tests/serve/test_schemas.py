@@ -64,7 +64,7 @@ GOOD = {"model": "m", "prompt": "hi"}
         ({"best_of": 1, "n": 2}, "best_of", "best_of (1) must be at least n (2)"),
         ({"best_of": 3, "stream": True}, "best_of", "best_of > n cannot stream"),
         ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
-        ({"logprobs": True}, "logprobs", "integer"),
+        ({"logprobs": True}, "logprobs", "true names none"),
         ({"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids written as strings of digits"),
         ({"logit_bias": {"7": 101}}, "logit_bias", "biases must be in [-100, 100], got 101.0 for 7"),
         ({"logit_bias": {"7": 1, "07": 2}}, "logit_bias", "a token id is named twice"),
