@@ -284,12 +284,12 @@ class OpenAIHandler:
         try:
             check_logit_bias(params, self.prompts.info.vocab_size)
         except UserError as exc:
-            raise RequestError.from_user_error(exc, param="logit_bias") from exc
+            raise RequestError(f"logit_bias: {exc}", param="logit_bias") from exc
         try:  # the grammar compiles for this tokenizer (and comes without ignore_eos)
             self.prompts.check_params(params, generation.ignore_eos)
         except UserError as exc:
             param = "structured_outputs" if request.structured_outputs is not None else "response_format"
-            raise RequestError.from_user_error(exc, param=param) from exc
+            raise RequestError(f"{param}: {exc}", param=param) from exc
         return PreparedRequest(
             ids,
             params,
