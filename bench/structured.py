@@ -165,7 +165,7 @@ def run_cell(
                         json.loads(out.text)
                         cell.valid += 1
                     except json.JSONDecodeError:
-                        raise AssertionError(f"{name}: a finished constrained output is not JSON: {out.text!r}")
+                        raise AssertionError(f"{name}: finished, not JSON: {out.text!r}") from None
     cell.grammar_seconds += clock.seconds
     cell.per_round.append((cell.tokens - start_tokens) / max(cell.seconds - start_seconds, 1e-9))
 

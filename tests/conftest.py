@@ -137,6 +137,17 @@ def hf_greedy_ids(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens:
     return out[0, len(prompt) :].tolist()
 
 
+def finish_all(engine: Any) -> dict[int, Any]:
+    """Step a :class:`~specserve.core.batch_engine.BatchedEngine` until every submitted request has finished; each
+    one's :class:`~specserve.core.engine.GenerationResult` by request id."""
+    results: dict[int, Any] = {}
+    while engine.has_work:
+        for request_id, chunk in engine.step():
+            if chunk.result is not None:
+                results[request_id] = chunk.result
+    return results
+
+
 def no_cache_greedy_ids(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding by full re-forwards without any cache, never stopping at EOS."""
     ids = list(prompt)

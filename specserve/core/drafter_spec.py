@@ -70,14 +70,23 @@ def lookahead_settings(spec: str) -> tuple[int, int, int] | None:
             f"Lookahead settings are 'lookahead:W,N,G' (window, n-gram size, candidates: three integers), got {spec!r}"
         )
     window, ngram, candidates = (int(p) for p in parts)
+    check_lookahead(window, ngram, candidates, f", got {spec!r}")
+    return window, ngram, candidates
+
+
+def check_lookahead(window: int, ngram: int, candidates: int, where: str = "") -> None:
+    """Raises :class:`InvalidDrafterSpec` unless W >= 1, N >= 2, G >= 1 and the window's W x (N - 1) extra positions
+    per forward stay within :data:`MAX_PROBE_NODES`; ``where`` ends the message (which spec said so)."""
     if window < 1 or ngram < 2 or candidates < 1:
-        raise InvalidDrafterSpec(f"Lookahead needs W >= 1, N >= 2 and G >= 1, got {spec!r}")
+        raise InvalidDrafterSpec(
+            f"Lookahead needs W >= 1, N >= 2 and G >= 1 (window, n-gram size, candidates){where}: "
+            f"W {window}, N {ngram}, G {candidates}"
+        )
     if window * (ngram - 1) > MAX_PROBE_NODES:
         raise InvalidDrafterSpec(
             f"a Lookahead window of W x (N - 1) = {window * (ngram - 1)} extra positions in every forward is too "
-            f"many (at most {MAX_PROBE_NODES}), got {spec!r}"
+            f"many (at most {MAX_PROBE_NODES}){where}"
         )
-    return window, ngram, candidates
 
 
 def probe_nodes_of(spec: str) -> int:

@@ -35,10 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from specserve.core.draft import Draft
-from specserve.core.drafter_spec import LOOKAHEAD_DEFAULTS, MAX_PROBE_NODES, lookahead_settings
+from specserve.core.drafter_spec import LOOKAHEAD_DEFAULTS, check_lookahead, lookahead_settings
 from specserve.core.errors import UserError
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import ROOT, DraftTree, TreeSpec
+from specserve.drafters.history import CommittedHistory
 from specserve.drafters.ngram import ContinuationTrie
 
 
@@ -50,16 +51,7 @@ class LookaheadSettings:
     pool_from_text: bool = True  # also pool the prompt's and the output's n-grams
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.ngram < 2 or self.candidates < 1:
-            raise UserError(
-                f"lookahead needs window >= 1, ngram >= 2 and candidates >= 1; got window {self.window}, "
-                f"ngram {self.ngram}, candidates {self.candidates}"
-            )
-        if self.probe_nodes > MAX_PROBE_NODES:
-            raise UserError(
-                f"a lookahead window of {self.window} x {self.ngram - 1} levels is {self.probe_nodes} extra positions "
-                f"per forward; keep window * (ngram - 1) <= {MAX_PROBE_NODES}"
-            )
+        check_lookahead(self.window, self.ngram, self.candidates)
 
     @property
     def probe_nodes(self) -> int:
@@ -97,7 +89,7 @@ class NgramPool:
         return sum(len(grams) for grams in self._grams.values())
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(CommittedHistory):
     """Lookahead decoding for one request at a time (see the module docstring)."""
 
     name = "lookahead"
@@ -106,7 +98,7 @@ class LookaheadDrafter:
         self.settings = settings or LookaheadSettings()
         self.probe_nodes = self.settings.probe_nodes
         self._device = device
-        self._history: list[int] = []
+        self.history: list[int] = []
         self._pooled_upto = 0  # text n-grams pooled: those starting before this position
         self._levels: list[list[int]] = []  # the window: levels[0] oldest, each `window` tokens
         self._pool = NgramPool(self.settings.ngram - 1, 2 * self.settings.candidates)
@@ -123,7 +115,7 @@ class LookaheadDrafter:
     # The drafter contract ----------------------------------------------------------------------
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
-        self._history = list(prompt_ids)
+        super().start(prompt_ids, params, generator)
         self._pooled_upto = 0
         self._levels = []
         self._pool = NgramPool(self.settings.ngram - 1, 2 * self.settings.candidates)
@@ -131,13 +123,11 @@ class LookaheadDrafter:
         self._pool_text()
 
     def accept(self, committed: Sequence[int]) -> None:
-        self._history.extend(int(t) for t in committed)
+        super().accept(committed)
         self._pool_text()
 
     def rewind(self, length: int) -> None:
-        if not 0 <= length <= len(self._history):
-            raise ValueError(f"cannot rewind {len(self._history)} committed tokens to {length}")
-        del self._history[length:]
+        super().rewind(length)
         self._pooled_upto = min(self._pooled_upto, max(length - self.settings.ngram + 1, 0))
 
     def propose(self, budget: int) -> Draft:
@@ -179,20 +169,20 @@ class LookaheadDrafter:
 
     def _candidates(self) -> list[tuple[int, ...]]:
         self.counters["proposals"] += 1
-        found = self._pool.get(self._history[-1])[: self.settings.candidates] if self._history else []
+        found = self._pool.get(self.history[-1])[: self.settings.candidates] if self.history else []
         self.counters["pool_hits"] += bool(found)
         return found
 
     def _pool_text(self) -> None:
         if self.settings.pool_from_text:
-            self._pool.add_text(self._history, self._pooled_upto)
-            self._pooled_upto = max(len(self._history) - self._pool.length, 0)
+            self._pool.add_text(self.history, self._pooled_upto)
+            self._pooled_upto = max(len(self.history) - self._pool.length, 0)
 
     def _probe(self) -> DraftTree:
         """The window as a tree after the root (level 0 a chain; each later level hangs under its column)."""
         window = self.settings.window
         if not self._levels:  # the first guess: the last `window` committed tokens (any tokens would do)
-            guess = self._history[-window:]
+            guess = self.history[-window:]
             self._levels = [[*([guess[0]] * (window - len(guess))), *guess]]
         tokens: list[int] = []
         parents: list[int] = []

@@ -26,14 +26,14 @@ import torch
 
 from specserve.core.draft import Draft
 from specserve.core.errors import UserError
-from specserve.core.sampling import SamplingParams
 from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.drafters.history import CommittedHistory
 
 # Matches of one n-gram size whose continuations a tree may use: bounds the work on long histories.
 MAX_MATCHES = 16
 
 
-class NgramDrafter:
+class NgramDrafter(CommittedHistory):
     name = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, device: torch.device | str = "cpu") -> None:
@@ -42,26 +42,15 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._device = device
-        self._history: list[int] = []
-
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
-        self._history = list(prompt_ids)
-
-    def accept(self, committed: Sequence[int]) -> None:
-        self._history.extend(committed)
-
-    def rewind(self, length: int) -> None:
-        if not 0 <= length <= len(self._history):
-            raise ValueError(f"cannot rewind {len(self._history)} committed tokens to {length}")
-        del self._history[length:]
+        self.history: list[int] = []
 
     def propose(self, budget: int) -> Draft:
-        tokens = lookup(self._history, budget, self.max_ngram, self.min_ngram)
+        tokens = lookup(self.history, budget, self.max_ngram, self.min_ngram)
         return Draft(torch.tensor(tokens, dtype=torch.long, device=self._device), None)
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         """A tree of the continuations of earlier matches (point masses: ``child_probs`` is None)."""
-        tokens, parents = ngram_tree(self._history, spec, self.max_ngram, self.min_ngram)
+        tokens, parents = ngram_tree(self.history, spec, self.max_ngram, self.min_ngram)
         if not tokens:
             return DraftTree.empty(self._device)
         return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._device), parents)

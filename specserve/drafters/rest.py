@@ -30,13 +30,14 @@ from specserve.core.model import CausalLM, TargetDescription
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec
 from specserve.drafters.datastore import Datastore, Match
+from specserve.drafters.history import CommittedHistory
 from specserve.drafters.ngram import ContinuationTrie
 
 MAX_LENGTH = 16  # longest context suffix looked up
 MAX_OCCURRENCES = 256  # occurrences whose continuations are counted, per proposal
 
 
-class RestDrafter:
+class RestDrafter(CommittedHistory):
     name = "rest"
 
     def __init__(
@@ -57,7 +58,7 @@ class RestDrafter:
         self.min_occurrences = min_occurrences
         self.max_occurrences = max_occurrences
         self._device = device
-        self._history: list[int] = []
+        self.history: list[int] = []
         self.counters = {"proposals": 0, "matched": 0, "match_tokens": 0}  # this request's
 
     @classmethod
@@ -73,19 +74,11 @@ class RestDrafter:
         return RestDrafter(self.datastore, self._device, self.max_length, self.min_occurrences, self.max_occurrences)
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
-        self._history = list(prompt_ids)  # deterministic: params and generator are not needed
+        super().start(prompt_ids, params, generator)  # deterministic: params and generator are not needed
         self.counters = {"proposals": 0, "matched": 0, "match_tokens": 0}
 
-    def accept(self, committed: Sequence[int]) -> None:
-        self._history.extend(committed)
-
-    def rewind(self, length: int) -> None:
-        if not 0 <= length <= len(self._history):
-            raise ValueError(f"cannot rewind {len(self._history)} committed tokens to {length}")
-        del self._history[length:]
-
     def lookup(self, depth: int) -> Match:
-        match = self.datastore.lookup(self._history, depth, self.max_length, self.min_occurrences, self.max_occurrences)
+        match = self.datastore.lookup(self.history, depth, self.max_length, self.min_occurrences, self.max_occurrences)
         self.counters["proposals"] += 1
         self.counters["matched"] += match.length > 0
         self.counters["match_tokens"] += match.length
@@ -96,14 +89,14 @@ class RestDrafter:
         return dict(self.counters)
 
     def propose(self, budget: int) -> Draft:
-        if budget <= 0 or not self._history:
+        if budget <= 0 or not self.history:
             return Draft.empty(self._device)
         chain = CountTrie.build(self.lookup(budget).continuations).chain()
         return Draft(torch.tensor(chain, dtype=torch.long, device=self._device), None)
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         """A tree of the most frequent continuations (point masses: ``child_probs`` is None)."""
-        if not self._history:
+        if not self.history:
             return DraftTree.empty(self._device)
         if spec.kind == "static":
             assert spec.topology is not None

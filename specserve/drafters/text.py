@@ -26,12 +26,13 @@ from specserve.core.draft import Draft
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.core.sampling import SamplingParams
+from specserve.drafters.history import CommittedHistory
 from specserve.drafters.model import DraftModelDrafter
 
 DEFAULT_WINDOW = 8  # committed tokens re-encoded with the continuation to check the boundary
 
 
-class TextDrafter:
+class TextDrafter(CommittedHistory):
     """A draft model of another vocabulary drafting for the target through text."""
 
     name = "text"
@@ -49,27 +50,17 @@ class TextDrafter:
         self.window = window
         self.inner = DraftModelDrafter(draft)  # drafts in the draft's own vocabulary
         self._output_device = target.device
-        self._context: list[int] = []  # the target's committed tokens
-        self._generator: torch.Generator | None = None
+        self.history: list[int] = []  # the target's committed tokens
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
-        self._context = list(prompt_ids)
-        self._generator = generator
+        super().start(prompt_ids, params, generator)
         # greedy in its own vocabulary, whatever the request's sampling: a point mass needs no q
-        self.inner.start(self._draft_ids(self._context), SamplingParams(), generator)
-
-    def accept(self, committed: Sequence[int]) -> None:
-        self._context.extend(committed)
-
-    def rewind(self, length: int) -> None:
-        if not 0 <= length <= len(self._context):
-            raise ValueError(f"cannot rewind {len(self._context)} committed tokens to {length}")
-        del self._context[length:]
+        self.inner.start(self._draft_ids(self.history), SamplingParams(), generator)
 
     def propose(self, budget: int) -> Draft:
         if budget <= 0:
             return Draft.empty(self._output_device)
-        self._follow(self._draft_ids(self._context))
+        self._follow(self._draft_ids(self.history))
         continuation = self.inner.propose(budget).tokens.tolist()
         ends = self.draft_tokenizer.eos_token_id in continuation
         if ends:  # the draft ends the text: what comes before, then the target's end of text
@@ -98,7 +89,7 @@ class TextDrafter:
     def _target_ids_after_context(self, text: str) -> list[int]:
         """``text`` as the target's tokens after the committed ones, checked at the boundary; [] when the window of
         committed tokens does not encode back to itself together with the text."""
-        window = self._context[-self.window :]
+        window = self.history[-self.window :]
         head = str(self.target_tokenizer.decode(window, skip_special_tokens=False))
         ids = list(self.target_tokenizer(head + text, add_special_tokens=False)["input_ids"])
         if ids[: len(window)] != window:

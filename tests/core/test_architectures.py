@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import BOS_ID, EOS_ID, MAX_POSITIONS, PAD_ID, VOCAB, char_tokenizer, hf_greedy_ids, randomise_
+from conftest import BOS_ID, EOS_ID, MAX_POSITIONS, PAD_ID, VOCAB, char_tokenizer, finish_all, hf_greedy_ids, randomise_
 from test_tensor_parallel import assert_matches_reference
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -185,11 +185,7 @@ def test_batched_engine_equals_transformers(checkpoint: Checkpoint) -> None:
         engine.submit(list(prompt), SamplingParams(), config): prompt
         for prompt, config in zip(PROMPTS, configs, strict=True)
     }
-    outputs: dict[tuple[int, ...], list[int]] = {}
-    while engine.has_work:
-        for request_id, chunk in engine.step():
-            if chunk.result is not None:
-                outputs[prompts[request_id]] = chunk.result.output_ids
+    outputs = {prompts[request_id]: result.output_ids for request_id, result in finish_all(engine).items()}
     assert outputs == checkpoint.greedy
     assert engine.pool.free_tokens == engine.pool.capacity
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EOS_ID, VOCAB, TinyPair, hf_greedy_ids
+from conftest import EOS_ID, VOCAB, TinyPair, finish_all, hf_greedy_ids
 from head_helpers import random_heads, trained_head
 
 from specserve.core.batch_engine import BatchedEngine
@@ -80,16 +80,6 @@ def mixed_requests(pair: TinyPair) -> list[tuple[list[int], SamplingParams, Gene
         (stop_prompt, SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=2, stop=(stop,))),
         (list(pair.eos_prompts[1]), invariant, GenerationConfig(max_new_tokens=11, gamma=3)),
     ]
-
-
-def finish_all(engine: BatchedEngine) -> dict[int, GenerationResult]:
-    """Step until every submitted request has finished; each one's result by id."""
-    results: dict[int, GenerationResult] = {}
-    while engine.has_work:
-        for request_id, chunk in engine.step():
-            if chunk.result is not None:
-                results[request_id] = chunk.result
-    return results
 
 
 def pooled_drafter_factory(pair: TinyPair, max_num_seqs: int) -> Callable[[str], Drafter]:

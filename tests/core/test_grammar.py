@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from conftest import EOS_ID, VOCAB, TinyPair, char_tokenizer
+from conftest import EOS_ID, VOCAB, TinyPair, char_tokenizer, finish_all
 from stats_helpers import two_token_pvalue
 
 from specserve.core.batch_engine import BatchedEngine
@@ -109,9 +109,7 @@ def test_a_batch_mixes_grammars_and_free_text(pair: TinyPair) -> None:
         (pair.prompts[2], SamplingParams(grammar=GRAMMARS["lark"], presence_penalty=1.0)),
     ]
     ids = [engine.submit(list(prompt), params, config) for prompt, params in cases]
-    results = {}
-    while engine.has_work:
-        results.update((rid, chunk.result) for rid, chunk in engine.step() if chunk.result is not None)
+    results = finish_all(engine)
     alone = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
     for request_id, (prompt, params) in zip(ids, cases, strict=True):
         assert results[request_id].output_ids == alone.generate(list(prompt), params, config).output_ids

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from conftest import EOS_ID, PAD_ID, VOCAB, TinyPair
+from conftest import EOS_ID, PAD_ID, VOCAB, TinyPair, finish_all
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from stats_helpers import two_token_pvalue
@@ -133,9 +133,7 @@ def test_a_batch_mixes_processed_and_plain_requests(pair: TinyPair) -> None:
         (pair.prompts[2], EVERYTHING),
     ]
     ids = [engine.submit(list(prompt), params, config) for prompt, params in cases]
-    results = {}
-    while engine.has_work:
-        results.update((request_id, chunk.result) for request_id, chunk in engine.step() if chunk.result is not None)
+    results = finish_all(engine)
     for request_id, (prompt, params) in zip(ids, cases, strict=True):
         assert results[request_id].output_ids == hf_processed_greedy(pair, prompt, params, 20)
 

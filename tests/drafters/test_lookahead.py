@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REF_TOKENS, TinyPair
+from conftest import REF_TOKENS, TinyPair, finish_all
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from stats_helpers import two_token_pvalue
@@ -123,7 +123,7 @@ def test_pooled_ngrams_follow_the_target_token_after_token(
     for _ in range(steps):
         proposal = drafter.propose(2)
         assert proposal.probe is not None and proposal.probe.size <= drafter.probe_nodes
-        drafter.accept([table[drafter._history[-1]]])  # the target commits one token
+        drafter.accept([table[drafter.history[-1]]])  # the target commits one token
         drafter.observe_probe(proposal.probe, [table[int(t)] for t in proposal.probe.tokens])
         assert 1 <= len(drafter._levels) <= ngram - 1
     for key, grams in drafter._pool._grams.items():
@@ -154,7 +154,7 @@ def test_text_ngrams_draft_before_the_window_warms_up() -> None:
     assert tree.tokens.tolist() == [6, 7] and tree.probe is not None
     drafter.accept([6])
     drafter.rewind(5)
-    assert drafter._history == [5, 6, 7, 1, 5]
+    assert drafter.history == [5, 6, 7, 1, 5]
     assert drafter.request_counters() == {"proposals": 2, "pool_hits": 2, "window_ngrams": 0}
 
 
@@ -260,11 +260,7 @@ def test_batched_greedy_output_equals_transformers(pair: TinyPair, hf_greedy: Hf
     ]
     prompts = [list(REPETITIVE), *[list(p) for p in pair.prompts[:3]]]
     ids = [engine.submit(prompt, GREEDY, config) for prompt, config in zip(prompts, configs, strict=True)]
-    results: dict[int, Any] = {}
-    while engine.has_work:
-        for request_id, chunk in engine.step():
-            if chunk.result is not None:
-                results[request_id] = chunk.result
+    results = finish_all(engine)
     for request_id, prompt in zip(ids, prompts, strict=True):
         assert results[request_id].output_ids == hf_greedy(pair.target, prompt, 24), prompt
     assert sum(results[i].stats.accepted_tokens for i in ids[:3]) > 0

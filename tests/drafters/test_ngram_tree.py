@@ -188,7 +188,7 @@ def test_ngram_drafter_proposes_trees_of_its_history() -> None:
     spec = dynamic(3, 2, 6)
     tree = drafter.propose_tree(spec)
     assert tree.child_probs is None and tree.tokens.dtype == torch.long and tree.tokens.device.type == "cpu"
-    assert (tree.tokens.tolist(), tree.parents) == ngram_tree(drafter._history, spec, 2, 1)
+    assert (tree.tokens.tolist(), tree.parents) == ngram_tree(drafter.history, spec, 2, 1)
     assert tree.tokens.tolist() == [2, 7, 4, 1, 3, 8] and tree.parents == (ROOT, 0, 1, ROOT, 3, 4)
     assert drafter.propose(3).tokens.tolist() == [2, 7, 4]  # the chain is unchanged: the rank-0 path
     drafter.rewind(10)  # back to "... 3 8": 8 never occurred before

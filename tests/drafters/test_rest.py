@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EOS_ID, REF_TOKENS, VOCAB, TinyPair, char_tokenizer, hf_greedy_ids
+from conftest import EOS_ID, REF_TOKENS, VOCAB, TinyPair, char_tokenizer, finish_all, hf_greedy_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from stats_helpers import two_token_pvalue
@@ -26,7 +26,7 @@ from specserve.cli import main
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter, TreeDrafter
 from specserve.core.drafter_spec import InvalidDrafterSpec, absolute_spec, check_drafter_spec
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, make_generators
@@ -245,15 +245,6 @@ def test_greedy_output_equals_transformers(
         accepted += result.stats.accepted_tokens
         drafted += result.stats.drafted_tokens
     assert 0 < accepted < drafted, "verification was not exercised both ways"
-
-
-def finish_all(engine: BatchedEngine) -> dict[int, GenerationResult]:
-    results: dict[int, GenerationResult] = {}
-    while engine.has_work:
-        for request_id, chunk in engine.step():
-            if chunk.result is not None:
-                results[request_id] = chunk.result
-    return results
 
 
 def test_batched_greedy_output_equals_transformers(pair: TinyPair, rest_files: dict[str, Path]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import REF_TOKENS, TinyPair
+from conftest import REF_TOKENS, TinyPair, finish_all
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from stats_helpers import draws_over_seeds, two_token_fit
@@ -288,11 +288,7 @@ def test_batched_greedy_output_equals_transformers(pair: TinyPair, hf_greedy: Hf
     ]
     prompts = [list(REPETITIVE), *[list(p) for p in pair.prompts[:4]]]
     ids = [engine.submit(prompt, GREEDY, config) for prompt, config in zip(prompts, configs, strict=True)]
-    results: dict[int, Any] = {}
-    while engine.has_work:
-        for request_id, chunk in engine.step():
-            if chunk.result is not None:
-                results[request_id] = chunk.result
+    results = finish_all(engine)
     for request_id, prompt in zip(ids, prompts, strict=True):
         assert results[request_id].output_ids == hf_greedy(pair.target, prompt, 24), prompt
     assert sum(results[i].stats.accepted_tokens for i in ids[:4]) > 0

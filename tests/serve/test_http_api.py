@@ -131,7 +131,7 @@ def test_logprobs_penalties_and_n_through_the_openai_client(
     choices (greedy: all the same) with usage over all of them; best_of; chat logprobs with alternatives."""
     prompt = PROMPTS[0]
     fields: dict[str, Any] = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "logit_bias": {"10": 3.0}}
-    extra = {"repetition_penalty": 1.2}
+    extra = {"repetition_penalty": 1.2, "min_p": 0.05}  # min_p: no effect when greedy, accepted
     answer = client.completions.create(
         model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, logprobs=2, extra_body=extra, **fields
     )
@@ -158,6 +158,13 @@ def test_logprobs_penalties_and_n_through_the_openai_client(
     assert several.usage is not None and answer.usage is not None
     one = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
     assert one.usage is not None and several.usage.completion_tokens == 3 * one.usage.completion_tokens
+    streamed_choices = list(
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, n=3, stream=True)
+    )
+    for index in range(3):
+        text = "".join(c.choices[0].text for c in streamed_choices if c.choices and c.choices[0].index == index)
+        assert text == several.choices[index].text
+    assert streamed_choices[-1].choices == [] and streamed_choices[-1].usage == several.usage
     best = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=1, seed=3, best_of=3)
     assert len(best.choices) == 1 and best.usage is not None and best.usage.completion_tokens >= 3
 
@@ -168,6 +175,15 @@ def test_logprobs_penalties_and_n_through_the_openai_client(
     content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
     assert content is not None and chat.usage is not None and len(content) == chat.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+    chat_parts = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        )
+    )
+    streamed_content = [
+        e for p in chat_parts if p.choices and p.choices[0].logprobs for e in p.choices[0].logprobs.content or []
+    ]
+    assert [(e.token, e.logprob) for e in streamed_content] == [(e.token, e.logprob) for e in content]
 
 
 def test_json_schema_and_structured_outputs(client: openai.OpenAI) -> None:
@@ -208,6 +224,13 @@ def test_json_schema_and_structured_outputs(client: openai.OpenAI) -> None:
         extra_body={"structured_outputs": {"regex": "[0-9]{2,5}"}},
     )
     assert re.fullmatch("[0-9]{2,5}", regex.choices[0].text)
+    regex_parts = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt="x = ", max_tokens=16, temperature=0, stream=True,
+            extra_body={"structured_outputs": {"regex": "[0-9]{2,5}"}},
+        )
+    )  # fmt: skip
+    assert "".join(p.choices[0].text for p in regex_parts if p.choices) == regex.choices[0].text
     choice = client.completions.create(
         model=MODEL_NAME,
         prompt="ok = ",
