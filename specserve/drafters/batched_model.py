@@ -11,8 +11,9 @@ calls, which compute each row's last logits only. So 16 requests drafting γ tok
 
 Per request the result is :class:`~specserve.drafters.model.DraftModelDrafter`'s, call for call: the same
 catch-up, the same token choice (greedy argmax; the keyed-noise token in drafter-invariant mode; otherwise a
-draw from the warped q with the request's own generator, q sent with the draft), the same ``max_positions``
-cut, and rejected drafts never leak into later proposals. A row's logits differ from a one-row forward's only
+draw from the warped q with the request's own generator, q sent with the draft), the same mask and stop under a
+grammar (:class:`~specserve.core.grammar.DraftGrammar`), the same ``max_positions`` cut, and rejected drafts never
+leak into later proposals. A row's logits differ from a one-row forward's only
 by rounding. Random draws are made row by row in the order given, one generator per request; when sampled
 requests share a generator their chains are drafted one request after another, so that generator still sees
 the draws it would see alone.
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.core.draft import ChainBatcher, Draft, Drafter
+from specserve.core.grammar import DraftGrammar, mask_logits
 from specserve.core.invariant import invariant_tokens
 from specserve.core.kv_pool import KVPool, PoolFull
 from specserve.core.model import BatchBlock, CausalLM, TargetDescription
@@ -128,6 +130,8 @@ class BatchedDraftModel:
         active = [row for row in rows if row.budget > 0]
         for row in active:
             row.pending = self._catch_up(row)
+            if row.drafter.grammar is not None:  # the matcher at the end of the committed text
+                row.drafter.grammar.sync(row.drafter.context)
         long = [row for row in active if row.pending.numel() > SHORT_CATCH_UP]
         while long:  # all but the last token of each long catch-up, in rows of their own
             start = time.perf_counter()
@@ -183,7 +187,9 @@ class _Row:
     def choose(self, logits: torch.Tensor) -> None:  # logits: [vocab], after the last fed token
         """The next draft token, chosen as :meth:`DraftModelDrafter.propose` chooses it; fed next unless the
         budget is spent."""
-        params = self.drafter.params
+        params, grammar = self.drafter.params, self.drafter.grammar
+        if grammar is not None:  # only what the grammar allows after the text and the drafts so far
+            logits = mask_logits(logits, grammar.allowed())
         if params.greedy:
             token = logits.argmax(-1)
         elif params.invariant_sampling:  # argmax(log q + G) at this token's absolute position; no q is sent
@@ -196,11 +202,15 @@ class _Row:
             token = sample(row, generator)
             self.probs.append(row)
         self.tokens.append(token)
+        if grammar is not None and not grammar.push(int(token)):
+            self.budget = len(self.tokens)  # the text ends here: nothing to draft after it
         if len(self.tokens) < self.budget:
             self.pending = token.reshape(1)
 
     def finish(self, device: torch.device) -> Draft:
         """The drafted chain on ``device``; the span then caches the committed text and all but the last token."""
+        if self.drafter.grammar is not None:
+            self.drafter.grammar.rewind_drafts()
         if not self.tokens:
             return Draft.empty(device)
         tokens = torch.stack(self.tokens).to(device)
@@ -228,6 +238,7 @@ class PooledDraftModelDrafter:
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
         self._trees: TreeModelDrafter | None = None  # once trees are asked for: its own cache, this context
+        self.grammar: DraftGrammar | None = None  # the request's grammar (structured output), if any
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         """Reset for a new request and take a span (raises :class:`PoolFull` when none is free or the prompt
@@ -243,6 +254,8 @@ class PooledDraftModelDrafter:
         self.context = list(prompt_ids)
         self.params = params
         self.generator = generator
+        model = self._model.model
+        self.grammar = DraftGrammar.of(params, model.tokenizer, model.info, len(prompt_ids))
 
     def release(self) -> None:
         """Give the span back to the pool (nothing when none is held)."""

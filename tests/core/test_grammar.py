@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from conftest import EOS_ID, VOCAB, TinyPair, char_tokenizer, finish_all
+from conftest import EOS_ID, MAX_POSITIONS, VOCAB, TinyPair, char_tokenizer, finish_all
 from stats_helpers import two_token_pvalue
 
 from specserve.core.batch_engine import BatchedEngine
@@ -29,6 +29,7 @@ from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec
 from specserve.core.tree_verification import TreeVerdict
 from specserve.core.verification import ChainVerdict, TokenKind
 from specserve.drafters import DraftModelDrafter, build_drafter_set
+from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.registry import request_drafters
 
 ALPHA = 1e-3  # per chi-square test; two of them: a false failure at most 2e-3 per run
@@ -255,3 +256,48 @@ def test_the_draft_model_drafts_only_what_the_grammar_allows(pair: TinyPair, tem
         check.advance(step)
         drafter.accept(step)
     assert len(committed) >= 4
+
+
+def test_pooled_drafts_under_grammars_equal_the_one_row_drafters(pair: TinyPair) -> None:
+    """Batched serving's draft model (one forward per drafted position for every request) masks and stops under
+    each request's grammar exactly as the one-row drafter does: the same tokens and the same q, cycle by cycle."""
+    batcher = BatchedDraftModel(pair.draft, pair.target, max_num_seqs=4, max_seq_len=MAX_POSITIONS)
+    cases = [
+        SamplingParams(grammar=GRAMMARS["regex"]),
+        SamplingParams(temperature=1.0, seed=3, grammar=GRAMMARS["lark"]),
+        SamplingParams(temperature=1.0, seed=4),
+        SamplingParams(temperature=0.8, seed=5, grammar=GRAMMARS["regex"]),
+    ]
+    pooled, alone, checks = [], [], []
+    for prompt, params in zip(pair.prompts, cases, strict=False):
+        mine, theirs = batcher.new_drafter(), DraftModelDrafter(pair.draft, pair.target)
+        mine.start(list(prompt), params, make_generators(params.seed).draft)
+        theirs.start(list(prompt), params, make_generators(params.seed).draft)
+        pooled.append(mine)
+        alone.append(theirs)
+        checks.append(compiler_for(pair.target.tokenizer, VOCAB).compile(params.grammar) if params.grammar else None)
+    ended = [False] * len(cases)
+    for cycle in range(6):
+        budgets = [0 if done else 4 for done in ended]
+        got = batcher.propose_chains(pooled, budgets)
+        for i, (mine_draft, theirs) in enumerate(zip(got, alone, strict=True)):
+            want = theirs.propose(budgets[i])
+            assert mine_draft.tokens.tolist() == want.tokens.tolist(), (cycle, i)
+            if want.draft_probs is not None:
+                assert mine_draft.draft_probs is not None
+                torch.testing.assert_close(mine_draft.draft_probs, want.draft_probs, rtol=1e-9, atol=1e-12)
+            if ended[i]:
+                continue
+            accepted = want.tokens.tolist()[: (cycle + i) % (want.gamma + 1)]
+            check = checks[i]
+            if check is not None:
+                check.advance(accepted)
+                nxt = int(torch.nonzero(check.allowed())[0])  # the lowest allowed token: a valid verdict
+                check.advance([nxt])
+            else:
+                nxt = 3 + (7 * cycle + 5 * i) % (VOCAB - 3)
+            committed = [*accepted, nxt]
+            ended[i] = EOS_ID in committed
+            pooled[i].accept(committed)
+            theirs.accept(committed)
+    assert any(ended), "no grammar reached its end: the stop was not exercised"
