@@ -51,9 +51,14 @@ class PromptCodec:
             )
 
     def check_params(self, params: SamplingParams, ignore_eos: bool = False) -> None:
-        """Raises :class:`InvalidRequest` for a logit bias outside the vocabulary, a grammar that does not compile
-        for this tokenizer, or a grammar with ``ignore_eos`` (a finished grammar allows only the end of text)."""
+        """Raises :class:`InvalidRequest` for a logit bias outside the vocabulary or a bad grammar
+        (:meth:`check_grammar`)."""
         check_logit_bias(params, self.info.vocab_size)
+        self.check_grammar(params, ignore_eos)
+
+    def check_grammar(self, params: SamplingParams, ignore_eos: bool = False) -> None:
+        """Raises :class:`InvalidRequest` for a grammar that does not compile for this tokenizer, or a grammar with
+        ``ignore_eos`` (a finished grammar allows only the end of text)."""
         if params.grammar is None:
             return
         if ignore_eos:

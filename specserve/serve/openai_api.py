@@ -286,7 +286,7 @@ class OpenAIHandler:
         except UserError as exc:
             raise RequestError(f"logit_bias: {exc}", param="logit_bias") from exc
         try:  # the grammar compiles for this tokenizer (and comes without ignore_eos)
-            self.prompts.check_params(params, generation.ignore_eos)
+            self.prompts.check_grammar(params, generation.ignore_eos)
         except UserError as exc:
             param = "structured_outputs" if request.structured_outputs is not None else "response_format"
             raise RequestError(f"{param}: {exc}", param=param) from exc
