@@ -46,10 +46,11 @@ from specserve.core.draft import (
 from specserve.core.draft_side import DraftSide
 from specserve.core.grammar import request_grammar
 from specserve.core.logprobs import TokenLogprob
-from specserve.core.model import CausalLM
+from specserve.core.model import CausalLM, KVCache
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import MAX_GAMMA, Budget, ScheduleFactory, check_policy_name, fixed_schedules
+from specserve.core.static_cache import StaticOptions, StaticTarget, use_static_shapes
 from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
 from specserve.core.tree import TreeSpec
@@ -213,13 +214,23 @@ class SpeculativeEngine(GenerationFrontend):
     """
 
     def __init__(
-        self, target: CausalLM, drafter: Drafter | DrafterSet, schedules: ScheduleFactory = fixed_schedules
+        self,
+        target: CausalLM,
+        drafter: Drafter | DrafterSet,
+        schedules: ScheduleFactory = fixed_schedules,
+        static: StaticOptions | None = None,
     ) -> None:
+        """``static``: run the target on the static-shape engine (:mod:`specserve.core.static_cache`: preallocated
+        KV, verify blocks padded to buckets, CUDA graphs on a GPU), and a draft model's steps likewise; ``None``:
+        growing caches and blocks at their own widths."""
         self.target = target
         self.drafters = drafter if isinstance(drafter, DrafterSet) else DrafterSet(drafter)
         self.drafter = self.drafters.configured
         self.schedules = schedules
         self.prompts = PromptCodec(target.info, target.tokenizer)
+        self.static = None if static is None else StaticTarget(target, static)
+        if static is not None:
+            use_static_shapes(self.drafter, static)
 
     def validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         super().validate(prompt_ids, config)
@@ -231,12 +242,27 @@ class SpeculativeEngine(GenerationFrontend):
     # The loop
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
+        start = time.perf_counter()
+        target = self.target
+        cache = self.static.new_cache() if self.static is not None else None
+        try:
+            yield from self._loop(prompt_ids, params, config, LocalSequence(target, cache), start)
+        finally:
+            if cache is not None:
+                cache.release()
+
+    def _loop(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        config: GenerationConfig,
+        sequence: LocalSequence,
+        start: float,
+    ) -> ChunkStream:
         target, device = self.target, self.target.device
         stats = RequestStats()
         eos = () if config.ignore_eos else target.info.eos_token_ids
         generators = make_generators(params.seed, device)
-        start = time.perf_counter()
-
         schedule = self.schedules(config.policy, config.budget)
         side = DraftSide(
             self.drafters.get(config.drafter),
@@ -247,7 +273,6 @@ class SpeculativeEngine(GenerationFrontend):
             device,
             config.drafter,
         )
-        sequence = LocalSequence(target)
         grammar = request_grammar(params, target.tokenizer, target.info)
         verifier = TargetVerifier(
             sequence,
@@ -261,7 +286,8 @@ class SpeculativeEngine(GenerationFrontend):
             grammar,
         )
         prompt_features = verifier.prefill()
-        side.start(prompt_ids, params, generators.draft, target_cache=sequence.cache)
+        shared = sequence.cache if isinstance(sequence.cache, KVCache) else None  # a layer-skip drafter reads it
+        side.start(prompt_ids, params, generators.draft, target_cache=shared)
         side.add_prompt_features(prompt_features)
         stats.prefill_seconds = time.perf_counter() - start
 

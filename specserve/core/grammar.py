@@ -28,9 +28,13 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import llguidance
-import llguidance.hf
 import torch
+
+try:  # a dependency of the package, but optional where only free text is served (a bare GPU image, say)
+    import llguidance
+    import llguidance.hf
+except ImportError:  # pragma: no cover - llguidance is installed wherever the tests run
+    llguidance = None  # type: ignore[assignment]
 
 from specserve.core.draft import Draft, Proposal
 from specserve.core.errors import InvalidRequest
@@ -73,6 +77,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab: int, eos_token_ids: Sequence[int] = ()) -> None:
         if tokenizer is None:
             raise InvalidRequest("structured output needs the model's tokenizer, and this model has none")
+        if llguidance is None:  # pragma: no cover - see the import
+            raise InvalidRequest("structured output needs the llguidance package: pip install llguidance")
         eos: list[int] = list(eos_token_ids) or [int(tokenizer.eos_token_id)]
         self.eos = frozenset(eos)
         try:
@@ -136,7 +142,7 @@ def request_grammar(params: SamplingParams, tokenizer: Any, info: ModelInfo) -> 
 class RequestGrammar:
     """One request's matcher, kept at the end of its committed text (:meth:`advance`)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: Any, vocab: int, eos_token_ids: frozenset[int]) -> None:
         self.matcher = matcher
         self.vocab = vocab
         self.eos = eos_token_ids

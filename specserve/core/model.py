@@ -21,7 +21,7 @@ import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
@@ -56,6 +56,23 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
         raise ModelLoadError(f"unknown device {name!r}; use cpu or cuda")
     return torch.device(name)
+
+
+class BlockCache(Protocol):
+    """A cache that runs its own forwards over a block (:class:`~specserve.core.static_cache.StaticKVCache`: padded
+    to a bucket, perhaps replayed as a CUDA graph); :meth:`CausalLM.forward` and :meth:`CausalLM.forward_tree` hand
+    it their blocks."""
+
+    @property
+    def length(self) -> int: ...
+
+    def forward_block(
+        self, block: BatchBlock, last_only: bool = False, capture: FeatureCapture | None = None
+    ) -> torch.Tensor: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def compact(self, keep: Sequence[int]) -> None: ...
 
 
 class KVCache:
@@ -209,13 +226,15 @@ class CausalLM:
     @torch.inference_mode()
     def forward(
         self,
-        cache: KVCache,
+        cache: KVCache | BlockCache,
         input_ids: torch.Tensor,  # [k] int64, the tokens at positions cache.length .. cache.length + k - 1
         last_only: bool = False,
         capture: FeatureCapture | None = None,
     ) -> torch.Tensor:  # [k, vocab] (or [1, vocab] when last_only) logits, in the model's dtype
         """Append ``input_ids`` to the cache and return their next-token logits (and, with ``capture``, keep
         every token's features there)."""
+        if not isinstance(cache, KVCache):  # a static-shape cache: padded to its bucket, perhaps replayed as a graph
+            return cache.forward_block(BatchBlock.chain(0, input_ids), last_only=last_only, capture=capture)
         kwargs = {self._cache_kwarg: cache.inner, "logits_to_keep": 1 if last_only else 0}
         return self._call(input_ids.to(self.device)[None], [input_ids.shape[0]], [capture], kwargs)[0]
 
@@ -240,7 +259,7 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward_tree(
-        self, cache: KVCache, root: int, tree: DraftTree, capture: FeatureCapture | None = None
+        self, cache: KVCache | BlockCache, root: int, tree: DraftTree, capture: FeatureCapture | None = None
     ) -> torch.Tensor:
         """Append the block ``[root] + tree nodes`` to the cache in one forward with tree attention.
 
@@ -248,6 +267,8 @@ class CausalLM:
         row ``i + 1`` after node ``i`` — each equal to a plain forward over the node's root-to-node
         path. The cache then holds the whole block; :meth:`KVCache.compact` keeps the accepted path.
         """
+        if not isinstance(cache, KVCache):
+            return cache.forward_block(BatchBlock.tree(0, root, tree), capture=capture)
         prefix = cache.length
         ids = torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens.to("cpu", torch.long)])
         kwargs = {

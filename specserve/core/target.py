@@ -38,9 +38,10 @@ from specserve.core.grammar import RequestGrammar, mask_logits
 from specserve.core.invariant import invariant_scores
 from specserve.core.kv_pool import KVPool
 from specserve.core.logprobs import TokenLogprob, token_logprobs
-from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
+from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache
 from specserve.core.processors import PenaltyState
 from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.static_cache import StaticKVCache
 from specserve.core.tree import ROOT, DraftTree, block_nodes
 from specserve.core.tree_verification import TreeVerdict, verify_tree, verify_tree_greedy
 from specserve.core.typical import verify_chain_typical, verify_tree_typical
@@ -80,11 +81,12 @@ class TreeSequence(TargetSequence, Protocol):
 
 
 class LocalSequence:
-    """A sequence whose KV cache lives in this process."""
+    """A sequence whose KV cache lives in this process: a growing one, or a static-shape engine's preallocated
+    slot (:class:`~specserve.core.static_cache.StaticKVCache`)."""
 
-    def __init__(self, target: CausalLM) -> None:
+    def __init__(self, target: CausalLM, cache: KVCache | StaticKVCache | None = None) -> None:
         self.target = target
-        self.cache = target.new_cache()
+        self.cache = target.new_cache() if cache is None else cache
 
     @property
     def length(self) -> int:

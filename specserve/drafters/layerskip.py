@@ -41,6 +41,7 @@ from specserve.core.draft import Draft
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, KVCache
 from specserve.core.sampling import SamplingParams
+from specserve.core.static_cache import StaticOptions
 from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 from specserve.drafters.model import DraftModelDrafter
@@ -264,6 +265,9 @@ class LayerSkipDrafter(DraftModelDrafter):
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         super().start(prompt_ids, params, generator)
         self._shared = None
+
+    def use_static_shapes(self, options: StaticOptions) -> None:
+        """Keeps its growing cache: it drafts on a view of the target's layers (or on the target's own cache)."""
 
     def share_target_cache(self, cache: KVCache) -> None:
         """Draft on the target cache's first ``layers`` layers (the same keys and values the view computes for

@@ -32,6 +32,7 @@ from specserve.core.grammar import DraftGrammar, mask_logits
 from specserve.core.invariant import invariant_tokens
 from specserve.core.model import CausalLM, KVCache, TargetDescription
 from specserve.core.sampling import SamplingParams, sample, warp_probs
+from specserve.core.static_cache import StaticKVCache, StaticOptions, StaticTarget
 from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.tree import TreeModelDrafter
 from specserve.drafters.vocabulary import check_same_vocabulary
@@ -45,16 +46,25 @@ class DraftModelDrafter:
             check_same_vocabulary(target, draft)
         self.model = draft
         self._output_device = target.device if target is not None else draft.device
-        self._cache: KVCache | None = None
+        self._cache: KVCache | StaticKVCache | None = None
         self._cached: list[int] = []  # tokens whose keys/values are in the cache, in order
         self._context: list[int] = []  # committed tokens of the current request
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
         self._trees: TreeModelDrafter | None = None  # once trees are asked for: its own cache, this context
         self._grammar: DraftGrammar | None = None  # the request's grammar (structured output), if any
+        self._static: StaticTarget | None = None  # static shapes for the chain steps (use_static_shapes)
+
+    def use_static_shapes(self, options: StaticOptions) -> None:
+        """Draft chains on the static-shape engine (:mod:`specserve.core.static_cache`): a preallocated cache, the
+        catch-up block padded to a bucket, and on a GPU each one-token step replayed as a CUDA graph. Trees keep a
+        growing cache of their own."""
+        self._static = StaticTarget(self.model, options)
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
-        self._cache = self.model.new_cache()
+        if self._cache is not None and not isinstance(self._cache, KVCache):
+            self._cache.release()
+        self._cache = self.model.new_cache() if self._static is None else self._static.new_cache()
         self._trees = None
         self._cached = []
         self._context = list(prompt_ids)

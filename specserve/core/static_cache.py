@@ -1,0 +1,305 @@
+"""A static-shape KV cache: preallocated keys and values, verify blocks padded to buckets, forwards replayable as
+CUDA graphs.
+
+:class:`StaticTarget` wraps one loaded model for the static-shape engine. It owns *slots*, each holding the keys
+and values of one sequence in preallocated tensors of ``columns = max_len + widest bucket`` positions per layer,
+and hands them out as :class:`StaticKVCache` objects (one per request; the slot returns when the cache is
+released or dropped). A :class:`StaticKVCache` quacks like :class:`~specserve.core.model.KVCache` — ``length``,
+``rollback``, ``compact``, ``snapshot`` — and :meth:`~specserve.core.model.CausalLM.forward` and
+:meth:`~specserve.core.model.CausalLM.forward_tree` hand it their blocks, so the engine's
+:class:`~specserve.core.target.LocalSequence` and the draft model run on it unchanged.
+
+A block of k tokens (a chain, a tree, a prefill chunk) runs at width ``buckets.width(k)``
+(:mod:`specserve.core.buckets`): the pad tokens follow the real ones, see only themselves, and write their keys and
+values at the columns after the block — beyond the committed text, where the verifier's rollback drops them and
+the next block overwrites them. Real tokens never see a pad, so padding changes no output. The step is one
+function of tensors only — the block's tokens, positions, ancestry and the cached length — which builds the
+attention mask and the columns it writes on the device. With a graph backend (:mod:`specserve.core.graphs`: a
+CUDA device and ``cuda_graphs``) every (slot, width, outputs) is captured once and replayed; the step then attends
+over all ``columns`` positions under the mask, as the graph's shapes must not depend on the length. Eagerly (a
+CPU, no graphs, a block wider than every bucket) it attends over the cached length and the block only.
+
+Does not verify or sample (the verifier does, on the logits it gets back) and serves one model in one process;
+the batched engine's pool is :mod:`specserve.core.kv_pool`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specserve.core.buckets import VerifyBuckets, default_buckets
+from specserve.core.errors import UserError
+from specserve.core.graphs import CudaGraphs, GraphBackend, GraphCache
+from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, select_features
+
+
+class StaticCacheFull(UserError):
+    """A sequence outgrew its static cache; the message says how to size it."""
+
+
+@dataclass(frozen=True)
+class StaticOptions:
+    """How the static-shape engine runs: ``buckets`` (``None``: the device's default), ``cuda_graphs`` (on a CUDA
+    device; ignored elsewhere), ``compile`` (``torch.compile`` the model's forward, without its own graphs), and
+    ``max_len`` (positions a sequence may hold; ``None``: the model's context)."""
+
+    buckets: VerifyBuckets | None = None
+    cuda_graphs: bool = True
+    compile: bool = False
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_len is not None and self.max_len < 2:
+            raise UserError(f"a static cache holds at least 2 positions, got max_len={self.max_len}")
+
+    def describe(self) -> str:
+        buckets = "device default" if self.buckets is None else self.buckets.describe()
+        return f"static(buckets={buckets}, cuda_graphs={self.cuda_graphs}, compile={self.compile})"
+
+
+class _Slot:
+    """One sequence's preallocated keys and values (``[1, kv_heads, columns, head_dim]`` per layer)."""
+
+    def __init__(self, index: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        self.index = index
+        self.keys = keys
+        self.values = values
+        self.length = 0
+        self.columns: torch.Tensor | None = None  # the current step's write columns (set inside the step)
+        self.visible = 0  # columns the current step attends over
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One model layer's share of a slot: writes a step's keys and values at its columns."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, slot: _Slot, layer: int) -> None:
+        super().__init__()
+        self.slot = slot
+        self.layer = layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = self.slot
+        assert slot.columns is not None, "a slot layer is updated only inside a static step"
+        keys, values = slot.keys[self.layer], slot.values[self.layer]
+        keys.index_copy_(2, slot.columns, key_states)
+        values.index_copy_(2, slot.columns, value_states)
+        return keys[:, :, : slot.visible], values[:, :, : slot.visible]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.slot.visible, 0
+
+    def get_seq_length(self) -> int:
+        return self.slot.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _SlotCache(Cache):
+    """The transformers ``Cache`` a static step hands the model."""
+
+    def __init__(self, slot: _Slot) -> None:
+        super().__init__(layers=[_SlotLayer(slot, i) for i in range(len(slot.keys))])
+
+
+class StaticTarget:
+    """One model's static-shape forwards: its slots, buckets and graphs (see the module docstring)."""
+
+    def __init__(self, model: CausalLM, options: StaticOptions, backend: GraphBackend | None = None) -> None:
+        """``backend``: how graphs are captured; by default CUDA graphs on a CUDA device with ``cuda_graphs``, and
+        none (every step eager) otherwise."""
+        self.model = model
+        self.options = options
+        device = model.device
+        self.buckets = options.buckets if options.buckets is not None else default_buckets(device.type)
+        self.max_len = options.max_len or model.info.max_positions
+        self.columns = self.max_len + max(self.buckets.largest, 1)
+        if backend is None and options.cuda_graphs and device.type == "cuda":
+            backend = CudaGraphs(device)
+        self.graphs = GraphCache(backend)
+        self._call: Any = model.model
+        if options.compile:
+            self._call = torch.compile(model.model, dynamic=False)
+        self._slots: list[_Slot] = []
+        self._free: list[_Slot] = []
+        self._low = torch.finfo(model.dtype).min
+
+    @property
+    def graphed(self) -> bool:
+        return self.graphs.backend is not None
+
+    def new_cache(self) -> StaticKVCache:
+        """A cache over a free slot (a new slot when every one is in use)."""
+        slot = self._free.pop() if self._free else self._new_slot()
+        slot.length = 0
+        return StaticKVCache(self, slot)
+
+    def _new_slot(self) -> _Slot:
+        config = self.model.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (1, heads, self.columns, head_dim)
+        dtype, device = self.model.dtype, self.model.device
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        values = [torch.zeros_like(k) for k in keys]
+        slot = _Slot(len(self._slots), keys, values)
+        self._slots.append(slot)
+        return slot
+
+    def _release(self, slot: _Slot) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    # -----------------------------------------------------------------------------------------
+    # One step
+
+    @torch.inference_mode()
+    def forward_block(
+        self, slot: _Slot, block: BatchBlock, last_only: bool = False, capture: FeatureCapture | None = None
+    ) -> torch.Tensor:
+        """Append ``block`` (its ``seq_id`` unused) to the slot's sequence; its ``[k, vocab]`` logits (``[1, vocab]``,
+        the last token's, with ``last_only``), and with ``capture`` its tokens' features."""
+        k = block.size
+        width = self.buckets.width(k)
+        if slot.length + width > self.columns:
+            if slot.length + k > self.columns:
+                raise StaticCacheFull(
+                    f"a sequence of {slot.length + k} positions does not fit the static cache of {self.max_len}; "
+                    "raise --max-len (StaticOptions.max_len) or shorten the request"
+                )
+            width = k  # the padding would not fit, the block does: run it at its own width
+        device = self.model.device
+        ids = torch.zeros(width, dtype=torch.long)
+        ids[:k] = block.tokens.to("cpu", torch.long)
+        positions = torch.zeros(width, dtype=torch.long)
+        positions[:k] = torch.tensor(block.offsets)
+        sees = torch.eye(width, dtype=torch.bool)  # a pad sees only itself
+        sees[:k, :k] = block.attends()
+        inputs = [
+            ids.to(device),
+            positions.to(device),
+            sees.to(device),
+            torch.tensor([slot.length], dtype=torch.long).to(device),
+            torch.tensor([k - 1], dtype=torch.long).to(device),
+        ]
+        hidden = capture is not None
+        graphed = self.graphed and self.buckets.bucket(k) == width
+        slot.visible = self.columns if graphed else slot.length + width
+
+        def step(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            return self._step(slot, tensors, last_only, hidden)
+
+        key = (slot.index, width, last_only, hidden)
+        outputs = self.graphs.run(key, step, inputs) if graphed else step(inputs)
+        slot.length += k
+        logits = outputs[0][:1] if last_only else outputs[0][:k]
+        if capture is not None:
+            capture.value = select_features([h[:k] for h in outputs[1:]], capture.layers).clone()
+        return logits.clone() if graphed else logits
+
+    def _step(
+        self, slot: _Slot, tensors: Sequence[torch.Tensor], last_only: bool, hidden: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """The step as a function of tensors: ``ids``, ``positions`` (offsets after the cached length), ``sees``
+        (``[w, w]`` bool), ``length`` and ``last`` (``[1]`` each). Builds the mask and the columns on the device."""
+        ids, offsets, sees, length, last = tensors
+        width, device = ids.shape[0], ids.device
+        columns = torch.arange(slot.visible, device=device)
+        relative = columns[None, :] - length  # [1, visible]: column - cached length
+        in_block = (relative >= 0) & (relative < width)
+        block_sees = sees.gather(1, relative.clamp(0, width - 1).expand(width, -1))
+        allowed = (relative < 0) | (in_block & block_sees)
+        mask = torch.zeros(width, slot.visible, dtype=self.model.dtype, device=device).masked_fill_(~allowed, self._low)
+        slot.columns = length + torch.arange(width, device=device)
+        kwargs: dict[str, Any] = {
+            self.model._cache_kwarg: _SlotCache(slot),
+            "attention_mask": mask[None, None],
+            "position_ids": (length + offsets)[None],
+            "use_cache": True,
+        }
+        if last_only:
+            kwargs["logits_to_keep"] = last
+        if hidden:
+            kwargs["output_hidden_states"] = True
+        try:
+            out = self._call(input_ids=ids[None], **kwargs)
+        finally:
+            slot.columns = None
+        if hidden:
+            return (out.logits[0], *(h[0] for h in out.hidden_states))
+        return (out.logits[0],)
+
+
+class StaticKVCache:
+    """One sequence's KV in a slot of a :class:`StaticTarget`; the interface of :class:`~specserve.core.model.KVCache`
+    plus :meth:`forward_block`. :meth:`release` (or dropping it) returns the slot."""
+
+    def __init__(self, owner: StaticTarget, slot: _Slot) -> None:
+        self.owner = owner
+        self.slot = slot
+        self._finalizer = weakref.finalize(self, owner._release, slot)
+
+    @property
+    def length(self) -> int:
+        return self.slot.length
+
+    def forward_block(
+        self, block: BatchBlock, last_only: bool = False, capture: FeatureCapture | None = None
+    ) -> torch.Tensor:
+        return self.owner.forward_block(self.slot, block, last_only, capture)
+
+    def rollback(self, length: int) -> None:
+        """Keep the first ``length`` cached positions (the rest stay in place, unseen, until overwritten)."""
+        if not 0 <= length <= self.slot.length:
+            raise ValueError(f"cannot roll back a cache of length {self.slot.length} to {length}")
+        self.slot.length = length
+
+    @torch.inference_mode()
+    def compact(self, keep: Sequence[int]) -> None:
+        """Keep only the cached positions in ``keep`` (strictly increasing), moved to positions 0 .. len - 1."""
+        keep = list(keep)
+        current = self.slot.length
+        if any(b <= a for a, b in itertools.pairwise(keep)) or (keep and not 0 <= keep[0] <= keep[-1] < current):
+            raise ValueError(f"positions to keep must be strictly increasing and below {current}, got {keep}")
+        unchanged = next((i for i, p in enumerate(keep) if p != i), len(keep))
+        moved = keep[unchanged:]
+        if moved:
+            index = torch.tensor(moved, dtype=torch.long, device=self.slot.keys[0].device)
+            for tensor in (*self.slot.keys, *self.slot.values):
+                tensor[:, :, unchanged : unchanged + len(moved)] = tensor.index_select(2, index)
+        self.slot.length = len(keep)
+
+    def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of the cached keys and values, per layer (``[1, heads, length, head_dim]`` each)."""
+        n = self.slot.length
+        return [
+            (k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in zip(self.slot.keys, self.slot.values, strict=True)
+        ]
+
+    def release(self) -> None:
+        """Hand the slot back (the cache must not be used afterwards)."""
+        self._finalizer()
+
+
+def use_static_shapes(drafter: object, options: StaticOptions) -> None:
+    """Let a drafter that runs a model of its own (the draft model's ``use_static_shapes``) draft on static shapes
+    too; other drafters have no forwards to shape."""
+    method = getattr(drafter, "use_static_shapes", None)
+    if method is not None:
+        method(options)
