@@ -46,6 +46,9 @@ class PolicyState:
     # share of such a step (specserve.policies.step_costs)
     batch_size: int = 1
     batch_size_off: int = 0  # while off: the smallest batch size at which speculation was judged not to pay
+    # block sizes k whose verify bucket costs more than a wider bucket: verify_seconds prices them at the wider one
+    # (the lower envelope), but the engine pads them only to their own, so no chain of such a k is drafted
+    dominated_ks: frozenset[int] = frozenset()
     extra: dict[str, float] = field(default_factory=dict)
 
     def optimistic(self, z: float) -> PolicyState:

@@ -14,6 +14,11 @@ the step's width (:class:`~specserve.core.schedule.BatchPlanned`), which may cut
 every row of the step) stays due and is asked again each cycle, so probes go through when enough requests
 probe together.
 
+Under a static-shape engine the controller is given the engine's
+:class:`~specserve.core.buckets.VerifyBuckets` (by default the replica prior's): its estimators then learn
+T_verify per bucket the forward ran at and price each block at its bucket
+(:class:`~specserve.policies.estimators.CostEstimator`); a replica prior pooling other buckets is refused.
+
 A policy that sets ``calibrates_plain`` (the adaptive one) gets one plain-decoding cycle first when
 neither the request nor the replica has measured T_verify(1): plain decoding is what every γ is compared
 against, it is never observed while speculating, and its cost is not on the line through the others
@@ -32,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from specserve.core.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.core.tree import TreeSpec
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
 from specserve.policies.estimators import (
@@ -63,6 +69,21 @@ def clip_budget(budget: Budget, max_depth: int) -> Budget:
     return Budget(max_depth)
 
 
+def resolve_buckets(prior: ReplicaPrior | None, buckets: VerifyBuckets | None) -> VerifyBuckets:
+    """The verify buckets requests sharing ``prior`` price blocks at: ``buckets``, else the prior's, else none.
+
+    Refuses buckets other than the prior's: the prior records each verify at the width it believes it ran at.
+    """
+    if prior is None:
+        return buckets if buckets is not None else NO_BUCKETS
+    if buckets is not None and buckets != prior.buckets:
+        raise ValueError(
+            f"the replica prior pools verify times at buckets {prior.buckets.describe()}, not {buckets.describe()}: "
+            "build the ReplicaPrior with the engine's buckets"
+        )
+    return prior.buckets
+
+
 class SpeculationController:
     """Decides and learns for one request; see the module docstring."""
 
@@ -74,14 +95,16 @@ class SpeculationController:
         *,
         half_life: float | None = REQUEST_HALF_LIFE_CYCLES,
         step_costs: StepCostEstimator | None = None,
+        buckets: VerifyBuckets | None = None,
     ):
         if max_gamma_cap < 0:
             raise ValueError(f"max_gamma_cap must be >= 0, got {max_gamma_cap}")
         self.policy = policy
         self.replica_prior = prior
         self.max_gamma_cap = max_gamma_cap
+        self.buckets = resolve_buckets(prior, buckets)
         seed = prior.prior(max_depth=max(1, max_gamma_cap)) if prior is not None else EstimatorPrior()
-        self.estimators = Estimators(seed, half_life)
+        self.estimators = Estimators(seed, half_life, buckets=self.buckets)
         self.history: list[dict[str, Any]] = []
         self._chosen: Budget | None = None  # the policy's last decision after the cap (what hysteresis compares)
         self._cycles_since_change = 0
@@ -131,7 +154,13 @@ class SpeculationController:
             return dataclasses.replace(state, batch_size_off=self._batch_off) if self._batch_off else state
         # chains need k <= cap + 1; longer blocks (trees) extrapolate the table's last two entries
         table = self.step_costs.per_request_table(batch_size, self.max_gamma_cap + 2)
-        return dataclasses.replace(state, verify_seconds=table, batch_size=batch_size, batch_size_off=self._batch_off)
+        return dataclasses.replace(
+            state,
+            verify_seconds=table,
+            dominated_ks=frozenset(),  # the step's own curve: no per-request bucket envelope
+            batch_size=batch_size,
+            batch_size_off=self._batch_off,
+        )
 
     def next_budget(self, remaining: int, batch_size: int = 1) -> Budget:
         """The budget for the next cycle (whose target forward verifies ``batch_size`` requests): the policy's

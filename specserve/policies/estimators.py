@@ -27,6 +27,10 @@ Conventions (all documented again where used):
   the deepest observed one), and at depth 1 with nothing known it is :data:`DEFAULT_ALPHA`.
 * **Costs.** Times are seconds. Verify time includes ``wire_seconds`` (the round trip is paid per cycle).
   Tree draft cost is modelled per level (one draft forward per depth, widths batched), so x = depth.
+* **Verify buckets.** Given :class:`~specserve.core.buckets.VerifyBuckets` (a static-shape engine pads a
+  block of k positions up to ``buckets.width(k)``), verify times are learned per width the forward ran at,
+  and T_verify(k) is priced at its bucket — never above a wider bucket's cost (see :class:`CostEstimator`).
+  Without buckets (the default) every block runs at its own width, as before.
 
 Not here: choosing a budget (:mod:`specserve.policies.policies`), the rate model
 (:mod:`specserve.policies.rates`), per-request bookkeeping of decisions
@@ -38,11 +42,13 @@ draft cost here, not its verify time).
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specserve.core.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.policies.base import Budget, CycleObservation, PolicyState
 
 # ---------------------------------------------------------------------------------------------------------
@@ -149,7 +155,8 @@ class EstimatorPrior:
     strength: float = PRIOR_STRENGTH  # pseudo-counts behind each depth's prior mean
     draft_seconds_per_token: float = DEFAULT_DRAFT_SECONDS_PER_TOKEN
     draft_fixed_seconds: float = DEFAULT_DRAFT_FIXED_SECONDS
-    verify_seconds: tuple[float, ...] = field(default_factory=_default_verify_table)  # [k] T_verify(k), k = 1..
+    # [k] T_verify(k), k = 1.. : what a target forward over k positions costs (a width, if blocks are padded)
+    verify_seconds: tuple[float, ...] = field(default_factory=_default_verify_table)
     tree_bonus_per_node: float = DEFAULT_TREE_BONUS_PER_NODE
     plain_measured: bool = False  # whether verify_seconds[0] (plain decoding, k = 1) was measured, not assumed
 
@@ -382,20 +389,41 @@ class CostEstimator:
     attributes the cost to the per-token term, the safer reading for choosing γ. Both terms are clamped
     at >= 0.
 
-    **Verify**: an exponentially weighted mean per observed k (k = drafted + 1; a plain cycle is k = 1).
-    An unobserved k >= 2 is read off a weighted linear fit over the observed k >= 2 (weights = the
-    forgetting weights, slope clamped at >= 0) when at least two distinct k >= 2 were observed; otherwise
-    off the prior's curve scaled to the observed level. The k = 1 value is never part of the line: a
-    measured T_verify(1) is kept as measured; unmeasured, it is the prior's k = 1 scaled like the rest.
+    **Verify**: an exponentially weighted mean per observed width w, the positions the target forward ran
+    at (without buckets w = k = drafted + 1; a plain cycle is k = 1). An unobserved w >= 2 is read off a
+    weighted linear fit over the observed w >= 2 (weights = the forgetting weights, slope clamped at >= 0)
+    when at least two distinct w >= 2 were observed; otherwise off the prior's curve scaled to the observed
+    level. The w = 1 value is never part of the line: a measured T(1) is kept as measured; unmeasured, it is
+    the prior's w = 1 scaled like the rest. :meth:`width_table` is that curve.
+
+    **Buckets**: with ``buckets`` a block of k positions runs at ``w = buckets.width(k)``, so it is recorded
+    under w, and the prior's shape is read at w too (the prior's table is per width). An unobserved width is
+    then not read off the line but off the prior's curve, scaled by the measured / prior ratio interpolated
+    between the nearest observed widths on either side (the nearest one's ratio past either end): a bucketed
+    curve need not be a line (a wider bucket can be the cheaper: aligned kernels, one graph per width), and a
+    prior that measured the buckets (a replica's pooled table, or a start-up measurement) keeps its shape where
+    this request has seen nothing, so a cheaper wider bucket is known before it is tried. T_verify(k) is then
+    T(w), lowered to the cheapest wider bucket within the table — min over buckets b with w <= b <= max_k of
+    T(b), a lower envelope from the right — so no k looks dearer than a bucket it could fill with more drafts.
+    A k whose own bucket costs more than that (:meth:`dominated`: possible with buckets not chosen from
+    measurements, or after costs drift) would still run at its own, dearer, bucket, so the adaptive policy
+    drafts no chain of such a k (:class:`~specserve.policies.policies.AdaptivePolicy`). Without buckets
+    (``None`` or empty) nothing is padded and T_verify(k) is T(k).
     """
 
-    def __init__(self, prior: EstimatorPrior = DEFAULT_PRIOR, half_life: float | None = REQUEST_HALF_LIFE_CYCLES):
+    def __init__(
+        self,
+        prior: EstimatorPrior = DEFAULT_PRIOR,
+        half_life: float | None = REQUEST_HALF_LIFE_CYCLES,
+        buckets: VerifyBuckets | None = None,
+    ):
         self.prior = prior
         self.half_life = half_life
+        self.buckets = buckets if buckets is not None else NO_BUCKETS
         self._decay = decay_factor(half_life)
         # draft: forgetting-weighted sums of w, w·x, w·y, w·x², w·x·y over drafting cycles
         self._w = self._x = self._y = self._xx = self._xy = 0.0
-        # verify: per k, the weighted mean seconds and its forgetting weight
+        # verify: per width run at, the weighted mean seconds and its forgetting weight
         self._verify_mean: dict[int, float] = {}
         self._verify_weight: dict[int, float] = {}
 
@@ -407,15 +435,17 @@ class CostEstimator:
             self.observe_draft(obs.depth, obs.draft_seconds)
 
     def observe_verify(self, k: int, seconds: float) -> None:
-        """One verify of ``k`` positions (root included) that took ``seconds``; ages every k."""
+        """One verify of ``k`` positions (root included) that took ``seconds``, recorded under the width it ran
+        at (``buckets.width(k)``); ages every width."""
         if k < 1:
             raise ValueError(f"verify positions k must be >= 1, got {k}")
+        width = self.buckets.width(k)
         for key in self._verify_weight:
             self._verify_weight[key] = max(_MIN_VERIFY_WEIGHT, self._verify_weight[key] * self._decay)
-        weight = self._verify_weight.get(k, 0.0)
-        mean = self._verify_mean.get(k, 0.0)
-        self._verify_mean[k] = (weight * mean + seconds) / (weight + 1.0)
-        self._verify_weight[k] = weight + 1.0
+        weight = self._verify_weight.get(width, 0.0)
+        mean = self._verify_mean.get(width, 0.0)
+        self._verify_mean[width] = (weight * mean + seconds) / (weight + 1.0)
+        self._verify_weight[width] = weight + 1.0
 
     def observe_draft(self, depth: int, seconds: float) -> None:
         """One drafting step of ``depth`` levels that took ``seconds``; ages the draft statistics."""
@@ -455,11 +485,16 @@ class CostEstimator:
     # -- verify
 
     def observed_verify(self) -> dict[int, float]:
-        """The measured T_verify(k) for every k observed so far."""
+        """The measured T(w) for every width w a verify ran at so far (w = k without buckets)."""
         return dict(self._verify_mean)
 
+    @property
+    def plain_measured(self) -> bool:
+        """Whether plain decoding's cost (a block of k = 1, at its width) was measured here."""
+        return self.buckets.width(1) in self._verify_mean
+
     def _line(self) -> tuple[float, float] | None:
-        """(intercept, slope) of the weighted fit over observed k >= 2, or None with < 2 distinct k."""
+        """(intercept, slope) of the weighted fit over observed w >= 2, or None with < 2 distinct w."""
         points = [(k, self._verify_mean[k], self._verify_weight[k]) for k in self._verify_mean if k >= 2]
         if len(points) < 2:
             return None
@@ -472,7 +507,7 @@ class CostEstimator:
         return y - slope * x, slope
 
     def _prior_ratio(self, ks: Sequence[int]) -> float | None:
-        """Observed level relative to the prior's curve over ``ks`` (weighted), or None if none observed."""
+        """Observed level relative to the prior's curve over widths ``ks`` (weighted), or None if none observed."""
         ks = [k for k in ks if k in self._verify_mean]
         if not ks:
             return None
@@ -480,16 +515,19 @@ class CostEstimator:
         expected = sum(self._verify_weight[k] * self.prior.t_verify(k) for k in ks)
         return measured / expected
 
-    def verify_table(self, max_k: int = VERIFY_TABLE_SIZE) -> tuple[float, ...]:
-        """T_verify(k) for k = 1 .. ``max_k``: measured where observed, filled as the class docstring says."""
-        if max_k < 1:
-            raise ValueError(f"max_k must be >= 1, got {max_k}")
+    def width_table(self, max_width: int = VERIFY_TABLE_SIZE) -> tuple[float, ...]:
+        """T(w) of a forward at width w = 1 .. ``max_width``: measured where observed, filled as the class
+        docstring says; no bucket is applied (this is what a replica exports as a prior)."""
+        if max_width < 1:
+            raise ValueError(f"max_width must be >= 1, got {max_width}")
+        if self.buckets.widths:
+            return self._prior_shaped_widths(max_width)
         line = self._line()
         multi = [k for k in self._verify_mean if k >= 2]
         ratio_multi = self._prior_ratio(multi)
         ratio_one = self._prior_ratio([1])
         table: list[float] = []
-        for k in range(1, max_k + 1):
+        for k in range(1, max_width + 1):
             if k in self._verify_mean:
                 value = self._verify_mean[k]
             elif k >= 2 and line is not None:
@@ -500,8 +538,68 @@ class CostEstimator:
             table.append(max(_MIN_SECONDS, value))
         return tuple(table)
 
+    def _prior_shaped_widths(self, max_width: int) -> tuple[float, ...]:
+        """T(w) for w = 1 .. ``max_width`` with buckets: measured where observed, else the prior's T(w) times the
+        measured / prior ratio interpolated between the nearest observed widths (see the class docstring)."""
+        observed = sorted(self._verify_mean)
+        ratios = [self._verify_mean[w] / self.prior.t_verify(w) for w in observed]
+        table: list[float] = []
+        for w in range(1, max_width + 1):
+            i = bisect.bisect_left(observed, w)
+            if i < len(observed) and observed[i] == w:
+                value = self._verify_mean[w]
+            else:
+                if not observed:
+                    ratio = 1.0
+                elif i == 0:
+                    ratio = ratios[0]
+                elif i == len(observed):
+                    ratio = ratios[-1]
+                else:
+                    lo, hi = observed[i - 1], observed[i]
+                    ratio = ratios[i - 1] + (ratios[i] - ratios[i - 1]) * (w - lo) / (hi - lo)
+                value = self.prior.t_verify(w) * ratio
+            table.append(max(_MIN_SECONDS, value))
+        return tuple(table)
+
+    def verify_prices(self, max_k: int = VERIFY_TABLE_SIZE) -> tuple[tuple[float, ...], frozenset[int]]:
+        """(:meth:`verify_table`, :meth:`dominated`) at once: T_verify(k) for k = 1 .. ``max_k``, and the k whose
+        own bucket costs more than that (see the class docstring)."""
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if not self.buckets.widths:
+            return self.width_table(max_k), frozenset()
+        widths = self.width_table(max(max_k, self.buckets.width(max_k)))
+        # cheapest[i]: the cheapest bucket from the i-th on, within the table (the envelope from the right)
+        inside = [b for b in self.buckets.widths if b <= max_k]
+        cheapest = [widths[b - 1] for b in inside]
+        for i in range(len(cheapest) - 2, -1, -1):
+            cheapest[i] = min(cheapest[i], cheapest[i + 1])
+        table: list[float] = []
+        dominated: set[int] = set()
+        for k in range(1, max_k + 1):
+            width = self.buckets.width(k)
+            own = widths[width - 1]
+            index = bisect.bisect_left(inside, width)
+            value = min(own, cheapest[index]) if index < len(inside) else own
+            if value < own:
+                dominated.add(k)
+            table.append(value)
+        return tuple(table), frozenset(dominated)
+
+    def verify_table(self, max_k: int = VERIFY_TABLE_SIZE) -> tuple[float, ...]:
+        """T_verify(k) for k = 1 .. ``max_k``: T at k's width, filled and (with buckets) enveloped as the class
+        docstring says."""
+        return self.verify_prices(max_k)[0]
+
+    def dominated(self, max_k: int = VERIFY_TABLE_SIZE) -> frozenset[int]:
+        """The k <= ``max_k`` whose bucket costs more than a wider bucket within the table (empty without buckets)."""
+        return self.verify_prices(max_k)[1]
+
     def t_verify(self, k: int) -> float:
-        return _linear_extrapolation(self.verify_table(max(k, 2)), k)
+        # with buckets, the envelope reaches as far as the policy's table does, so this agrees with it
+        horizon = max(k, 2) if not self.buckets.widths else max(k, VERIFY_TABLE_SIZE)
+        return _linear_extrapolation(self.verify_table(horizon), k)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -512,7 +610,8 @@ class Estimators:
     """One request's (or one replica's) estimators plus the observation counters a policy reads.
 
     ``half_life`` is the recent memory (costs, acceptance change detection); ``long_half_life`` the
-    acceptance estimate's long memory (``None``: one timescale; ``half_life=None``: no forgetting at all).
+    acceptance estimate's long memory (``None``: one timescale; ``half_life=None``: no forgetting at all);
+    ``buckets`` the verify widths blocks are padded to (:class:`CostEstimator`; ``None``: none).
     """
 
     def __init__(
@@ -520,10 +619,12 @@ class Estimators:
         prior: EstimatorPrior = DEFAULT_PRIOR,
         half_life: float | None = REQUEST_HALF_LIFE_CYCLES,
         long_half_life: float | None = REQUEST_LONG_HALF_LIFE_CYCLES,
+        *,
+        buckets: VerifyBuckets | None = None,
     ):
         self.prior = prior
         self.acceptance = AcceptanceEstimator(prior, half_life, long_half_life)
-        self.costs = CostEstimator(prior, half_life)
+        self.costs = CostEstimator(prior, half_life, buckets)
         self.cycles = 0
         self.cycles_since_speculation = 0
         self.last_accepted = 0
@@ -548,12 +649,14 @@ class Estimators:
     ) -> PolicyState:
         """The state a policy decides from; ``previous`` and the decision counters come from the caller."""
         fixed, per_token = self.costs.draft_fit()
+        verify_seconds, dominated = self.costs.verify_prices(max_k)
         return PolicyState(
             alpha=self.acceptance.alphas(max(1, max_depth)),
             alpha_weight=self.acceptance.weights(max(1, max_depth)),
             draft_seconds_per_token=per_token,
             draft_fixed_seconds=fixed,
-            verify_seconds=self.costs.verify_table(max_k),
+            verify_seconds=verify_seconds,
+            dominated_ks=dominated,
             previous=previous,
             cycles=self.cycles,
             cycles_since_change=cycles_since_change,
@@ -566,7 +669,8 @@ class Estimators:
 
     def export_prior(self, max_depth: int = DEFAULT_MAX_DEPTH, max_k: int = VERIFY_TABLE_SIZE) -> EstimatorPrior:
         """These estimates as a prior for a new request: acceptance only at depths with at least
-        ``prior.strength`` observations' worth of evidence, costs as fitted."""
+        ``prior.strength`` observations' worth of evidence, costs as fitted (verify per width, no bucket applied:
+        :meth:`CostEstimator.width_table`)."""
         known = min(max_depth, self.acceptance.known_depths(self.prior.strength))
         fixed, per_token = self.costs.draft_fit()
         return EstimatorPrior(
@@ -574,7 +678,7 @@ class Estimators:
             strength=self.prior.strength,
             draft_seconds_per_token=per_token,
             draft_fixed_seconds=fixed,
-            verify_seconds=self.costs.verify_table(max_k),
+            verify_seconds=self.costs.width_table(max_k),
             tree_bonus_per_node=self.acceptance.tree_bonus_per_node(),
             plain_measured=self.plain_measured,
         )
@@ -582,18 +686,27 @@ class Estimators:
     @property
     def plain_measured(self) -> bool:
         """Whether T_verify(1) is known from a measurement (here or in the prior), not from the prior's shape."""
-        return self.prior.plain_measured or 1 in self.costs.observed_verify()
+        return self.prior.plain_measured or self.costs.plain_measured
 
 
 class ReplicaPrior:
     """All requests' observations on one replica, pooled; seeds each new request's estimators.
 
+    ``buckets``: the verify widths the replica's engine pads blocks to, so that pooled verify times are
+    recorded at the width they ran at (its requests' controllers must use the same; ``None``: no padding).
     Thread-safe: the coordinator may run requests on threads, so every method takes the lock.
     """
 
-    def __init__(self, prior: EstimatorPrior = DEFAULT_PRIOR, half_life: float | None = REPLICA_HALF_LIFE_CYCLES):
+    def __init__(
+        self,
+        prior: EstimatorPrior = DEFAULT_PRIOR,
+        half_life: float | None = REPLICA_HALF_LIFE_CYCLES,
+        *,
+        buckets: VerifyBuckets | None = None,
+    ):
         self._lock = threading.Lock()
-        self._estimators = Estimators(prior, half_life, long_half_life=None)
+        self.buckets = buckets if buckets is not None else NO_BUCKETS
+        self._estimators = Estimators(prior, half_life, long_half_life=None, buckets=self.buckets)
 
     def observe(self, obs: CycleObservation) -> None:
         with self._lock:

@@ -131,6 +131,10 @@ class AdaptivePolicy:
       switches off where it no longer pays, later for a request whose drafts are accepted more. While off,
       the decision is revisited (against plain decoding, with the full ``hysteresis``) whenever the batch is
       smaller than it was when speculation last was judged not to pay.
+    * **Verify buckets** — under a static-shape engine ``state.verify_seconds`` prices every block at its
+      bucket, never above a wider bucket's cost (:class:`~specserve.policies.estimators.CostEstimator`). A
+      chain whose block would run at a bucket dearer than a wider one (``state.dominated_ks``) is no candidate:
+      it would pay its own bucket, while a longer chain fills the cheaper one. Plain decoding always stays one.
     * **Trees** — optional candidates (static topologies or dynamic budgets), rated with the simple tree
       model of :mod:`specserve.policies.rates`; chains are the main case.
     """
@@ -186,8 +190,13 @@ class AdaptivePolicy:
         )
 
     def rates(self, state: PolicyState) -> dict[Budget, float]:
-        """Predicted tokens per second of every candidate."""
-        return {b: predicted_rate(state, b, self.overlap) for b in self.candidates}
+        """Predicted tokens per second of every candidate (chains of a dominated block size left out)."""
+        dominated = state.dominated_ks
+        return {
+            b: predicted_rate(state, b, self.overlap)
+            for b in self.candidates
+            if not (dominated and b.tree is None and b.gamma > 0 and b.gamma + 1 in dominated)
+        }
 
     def margin(self, cycles_since_change: int) -> float:
         """The relative gain a candidate needs over a decision that has stood this many cycles."""

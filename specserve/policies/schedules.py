@@ -7,13 +7,16 @@ and follows transformers' +2 / −1 schedule; ``adaptive`` chooses each cycle's 
 request names a tree, that tree as a further candidate) from the online estimates. Every request's
 controller is seeded from, and feeds, one :class:`~specserve.policies.estimators.ReplicaPrior`
 per factory — one per engine or drafter actor, i.e. per replica — and learns what a batched step costs in one
-:class:`~specserve.policies.step_costs.StepCostEstimator` per factory. Does not draft, verify or time.
+:class:`~specserve.policies.step_costs.StepCostEstimator` per factory. A static-shape engine passes its verify
+``buckets``: every controller (and the prior it makes) then learns T_verify per bucket and prices a block at
+its bucket (:class:`~specserve.policies.estimators.CostEstimator`). Does not draft, verify or time.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from specserve.core.buckets import VerifyBuckets
 from specserve.core.schedule import (
     POLICY_NAMES,
     Budget,
@@ -22,7 +25,7 @@ from specserve.core.schedule import (
     ScheduleFactory,
     check_policy_name,
 )
-from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
+from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController, resolve_buckets
 from specserve.policies.estimators import ReplicaPrior
 from specserve.policies.policies import build_policy
 from specserve.policies.step_costs import StepCostEstimator
@@ -30,9 +33,17 @@ from specserve.policies.step_costs import StepCostEstimator
 __all__ = ["POLICY_NAMES", "schedules"]
 
 
-def schedules(prior: ReplicaPrior | None = None, max_gamma_cap: int = DEFAULT_MAX_GAMMA_CAP) -> ScheduleFactory:
-    """A schedule factory whose adaptive and heuristic requests share ``prior`` (a fresh one by default)."""
-    shared = prior if prior is not None else ReplicaPrior()
+def schedules(
+    prior: ReplicaPrior | None = None,
+    max_gamma_cap: int = DEFAULT_MAX_GAMMA_CAP,
+    *,
+    buckets: VerifyBuckets | None = None,
+) -> ScheduleFactory:
+    """A schedule factory whose adaptive and heuristic requests share ``prior`` (a fresh one by default) and
+    price verify blocks at ``buckets`` (by default the prior's; ``None`` with no prior: no padding). A given
+    prior must pool at the same buckets (:class:`ValueError` otherwise)."""
+    shared = prior if prior is not None else ReplicaPrior(buckets=buckets)
+    widths = resolve_buckets(shared, buckets)
     steps = StepCostEstimator(shared.prior())  # what a (batched) step costs on this replica, shared like the prior
 
     def make(policy: str, budget: Budget) -> Schedule:
@@ -44,6 +55,8 @@ def schedules(prior: ReplicaPrior | None = None, max_gamma_cap: int = DEFAULT_MA
             options["start_gamma"] = max(1, min(budget.gamma, max_gamma_cap))
         elif budget.tree is not None:
             options["trees"] = (budget.tree,)
-        return SpeculationController(build_policy(policy, **options), shared, max_gamma_cap, step_costs=steps)
+        return SpeculationController(
+            build_policy(policy, **options), shared, max_gamma_cap, step_costs=steps, buckets=widths
+        )
 
     return make

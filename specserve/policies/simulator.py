@@ -51,6 +51,10 @@ the verify seconds of a forward over ``batch_size · (γ + 1)`` positions (the b
 goodput-aware policy assumes), read off the same curve, which batched records key by the positions their
 step computed. Who shared the batch, and how their choices widened it, is not replayed.
 
+**Buckets.** A trace recorded on a static-shape engine already carries bucketed seconds per k; replaying it
+with ``controller_schedules(..., buckets=...)`` lets the controllers price blocks at their buckets as live.
+The curves themselves are not re-bucketed: charging an unbucketed trace as if it were padded is not simulated.
+
 Not simulated: draft trees (tree records are ignored and tree budgets rejected), overlap mode,
 and anything a policy could learn from the text itself.
 """
@@ -65,10 +69,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from specserve.core.buckets import VerifyBuckets
 from specserve.core.errors import UserError
 from specserve.core.schedule import Budget, CycleObservation, Schedule
 from specserve.policies.base import Policy
-from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
+from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController, resolve_buckets
 from specserve.policies.estimators import ReplicaPrior
 from specserve.policies.traces import TraceRecord
 
@@ -371,12 +376,18 @@ RequestSchedules = Callable[[], Schedule]  # a fresh schedule for each simulated
 
 
 def controller_schedules(
-    policy: Policy, prior: ReplicaPrior | None = None, max_gamma_cap: int = DEFAULT_MAX_GAMMA_CAP
+    policy: Policy,
+    prior: ReplicaPrior | None = None,
+    max_gamma_cap: int = DEFAULT_MAX_GAMMA_CAP,
+    *,
+    buckets: VerifyBuckets | None = None,
 ) -> RequestSchedules:
     """A fresh :class:`~specserve.policies.controller.SpeculationController` per request for ``policy``, all
-    sharing one replica prior (a new one unless given), as the engine's requests on one replica do."""
-    shared = prior if prior is not None else ReplicaPrior()
-    return lambda: SpeculationController(policy, shared, max_gamma_cap)
+    sharing one replica prior (a new one unless given), as the engine's requests on one replica do; ``buckets``
+    as :func:`~specserve.policies.schedules.schedules` takes them (the recorded costs should then be bucketed)."""
+    shared = prior if prior is not None else ReplicaPrior(buckets=buckets)
+    widths = resolve_buckets(shared, buckets)
+    return lambda: SpeculationController(policy, shared, max_gamma_cap, buckets=widths)
 
 
 def simulate(
