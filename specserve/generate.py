@@ -162,6 +162,8 @@ def run_command(args: argparse.Namespace) -> int:
         raise UserError(f"--gamma must be between 1 and {MAX_GAMMA}, got {args.gamma}")
     if not args.distributed and (args.tp_degree != 1 or args.overlap or args.drafter_placement != "colocated"):
         raise UserError("--tp, --drafter-placement and --overlap need --distributed")
+    if args.distributed and args.static_shapes == "on":
+        raise UserError("--static-shapes on runs in process only; leave out --distributed or --static-shapes")
     params = sampling_params(args)
     tree = tree_spec(args)
     prompt = read_prompt(args)
@@ -291,7 +293,11 @@ def build_engine(config: ReplicaConfig) -> SpeculativeEngine:
 
     target = CausalLM.load(config.target, dtype=config.dtype, device=config.device)
     drafter = build_drafter_set(config.draft, target, **config.drafter_options())  # a request may also ask for none
-    return SpeculativeEngine(target, drafter, schedules=schedules())
+    static = config.static_options()
+    if static is None:
+        return SpeculativeEngine(target, drafter, schedules=schedules())
+    static = static.resolve(target.device.type)  # the policy prices each width at its bucket's cost
+    return SpeculativeEngine(target, drafter, schedules=schedules(buckets=static.buckets), static=static)
 
 
 @contextlib.contextmanager

@@ -100,6 +100,32 @@ def test_generate_greedy_is_draft_independent(capsys: pytest.CaptureFixture[str]
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+def test_generate_on_static_shapes_equals_growing_caches(capsys: pytest.CaptureFixture[str]) -> None:
+    """The shipped pair in float64, on the static-shape engine with buckets that pad γ 3's block of 4 and γ 5's of 6
+    (and no CUDA graphs on a CPU), gives the greedy tokens of the growing-cache engine."""
+    outputs = []
+    for extra in (
+        ["--static-shapes", "off"],
+        ["--static-shapes", "on", "--buckets", "1,2,8"],
+        ["--static-shapes", "on"],
+    ):
+        for gamma in ("3", "5"):
+            code, out, err = run_cli(
+                capsys, "generate", "--prompt", "import os\n", "--max-new-tokens", "24", "--json",
+                "--dtype", "float64", "--gamma", gamma, *extra,
+            )  # fmt: skip
+            assert code == 0, err
+            outputs.append(json.loads(out)["output_ids"])
+    assert all(out == outputs[0] for out in outputs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _out, err = run_cli(capsys, "generate", "--prompt", "x", "--device", "cuda", "--static-shapes", "on")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip() == "error: --device cuda was requested but no CUDA device is available; use --device cpu"
+
+
 def test_generate_with_trees_equals_chains(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """Greedy output with static and dynamic draft trees equals the chain run's; the JSON lists tree shapes."""
     topology = tmp_path / "tree.json"
@@ -216,6 +242,9 @@ BAD_ARGS = {
     "too many logprobs": (["--logprobs", "21"], "logprobs must be between 0"),
     "bad regex": (["--regex", "[a-"], "the regex grammar is not valid"),
     "missing schema": (["--json-schema", "/nonexistent.json"], "cannot read --json-schema"),
+    "unordered buckets": (["--buckets", "4,2"], "strictly increasing"),
+    "malformed buckets": (["--buckets", "1;2"], "comma-separated widths"),
+    "static shapes distributed": (["--static-shapes", "on", "--distributed"], "runs in process only"),
 }
 
 

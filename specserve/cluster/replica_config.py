@@ -36,9 +36,11 @@ from pydantic_core import PydanticUndefined
 
 from specserve import defaults
 from specserve.cluster.placement import MAX_TP, Accelerator, ClusterSpec, DrafterPlacement
+from specserve.core.buckets import VerifyBuckets
 from specserve.core.checkpoint_dir import check_checkpoint_dir
 from specserve.core.drafter_spec import absolute_spec, check_drafter_spec
 from specserve.core.errors import UserError
+from specserve.core.static_options import StaticOptions
 
 Dtype = Literal["float32", "float64", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]  # one GPU per process: Ray gives each actor its own (CUDA_VISIBLE_DEVICES)
@@ -80,6 +82,18 @@ class ReplicaConfig(BaseModel):
     )
     dtype: Dtype = Field("float32", description="weights dtype of the target and the drafter")
     device: Device = Field("cpu", description="where the models compute; cuda: one GPU per shard and drafter")
+    static_shapes: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="the static-shape engine (in process): a preallocated KV cache, verify blocks padded to "
+        "--buckets, and on a GPU every bucket's forward replayed as a CUDA graph; auto = on with --device cuda only",
+    )
+    buckets: str = Field(
+        "",
+        description="the widths verify blocks pad to with static shapes, e.g. 1,2,4,8,16 (empty: the device's "
+        "default, chosen from measured verify times; none: no padding)",
+    )
+    no_cuda_graphs: bool = Field(False, description="with static shapes on a GPU, run every forward eagerly")
+    compile: bool = Field(False, description="with static shapes, torch.compile the target's forward as well")
     max_ngram: int = Field(3, ge=1, description="longest n-gram the ngram drafter matches")
     min_ngram: int = Field(1, ge=1, description="shortest n-gram the ngram drafter matches (<= max_ngram)")
     suffix_store: Literal["replica", "cluster"] = Field(
@@ -268,6 +282,21 @@ class ReplicaConfig(BaseModel):
 
     # ---- the command line
 
+    @field_validator("buckets")
+    @classmethod
+    def _buckets(cls, value: str) -> str:
+        if value:
+            VerifyBuckets.parse(value)  # raises a UserError saying what to write
+        return value
+
+    def static_options(self) -> StaticOptions | None:
+        """The static-shape engine's options, or ``None`` when this replica runs growing caches (``static_shapes``
+        off, or auto on a CPU)."""
+        if self.static_shapes == "off" or (self.static_shapes == "auto" and self.device != "cuda"):
+            return None
+        buckets = VerifyBuckets.parse(self.buckets) if self.buckets else None
+        return StaticOptions(buckets=buckets, cuda_graphs=not self.no_cuda_graphs, compile=self.compile)
+
     @classmethod
     def flag(cls, name: str) -> str:
         """The command-line flag of field ``name``."""
@@ -313,7 +342,18 @@ class ReplicaConfig(BaseModel):
 
 
 # The settings an in-process run uses too (the rest only matter to a distributed replica).
-MODEL_SETTINGS = ("target", "draft", "dtype", "device", "max_ngram", "min_ngram")
+MODEL_SETTINGS = (
+    "target",
+    "draft",
+    "dtype",
+    "device",
+    "static_shapes",
+    "buckets",
+    "no_cuda_graphs",
+    "compile",
+    "max_ngram",
+    "min_ngram",
+)
 DISTRIBUTED_SETTINGS = tuple(name for name in ReplicaConfig.model_fields if name not in MODEL_SETTINGS)
 
 

@@ -60,6 +60,7 @@ from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import ScheduleFactory, fixed_schedules
+from specserve.core.static_options import StaticOptions
 from specserve.core.stats import RequestStats
 from specserve.core.target import PooledSequence, TargetVerifier
 
@@ -108,7 +109,10 @@ class BatchedEngine(GenerationFrontend):
         max_seq_len: int | None = None,
         prefill_tokens: int = 256,
         kv_pool_tokens: int | None = None,
+        static: StaticOptions | None = None,
     ) -> None:
+        """``static``: run every step at the bucket of its widest block (:mod:`specserve.core.buckets`; the KV pool
+        is preallocated either way)."""
         if prefill_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"prefill_tokens and max_num_seqs must be >= 1, got {prefill_tokens}, {max_num_seqs}")
         self.prefill_tokens = prefill_tokens
@@ -119,7 +123,8 @@ class BatchedEngine(GenerationFrontend):
         self.schedules = schedules
         self.prompts = PromptCodec(target.info, target.tokenizer)
         self.pool = KVPool(target.model, kv_pool_tokens or max_num_seqs * kv_tokens(self.max_seq_len))
-        self.ops = LocalPool(target, self.pool)
+        self.buckets = None if static is None else static.buckets_for(target.device.type)
+        self.ops = LocalPool(target, self.pool, self.buckets)
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}

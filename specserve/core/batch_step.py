@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.core.buckets import VerifyBuckets
 from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
@@ -33,9 +34,11 @@ from specserve.core.target import CycleOutcome, PoolOps, TargetVerifier
 class LocalPool:
     """Pool operations in this process: the target's batched forward and the pool's own rollback and compaction."""
 
-    def __init__(self, target: CausalLM, pool: KVPool) -> None:
+    def __init__(self, target: CausalLM, pool: KVPool, buckets: VerifyBuckets | None = None) -> None:
+        """``buckets``: every step runs at the bucket of its widest block (static shapes)."""
         self.target = target
         self.pool = pool
+        self.buckets = buckets
 
     def forward_batch(
         self,
@@ -43,7 +46,7 @@ class LocalPool:
         last_only: bool = False,
         capture: Sequence[FeatureCapture | None] | None = None,
     ) -> list[torch.Tensor]:
-        return self.target.forward_batch(self.pool, blocks, last_only=last_only, capture=capture)
+        return self.target.forward_batch(self.pool, blocks, last_only=last_only, capture=capture, buckets=self.buckets)
 
     def rollback(self, seq_id: int, length: int) -> None:
         self.pool.rollback(seq_id, length)

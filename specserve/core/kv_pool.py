@@ -180,8 +180,9 @@ class KVPool:
     # -----------------------------------------------------------------------------------------
     # One step's view
 
-    def view(self, sequences: Sequence[int], blocks: Sequence[int]) -> PoolView:
-        """The cache one batched forward writes: row b is ``sequences[b]``, extended by ``blocks[b]`` tokens.
+    def view(self, sequences: Sequence[int], blocks: Sequence[int], width: int | None = None) -> PoolView:
+        """The cache one batched forward writes: row b is ``sequences[b]``, extended by ``blocks[b]`` tokens, every
+        row ``width`` columns wide (default: the widest block; the rest of a row is padding).
 
         Grows each sequence's length by its block (the caller rolls back or compacts after verifying)."""
         if len(set(sequences)) != len(sequences) or min(blocks) < 1:
@@ -198,7 +199,9 @@ class KVPool:
         starts, lengths = [span.start for span in spans], [span.length for span in spans]
         for span, k in zip(spans, blocks, strict=True):
             span.length += k
-        return PoolView(self, starts, lengths, list(blocks))
+        if width is not None and width < max(blocks):
+            raise ValueError(f"a step {width} columns wide cannot hold a block of {max(blocks)}")
+        return PoolView(self, starts, lengths, list(blocks), width)
 
 
 class _PoolLayer(CacheLayerMixin):
@@ -245,12 +248,14 @@ class PoolView(Cache):
     :class:`~specserve.core.attention.RaggedBatch` (:meth:`rows`) attends each row over its own span.
     """
 
-    def __init__(self, pool: KVPool, starts: list[int], lengths: list[int], blocks: list[int]) -> None:
+    def __init__(
+        self, pool: KVPool, starts: list[int], lengths: list[int], blocks: list[int], width: int | None = None
+    ) -> None:
         self.pool = pool
         self.starts = starts
         self.lengths = lengths
         self.blocks = blocks
-        width = max(blocks)
+        width = max(blocks) if width is None else width
         columns = torch.empty(len(blocks), width, dtype=torch.long)
         for b, (start, length, k) in enumerate(zip(starts, lengths, blocks, strict=True)):
             columns[b, :k] = torch.arange(start + length, start + length + k)

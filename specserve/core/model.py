@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from specserve.core.attention import RaggedBatch, ragged_batch, use_grouped_attention
+from specserve.core.buckets import VerifyBuckets
 from specserve.core.checkpoint_dir import ModelLoadError, check_checkpoint_dir
 from specserve.core.kv_pool import KVPool
 from specserve.core.tree import DraftTree
@@ -304,6 +305,7 @@ class CausalLM:
         blocks: Sequence[BatchBlock],
         last_only: bool = False,
         capture: Sequence[FeatureCapture | None] | None = None,
+        buckets: VerifyBuckets | None = None,
     ) -> list[torch.Tensor]:
         """Append every block to its own sequence in ``pool`` in one forward; per block, its ``[k, vocab]`` logits
         (``[1, vocab]``, its last token's, with ``last_only``: the head then runs on one token per row).
@@ -314,6 +316,9 @@ class CausalLM:
 
         ``capture``: one :class:`FeatureCapture` (or ``None``) per block; block b's is filled with the ``[k,
         width]`` features of its k real tokens at its own layers, what a forward of that sequence alone captures.
+
+        ``buckets``: the step runs at the bucket of its widest block (:mod:`specserve.core.buckets`); the extra
+        columns are padding queries, as a shorter block's are, which attend to nothing and write to scratch.
         """
         if not blocks:
             raise ValueError("a batched forward needs at least one block")
@@ -321,8 +326,9 @@ class CausalLM:
         if len(captures) != len(blocks):
             raise ValueError(f"{len(captures)} feature captures for {len(blocks)} blocks: give one per block")
         sizes = [block.size for block in blocks]
-        view = pool.view([block.seq_id for block in blocks], sizes)
-        rows, width, low = len(blocks), max(sizes), torch.finfo(self.dtype).min
+        width = max(sizes) if buckets is None else buckets.width(max(sizes))
+        view = pool.view([block.seq_id for block in blocks], sizes, width)
+        rows, low = len(blocks), torch.finfo(self.dtype).min
         ids = torch.zeros(rows, width, dtype=torch.long)
         positions = torch.zeros(rows, width, dtype=torch.long)
         masks: list[torch.Tensor | None] = []

@@ -28,40 +28,21 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specserve.core.buckets import VerifyBuckets, default_buckets
 from specserve.core.errors import UserError
 from specserve.core.graphs import CudaGraphs, GraphBackend, GraphCache
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, select_features
+from specserve.core.static_options import StaticOptions
+
+__all__ = ["StaticCacheFull", "StaticKVCache", "StaticOptions", "StaticTarget", "use_static_shapes"]
 
 
 class StaticCacheFull(UserError):
     """A sequence outgrew its static cache; the message says how to size it."""
-
-
-@dataclass(frozen=True)
-class StaticOptions:
-    """How the static-shape engine runs: ``buckets`` (``None``: the device's default), ``cuda_graphs`` (on a CUDA
-    device; ignored elsewhere), ``compile`` (``torch.compile`` the model's forward, without its own graphs), and
-    ``max_len`` (positions a sequence may hold; ``None``: the model's context)."""
-
-    buckets: VerifyBuckets | None = None
-    cuda_graphs: bool = True
-    compile: bool = False
-    max_len: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_len is not None and self.max_len < 2:
-            raise UserError(f"a static cache holds at least 2 positions, got max_len={self.max_len}")
-
-    def describe(self) -> str:
-        buckets = "device default" if self.buckets is None else self.buckets.describe()
-        return f"static(buckets={buckets}, cuda_graphs={self.cuda_graphs}, compile={self.compile})"
 
 
 class _Slot:
@@ -127,7 +108,7 @@ class StaticTarget:
         self.model = model
         self.options = options
         device = model.device
-        self.buckets = options.buckets if options.buckets is not None else default_buckets(device.type)
+        self.buckets = options.buckets_for(device.type)
         self.max_len = options.max_len or model.info.max_positions
         self.columns = self.max_len + max(self.buckets.largest, 1)
         if backend is None and options.cuda_graphs and device.type == "cuda":

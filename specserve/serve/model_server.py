@@ -135,14 +135,17 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
         max_seq_len=length,
         suffix_cache=suffix_cache,
     )
+    static = config.static_options()
+    buckets = None if static is None else static.buckets_for(target.device.type)
     return BatchedEngine(
         target,
         new_drafter,
-        schedules=schedules(),
+        schedules=schedules(buckets=buckets),
         max_num_seqs=seqs,
         max_seq_len=length,
         prefill_tokens=config.max_batch_tokens,
         kv_pool_tokens=config.kv_pool_tokens or None,
+        static=static,
     )
 
 
