@@ -56,11 +56,11 @@ from specserve.benchmarks.arguments import (
     print_results,
     stdout_to_stderr,
 )
+from specserve.benchmarks.baselines import hf_generate
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import report_paths, save_report
 from specserve.benchmarks.timing import median_forward_seconds
-from specserve.core.attention import native_attention
 from specserve.core.draft import Drafter
 from specserve.core.drafter_spec import is_model_free
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
@@ -163,30 +163,8 @@ def run_hf(
     gamma: int | None,
     **generate_kwargs: Any,
 ) -> MethodResult:
-    model = target.model
-    eos = list(target.info.eos_token_ids)
-    sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        if temperature > 0
-        else {"do_sample": False}
-    )
-
     def call(ids: list[int], max_new: int, seed: int) -> int:
-        torch.manual_seed(seed)
-        input_ids = torch.tensor([ids], device=target.device)
-        assistant = generate_kwargs.get("assistant_model")
-        # transformers' generate with its own attention, the assistant's too
-        with torch.inference_mode(), native_attention(model), native_attention(assistant):
-            out = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new,
-                eos_token_id=eos,
-                pad_token_id=eos[0] if eos else 0,
-                **sampling,
-                **generate_kwargs,
-            )
-        return int(out.shape[1] - input_ids.shape[1])
+        return len(hf_generate(target, ids, max_new, temperature, seed, **generate_kwargs))
 
     call(prompt_ids[0], 8, cfg.seed)
     result = MethodResult(method, temperature, gamma)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from specserve.core.engine import GenerationConfig, GenerationFrontend
+from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
 
@@ -39,8 +39,10 @@ class Tally:
         temperature: float,
         config: GenerationConfig,
         seed: int = 0,
-    ) -> None:
-        """Generate every prompt (prompt i with seed ``seed + i``), timing each, and pool the results."""
+    ) -> list[GenerationResult]:
+        """Generate every prompt (prompt i with seed ``seed + i``), timing each, and pool the results; the results,
+        one per prompt."""
+        results = []
         for i, ids in enumerate(prompt_ids):
             params = SamplingParams(temperature=temperature, seed=seed + i)
             start = time.perf_counter()
@@ -48,6 +50,8 @@ class Tally:
             self.seconds += time.perf_counter() - start
             self.new_tokens += len(out.output_ids)
             self.stats.merge(out.stats)
+            results.append(out)
+        return results
 
 
 def alternating(rounds: int, items: Sequence[T]) -> Iterator[T]:
