@@ -56,16 +56,12 @@ from specserve.benchmarks.tally import Tally
 from specserve.benchmarks.timing import median_forward_seconds, synchronize
 from specserve.core.draft import DrafterSet, TreeDrafter
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.graphs import GraphCache
 from specserve.core.model import CausalLM, KVCache
+from specserve.core.static_cache import StaticKVCache, StaticTarget
+from specserve.core.static_options import StaticOptions
 from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters import build_drafter_set
-
-try:  # the static-shape engine (specserve.core.static_cache); the check reports its modes skipped without it
-    from specserve.core.static_cache import StaticOptions, StaticTarget
-
-    STATIC_MISSING: str | None = None
-except ImportError as exc:  # pragma: no cover - present wherever the tests run
-    STATIC_MISSING = f"static engine not available: {exc}"
 
 BUDGET_SECONDS = 430.0
 """Wall-clock budget of a full run, from the start of the process: the script's ``timeout 480`` leaves the rest for
@@ -182,9 +178,7 @@ class Report:
         recorded with the section, not raised."""
         estimate *= self.cfg.estimate_scale
         if not self.budget.allows(estimate):
-            self.data["sections"][name] = {"status": self.budget.skip_reason(estimate)}
-            print(f"[{name}] {self.data['sections'][name]['status']}", flush=True)
-            self.save()
+            self.skip(name, self.budget.skip_reason(estimate))
             return
         print(f"[{name}] ({self.budget.left():.0f} s left)", flush=True)
         start = time.perf_counter()
@@ -196,6 +190,11 @@ class Report:
             print(f"[{name}] error: {entry['error']}", flush=True)
         entry["seconds"] = round(time.perf_counter() - start, 2)
         self.data["sections"][name] = entry
+        self.save()
+
+    def skip(self, name: str, reason: str) -> None:
+        self.data["sections"][name] = {"status": reason}
+        print(f"[{name}] {reason}", flush=True)
         self.save()
 
     def save(self) -> Path:
@@ -215,15 +214,13 @@ class Mode:
     or ``dynamic`` (the growing cache; ``static=None``)."""
 
     name: str
-    static: Any = None  # StaticOptions, or None for the growing cache
+    static: StaticOptions | None = None  # None: the growing cache
 
     def engine(self, target: CausalLM, drafters: DrafterSet) -> SpeculativeEngine:
-        if self.static is None:
-            return SpeculativeEngine(target, drafters)
         return SpeculativeEngine(target, drafters, static=self.static)
 
-    def cache(self, target: CausalLM) -> Any:
-        """An empty cache of this mode (a :class:`KVCache`, or a static engine's slot)."""
+    def cache(self, target: CausalLM) -> KVCache | StaticKVCache:
+        """An empty cache of this mode (a growing one, or a static engine's slot)."""
         return target.new_cache() if self.static is None else StaticTarget(target, self.static).new_cache()
 
 
@@ -231,16 +228,26 @@ def engine_modes(device: torch.device) -> tuple[list[Mode], dict[str, str]]:
     """The modes this machine runs, fastest first, and why the others are skipped."""
     skipped: dict[str, str] = {}
     modes: list[Mode] = []
-    if STATIC_MISSING is not None:
-        skipped = {"graphs": STATIC_MISSING, "static": STATIC_MISSING}
+    if device.type == "cuda":
+        modes.append(Mode("graphs", StaticOptions(cuda_graphs=True)))
     else:
-        if device.type == "cuda":
-            modes.append(Mode("graphs", StaticOptions(cuda_graphs=True)))
-        else:
-            skipped["graphs"] = "skipped: CUDA graphs need a CUDA device"
-        modes.append(Mode("static", StaticOptions(cuda_graphs=False)))
+        skipped["graphs"] = "skipped: CUDA graphs need a CUDA device"
+    modes.append(Mode("static", StaticOptions(cuda_graphs=False)))
     modes.append(Mode("dynamic"))
     return modes, skipped
+
+
+def graph_counts(engine: SpeculativeEngine) -> dict[str, Any] | None:
+    """The target's graphs in a graphed engine: captured, replayed, failed (with why), eager calls beside them."""
+    graphs: GraphCache | None = engine.static.graphs if engine.static is not None else None
+    if graphs is None or graphs.backend is None:
+        return None
+    return {
+        "captured": len(graphs.keys),
+        "replays": sum(graphs.replays(key) for key in graphs.keys),
+        "eager_runs": graphs.eager_runs,
+        "failures": {str(key): why for key, why in graphs.failures.items()},
+    }
 
 
 @dataclass(frozen=True)
@@ -313,6 +320,15 @@ class Check:
     @property
     def budget(self) -> Budget:
         return self.report.budget
+
+    def has_target(self) -> bool:
+        return self.target is not None and bool(self.prompt_ids)
+
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    def has_llama(self) -> bool:
+        return self.llama is not None
 
 
 def run_ours(
@@ -542,6 +558,7 @@ def run_drafter(check: Check, mode: Mode, plan: DrafterPlan, plain: bool = False
             row, results = run_ours(target, engine, check.prompt_ids, config, cfg.warmup_tokens)
             outputs = [r.output_ids for r in results]
             entry.update(row, status="ok", exact=exactness(target, check.prompt_ids, outputs, check.reference))
+            entry["graphs"] = graph_counts(engine)
         except Exception as exc:  # one drafter's failure must not end the section
             entry.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         check.last_config_seconds = time.perf_counter() - start
@@ -603,6 +620,7 @@ def llama_section(check: Check) -> dict[str, Any]:
             row, results = run_ours(llama, engine, check.llama_prompt_ids, config, cfg.warmup_tokens)
             outputs = [r.output_ids for r in results]
             entry.update(row, status="ok", agreement_with_hf_eager=agreement(outputs, reference))
+            entry["graphs"] = graph_counts(engine)
         except Exception as exc:  # the other modes still run
             entry.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
         check.report.runs.append(entry)
@@ -735,7 +753,10 @@ def describe_run(r: dict[str, Any]) -> str:
     exact = r.get("exact")
     exact_text = f"exact {exact['exact']}/{exact['outputs']}" if exact else ""
     accepted = f"acc {r['mean_accepted']:.2f}" if r.get("drafter") else ""
-    return f"{name} {r['tokens_per_second']:8.1f} tok/s {accepted:9s} {exact_text}"
+    graphs = r.get("graphs")
+    graph_text = f" graphs: {graphs['captured']} captured, {graphs['replays']} replays, {graphs['eager_runs']} eager" \
+        if graphs else ""  # fmt: skip
+    return f"{name} {r['tokens_per_second']:8.1f} tok/s {accepted:9s} {exact_text}{graph_text}"
 
 
 def print_summary(report: Report) -> None:
@@ -818,7 +839,8 @@ def plot(report: Report, path: Path) -> str | None:
     ax.tick_params(axis="y", labelsize=6)
     ax = axes[1][2]
     ax.axis("off")
-    lines = [f"{t['status']}: {t['target']}" for t in report.data["targets"]]
+    lines = [f"{t['status']}: {t['target']}  [{cell(t['value']) if isinstance(t['value'], float) else t['value']}]"
+             for t in report.data["targets"]]  # fmt: skip
     ax.text(0.0, 1.0, "\n".join(lines), va="top", fontsize=8, family="monospace", wrap=True)
     ax.set_title("targets")
     fig.tight_layout()
@@ -883,25 +905,32 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="device-check-") as scratch:
         if cfg.quick:
             check.cfg = cfg = replace(cfg, models=tiny_models(Path(scratch), cfg.models))
-        report.section("load", 30.0, lambda: load_target(check))
-        if check.target is not None and check.prompt_ids:
-            report.section("plain", 30.0, lambda: plain_section(check))
-        if check.reference is not None:
-            report.section("drafters", 30.0, lambda: drafters_section(check, modes[:1]))
-            report.section("verify_cost", 10.0, lambda: target_verify_section(check))
-        report.section("llama_1b", 40.0, lambda: llama_section(check))
-        if check.target is not None and check.prompt_ids:
-            report.section("hf_static_target", 60.0, lambda: hf_static_section(check, "target"))
-        if check.reference is not None and len(modes) > 1:
-            report.section("drafters_dynamic", 30.0, lambda: drafters_section(check, modes[-1:]))
-        if check.llama is not None:
-            report.section("hf_static_llama_1b", 90.0, lambda: hf_static_section(check, "llama_1b"))
+        loaded, referenced, llama = check.has_target, check.has_reference, check.has_llama
+        # (section, GPU seconds it needs at least, what it runs, what it needs from an earlier section)
+        sections: list[tuple[str, float, Callable[[], dict[str, Any]], tuple[str, Callable[[], bool]] | None]] = [
+            ("load", 30.0, lambda: load_target(check), None),
+            ("plain", 30.0, lambda: plain_section(check), ("load", loaded)),
+            ("drafters", 30.0, lambda: drafters_section(check, modes[:1]), ("plain", referenced)),
+            ("verify_cost", 10.0, lambda: target_verify_section(check), ("load", loaded)),
+            ("llama_1b", 40.0, lambda: llama_section(check), None),
+            ("hf_static_target", 60.0, lambda: hf_static_section(check, "target"), ("load", loaded)),
+            ("drafters_dynamic", 30.0, lambda: drafters_section(check, modes[-1:]), ("plain", referenced)),
+            ("hf_static_llama_1b", 90.0, lambda: hf_static_section(check, "llama_1b"), ("llama_1b", llama)),
+        ]  # fmt: skip
+        for name, estimate, body, needs in sections:
+            if needs is not None and not needs[1]():
+                report.skip(name, f"skipped: needs what section {needs[0]!r} did not finish")
+            else:
+                report.section(name, estimate, body)
     report.data["environment"]["loaded_packages"] = loaded_packages()
     summarise(report)
     report.data["targets"] = evaluate_targets(report)
     report.data["elapsed_seconds"] = round(cfg.budget_seconds - report.budget.left(), 1)
     json_path = report.save()
-    plot_note = plot(report, cfg.out_dir / "device_check.png")
+    try:
+        plot_note = plot(report, cfg.out_dir / "device_check.png")
+    except Exception as exc:  # a plot is a convenience: the JSON and the lines below are the results
+        plot_note = f"no plot: {type(exc).__name__}: {exc}"
     if plot_note is not None:
         report.data["plot"] = plot_note
         report.save()

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.core.model import CausalLM, KVCache
-
-if TYPE_CHECKING:
-    from specserve.core.static_cache import StaticKVCache
+from specserve.core.static_cache import StaticKVCache
 
 
 def synchronize(device: torch.device) -> None:

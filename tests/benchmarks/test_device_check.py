@@ -10,7 +10,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,8 +26,10 @@ from specserve.benchmarks.device_check import (
     drafter_plans,
     evaluate_targets,
     first_difference,
+    graph_counts,
     summarise,
 )
+from specserve.core.graphs import GraphCache
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = {"load", "plain", "drafters", "verify_cost", "llama_1b", "hf_static_target", "drafters_dynamic",
@@ -47,9 +51,8 @@ def test_quick_cpu_run_takes_every_section_and_every_output_is_exact(tmp_path: P
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "device_check.json").read_text())
-    # a CPU has no graphs: the static engine leads, the dynamic one follows (alone, in a checkout without the former)
-    modes = ["dynamic"] if device_check.STATIC_MISSING else ["static", "dynamic"]
-    assert set(report["sections"]) == SECTIONS - ({"drafters_dynamic"} if len(modes) == 1 else set())
+    modes = ["static", "dynamic"]  # a CPU has no graphs: the static engine leads, the dynamic one follows
+    assert set(report["sections"]) == SECTIONS
     assert all(entry["status"] == "ok" for entry in report["sections"].values()), report["sections"]
     runs = report["runs"]
     assert all(r.get("status", "ok") == "ok" for r in runs), [r for r in runs if r.get("status", "ok") != "ok"]
@@ -134,6 +137,27 @@ def test_a_drafter_whose_files_are_missing_is_skipped_with_that_reason(tmp_path:
     (tmp_path / "eagle" / "config.json").write_text("{}")
     assert plans["eagle"].missing() is None
     assert DrafterPlan("x", "x").missing() is None
+
+
+class FakeBackend:
+    """Captures nothing: replaying does nothing and hands back what the step returned at capture."""
+
+    def capture(self, run: Callable[[], Sequence[torch.Tensor]]) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
+        outputs = tuple(run())
+        return lambda: None, outputs
+
+
+def test_graph_counts_say_whether_the_graphed_engine_replayed_graphs() -> None:
+    graphs = GraphCache(FakeBackend())
+    step = lambda tensors: (tensors[0] + 1,)  # noqa: E731
+    for _ in range(3):
+        graphs.run("k1", step, [torch.zeros(2)])
+    graphs.run("k1", step, [torch.zeros(3)])  # another shape: eager
+    engine = SimpleNamespace(static=SimpleNamespace(graphs=graphs))
+    counts = graph_counts(engine)  # type: ignore[arg-type]
+    assert counts == {"captured": 1, "replays": 3, "eager_runs": 1, "failures": {}}
+    assert graph_counts(SimpleNamespace(static=None)) is None  # type: ignore[arg-type]
+    assert graph_counts(SimpleNamespace(static=SimpleNamespace(graphs=GraphCache(None)))) is None  # type: ignore[arg-type]
 
 
 def plain(method: str, rate: float) -> dict[str, object]:
