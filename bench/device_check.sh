@@ -35,12 +35,11 @@ PY="${PYTHON:-python3}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-if ! "$PY" -c "import torch, transformers" 2>/dev/null; then
+if ! "$PY" -c "import torch, transformers, sys; print('device_check:', sys.executable, '| torch', torch.__version__,
+      '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"; then
     echo "device_check: $PY cannot import torch and transformers; set PYTHON to an interpreter that can" >&2
     exit 3
 fi
-"$PY" -c "import torch, transformers, sys; print('device_check:', sys.executable, '| torch', torch.__version__,
-      '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
 "$PY" -c "import matplotlib" 2>/dev/null || echo "device_check: matplotlib missing: the JSON only, no PNG"
 
 if command -v timeout >/dev/null; then
