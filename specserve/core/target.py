@@ -385,7 +385,8 @@ class TargetVerifier:
             draft_probs = draft.draft_probs.to(self.device) if draft.draft_probs is not None else None
             verdict = verify_chain(target_logits, target_probs, tokens, draft_probs, self.generator)
 
-        new = [*tokens[: verdict.num_accepted].tolist(), verdict.next_token]
+        # the draft's tokens from where the drafter made them: a copy after the verdict's transfer, never a wait
+        new = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
         return verdict, new, list(range(verdict.num_accepted + 1))
 
     def _decide_tree(self, tree: DraftTree, target_logits: torch.Tensor) -> tuple[Verdict, list[int], list[int]]:

@@ -107,7 +107,7 @@ def verify_chain(
     draft_probs: torch.Tensor | None,  # [gamma, vocab] or None
     generator: torch.Generator | None,
 ) -> ChainVerdict:
-    """Dispatch to the greedy or stochastic rule and sync once to host."""
+    """Dispatch to the greedy or stochastic rule and sync once to host (the count and the token in one transfer)."""
     gamma = draft_tokens.shape[0]
     if target_probs is None:
         num, token = verify_chain_greedy(target_logits, draft_tokens)
@@ -115,8 +115,8 @@ def verify_chain(
         if generator is None:
             raise ValueError("stochastic verification needs the request's generator")
         num, token = verify_chain_stochastic(target_probs, draft_tokens, draft_probs, generator)
-    n = int(num.item())
-    return ChainVerdict(n, int(token.item()), TokenKind.BONUS if n == gamma else TokenKind.RECOVERED)
+    n, next_token = torch.stack([num.reshape(()), token.reshape(())]).tolist()
+    return ChainVerdict(n, next_token, TokenKind.BONUS if n == gamma else TokenKind.RECOVERED)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from conftest import TinyPair, finish_all
+from conftest import REF_TOKENS, TinyPair, finish_all
+from head_helpers import random_heads, trained_head
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +37,8 @@ from specserve.core.static_cache import StaticCacheFull, StaticOptions, StaticTa
 from specserve.core.target import LocalSequence, TargetVerifier
 from specserve.core.tree import DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
+from specserve.drafters.eagle import EagleDrafter
+from specserve.drafters.medusa import MedusaDrafter
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
 BUCKETS = VerifyBuckets((1, 2, 4, 8, 16))
@@ -118,6 +121,31 @@ def test_greedy_trees_equal_transformers(pair: TinyPair, tree: str, mode: str, h
         result = engine.generate(list(prompt), SamplingParams(), GenerationConfig(28, tree=TREES[tree]))
         assert result.output_ids == hf_greedy(pair.target, prompt, 28)[: len(result.output_ids)]
         assert len(result.output_ids) == 28 or result.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_hidden_state_drafters_read_features_from_the_static_forwards(
+    pair: TinyPair, mode: str, hf_greedy: HfGreedy
+) -> None:
+    """EAGLE and Medusa read the target's features from the verify forward: on static shapes (their own graph keys)
+    the features of a padded block's real rows are the ones an unpadded forward gives, so they draft the same and
+    greedy output stays the target's."""
+    graphs = RecordingGraphs() if mode == "graphs" else None
+    eagle = EagleDrafter.for_target(trained_head(pair), pair.target)
+    medusa = MedusaDrafter.for_target(random_heads(pair.target), pair.target)
+    for drafter in (eagle, medusa):
+        static = static_engine(pair, drafter, graphs)
+        dynamic = SpeculativeEngine(pair.target, drafter)
+        for prompt in pair.prompts[:4]:
+            config = GenerationConfig(REF_TOKENS, gamma=3)
+            result = static.generate(list(prompt), SamplingParams(), config)
+            assert result.output_ids == hf_greedy(pair.target, prompt, REF_TOKENS)
+            assert (
+                result.stats.accepted_tokens
+                == dynamic.generate(list(prompt), SamplingParams(), config).stats.accepted_tokens
+            )
+    if graphs is not None:
+        assert static.static is not None and any(key[3] for key in static.static.graphs.keys)  # type: ignore[index]
 
 
 def test_sampled_output_is_the_dynamic_engines_draw(pair: TinyPair) -> None:
