@@ -228,8 +228,10 @@ class SpeculativeEngine(GenerationFrontend):
         self.drafter = self.drafters.configured
         self.schedules = schedules
         self.prompts = PromptCodec(target.info, target.tokenizer)
-        self.static = None if static is None else StaticTarget(target, static)
+        self.static: StaticTarget | None = None
         if static is not None:
+            self.static = StaticTarget(target, static)
+            self.static.capture()  # every bucket's verify graph now, once per model load (none without graphs)
             use_static_shapes(self.drafter, static)
 
     def validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:

@@ -120,6 +120,7 @@ class StaticTarget:
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
         self._low = torch.finfo(model.dtype).min
+        self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # a chain's layout by (k, width)
 
     @property
     def graphed(self) -> bool:
@@ -142,6 +143,25 @@ class StaticTarget:
         slot = _Slot(len(self._slots), keys, values)
         self._slots.append(slot)
         return slot
+
+    def capture(self, last_only: Sequence[bool] = (False,)) -> list[object]:
+        """Capture every bucket's step now (on a free slot, whose contents do not matter until a sequence writes
+        them), rather than on a request's first block of that width; returns the keys captured. Nothing happens
+        without a graph backend."""
+        if not self.graphed:
+            return []
+        cache = self.new_cache()
+        before = set(self.graphs.keys)
+        try:
+            for width in self.buckets.widths:
+                if width > self.max_len:
+                    break
+                for last in last_only:
+                    cache.forward_block(BatchBlock.chain(0, torch.zeros(width, dtype=torch.long)), last_only=last)
+                    cache.rollback(0)
+        finally:
+            cache.release()
+        return [key for key in self.graphs.keys if key not in before]
 
     def _release(self, slot: _Slot) -> None:
         if slot not in self._free:
@@ -166,19 +186,12 @@ class StaticTarget:
                 )
             width = k  # the padding would not fit, the block does: run it at its own width
         device = self.model.device
-        ids = torch.zeros(width, dtype=torch.long)
-        ids[:k] = block.tokens.to("cpu", torch.long)
-        positions = torch.zeros(width, dtype=torch.long)
-        positions[:k] = torch.tensor(block.offsets)
-        sees = torch.eye(width, dtype=torch.bool)  # a pad sees only itself
-        sees[:k, :k] = block.attends()
-        inputs = [
-            ids.to(device),
-            positions.to(device),
-            sees.to(device),
-            torch.tensor([slot.length], dtype=torch.long).to(device),
-            torch.tensor([k - 1], dtype=torch.long).to(device),
-        ]
+        ids = block.tokens.to(device, torch.long)  # where the drafter made them: no transfer back to the host
+        if width > k:
+            ids = torch.cat([ids, torch.zeros(width - k, dtype=torch.long, device=device)])
+        offsets, sees = self._layout(block, width)
+        scalars = torch.tensor([slot.length, k - 1], dtype=torch.long).to(device)  # the one copy a chain step needs
+        inputs = [ids, offsets, sees, scalars]
         hidden = capture is not None
         graphed = self.graphed and self.buckets.bucket(k) == width
         slot.visible = self.columns if graphed else slot.length + width
@@ -194,12 +207,30 @@ class StaticTarget:
             capture.value = select_features([h[:k] for h in outputs[1:]], capture.layers).clone()
         return logits.clone() if graphed else logits
 
+    def _layout(self, block: BatchBlock, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's positions after the cached length (``[width]``; a pad's is 0) and which of its tokens each sees
+        (``[width, width]`` bool; a pad sees only itself), on the device: a chain's are the same every time, kept."""
+        k = block.size
+        chain = block.ancestry is None
+        if chain and (k, width) in self._chains:
+            return self._chains[(k, width)]
+        offsets = torch.zeros(width, dtype=torch.long)
+        offsets[:k] = torch.tensor(block.offsets)
+        sees = torch.eye(width, dtype=torch.bool)
+        sees[:k, :k] = block.attends()
+        layout = offsets.to(self.model.device), sees.to(self.model.device)
+        if chain:
+            self._chains[(k, width)] = layout
+        return layout
+
     def _step(
         self, slot: _Slot, tensors: Sequence[torch.Tensor], last_only: bool, hidden: bool
     ) -> tuple[torch.Tensor, ...]:
-        """The step as a function of tensors: ``ids``, ``positions`` (offsets after the cached length), ``sees``
-        (``[w, w]`` bool), ``length`` and ``last`` (``[1]`` each). Builds the mask and the columns on the device."""
-        ids, offsets, sees, length, last = tensors
+        """The step as a function of tensors: ``ids``, ``offsets`` (positions after the cached length), ``sees``
+        (``[w, w]`` bool) and ``scalars`` (the cached length and the last real token's row). Builds the mask and the
+        columns on the device."""
+        ids, offsets, sees, scalars = tensors
+        length, last = scalars[0:1], scalars[1:2]
         width, device = ids.shape[0], ids.device
         columns = torch.arange(slot.visible, device=device)
         relative = columns[None, :] - length  # [1, visible]: column - cached length

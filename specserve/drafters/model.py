@@ -60,6 +60,7 @@ class DraftModelDrafter:
         catch-up block padded to a bucket, and on a GPU each one-token step replayed as a CUDA graph. Trees keep a
         growing cache of their own."""
         self._static = StaticTarget(self.model, options)
+        self._static.capture(last_only=(True,))  # the one-token steps and the catch-up blocks, once per load
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         if self._cache is not None and not isinstance(self._cache, KVCache):

@@ -252,6 +252,17 @@ def test_graph_keys_capture_once_and_replay(pair: TinyPair) -> None:
     assert owner.new_cache().slot.index == slot  # a released slot is handed out again
 
 
+def test_every_bucket_is_captured_up_front(pair: TinyPair) -> None:
+    """An engine with graphs captures each bucket's verify step when it is built, and a draft model its one-token
+    steps; a request then replays them and captures nothing but its prefill's width."""
+    graphs = RecordingGraphs()
+    owner = StaticTarget(pair.target, StaticOptions(buckets=BUCKETS), graphs)
+    keys = owner.capture()
+    assert keys == [(0, width, False, False) for width in BUCKETS.widths] and graphs.captures == len(BUCKETS.widths)
+    assert owner.new_cache().slot.index == 0  # the slot went back
+    assert StaticTarget(pair.target, StaticOptions(buckets=BUCKETS)).capture() == []  # no backend: nothing to do
+
+
 def test_a_failed_capture_runs_eagerly_and_stays_exact(pair: TinyPair, hf_greedy: HfGreedy, caplog: object) -> None:
     engine = static_engine(pair, NgramDrafter(), RecordingGraphs(fail=True))
     prompt = list(pair.prompts[0])
