@@ -52,9 +52,21 @@ class _Slot:
         self.index = index
         self.keys = keys
         self.values = values
-        self.length = 0
+        self._length = 0
+        # the length on the device too, set by a kernel rather than copied from the host: a step needs no copy
+        self.length_t = torch.zeros(1, dtype=torch.long, device=keys[0].device)
         self.columns: torch.Tensor | None = None  # the current step's write columns (set inside the step)
         self.visible = 0  # columns the current step attends over
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        if value != self._length:
+            self.length_t.fill_(value)
+        self._length = value
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -121,6 +133,7 @@ class StaticTarget:
         self._free: list[_Slot] = []
         self._low = torch.finfo(model.dtype).min
         self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # a chain's layout by (k, width)
+        self._rows: dict[int, torch.Tensor] = {}
 
     @property
     def graphed(self) -> bool:
@@ -190,8 +203,7 @@ class StaticTarget:
         if width > k:
             ids = torch.cat([ids, torch.zeros(width - k, dtype=torch.long, device=device)])
         offsets, sees = self._layout(block, width)
-        scalars = torch.tensor([slot.length, k - 1], dtype=torch.long).to(device)  # the one copy a chain step needs
-        inputs = [ids, offsets, sees, scalars]
+        inputs = [ids, offsets, sees, slot.length_t, self._row(k - 1)]  # a chain step copies nothing from the host
         hidden = capture is not None
         graphed = self.graphed and self.buckets.bucket(k) == width
         slot.visible = self.columns if graphed else slot.length + width
@@ -206,6 +218,12 @@ class StaticTarget:
         if capture is not None:
             capture.value = select_features([h[:k] for h in outputs[1:]], capture.layers).clone()
         return logits.clone() if graphed else logits
+
+    def _row(self, row: int) -> torch.Tensor:
+        """``[row]`` on the device, kept."""
+        if row not in self._rows:
+            self._rows[row] = torch.tensor([row], dtype=torch.long, device=self.model.device)
+        return self._rows[row]
 
     def _layout(self, block: BatchBlock, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's positions after the cached length (``[width]``; a pad's is 0) and which of its tokens each sees
@@ -227,10 +245,9 @@ class StaticTarget:
         self, slot: _Slot, tensors: Sequence[torch.Tensor], last_only: bool, hidden: bool
     ) -> tuple[torch.Tensor, ...]:
         """The step as a function of tensors: ``ids``, ``offsets`` (positions after the cached length), ``sees``
-        (``[w, w]`` bool) and ``scalars`` (the cached length and the last real token's row). Builds the mask and the
-        columns on the device."""
-        ids, offsets, sees, scalars = tensors
-        length, last = scalars[0:1], scalars[1:2]
+        (``[w, w]`` bool), ``length`` (cached positions) and ``last`` (the last real token's row), ``[1]`` each.
+        Builds the mask and the columns on the device."""
+        ids, offsets, sees, length, last = tensors
         width, device = ids.shape[0], ids.device
         columns = torch.arange(slot.visible, device=device)
         relative = columns[None, :] - length  # [1, visible]: column - cached length
