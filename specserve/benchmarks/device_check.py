@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -68,7 +69,8 @@ BUDGET_SECONDS = 430.0
 Python's start, the plot and slack."""
 RESERVE_SECONDS = 10.0  # kept back from every estimate for writing the results
 MUST_NOT_LOAD = ("ray", "llguidance")  # the device image has neither; nothing the check runs may need them
-TREE = TreeSpec("dynamic", budget=TreeBudget(depth=6, width=3, nodes=16, expand=3))  # EAGLE-2's shape, 16 nodes
+# EAGLE-2's shape at 15 nodes: with the root a block of 16, a GPU bucket (specserve.core.buckets.GPU_BUCKETS)
+TREE = TreeSpec("dynamic", budget=TreeBudget(depth=6, width=3, nodes=15, expand=3))
 VERIFY_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 LLAMA_PROMPTS = 3
 LLAMA_PROMPT_TOKENS = 256
@@ -258,7 +260,7 @@ class DrafterPlan:
     name: str
     spec: str
     needs: Path | None = None
-    gammas: tuple[int, ...] = (4,)
+    gammas: tuple[int, ...] = (3,)  # blocks of γ + 1: 4, 8 and 16 are GPU buckets, so chains run unpadded
     tree: bool = True
 
     def missing(self) -> str | None:
@@ -276,10 +278,10 @@ def drafter_plans(models: Path, quick: bool) -> list[DrafterPlan]:
         else DrafterPlan("layer-skip + exit head", f"layerskip:{models / 'exit-head'}", models / "exit-head", (3,))
     )
     return [
-        DrafterPlan("ngram", "ngram", gammas=(4, 8)),
-        DrafterPlan("suffix", "suffix", gammas=(8,)),
-        DrafterPlan("lookahead", "lookahead", gammas=(4,)),
-        DrafterPlan("draft model", str(models / "draft"), models / "draft"),
+        DrafterPlan("ngram", "ngram", gammas=(7, 15)),
+        DrafterPlan("suffix", "suffix", gammas=(7,)),
+        DrafterPlan("lookahead", "lookahead", gammas=(3,)),
+        DrafterPlan("draft model", str(models / "draft"), models / "draft", gammas=(3, 7)),
         DrafterPlan("medusa", f"medusa:{models / 'medusa'}", models / "medusa"),
         DrafterPlan("eagle", f"eagle:{models / 'eagle'}", models / "eagle"),
         layerskip,
@@ -572,6 +574,35 @@ def drafters_section(check: Check, modes: Sequence[Mode]) -> dict[str, Any]:
         for plan in plans:
             run_drafter(check, mode, plan)
     return {"modes": [m.name for m in modes], "drafters": [p.name for p in plans]}
+
+
+def syncs_section(check: Check) -> dict[str, Any]:
+    """Host synchronisations per cycle on the fastest engine, as CUDA's sync debug mode counts them, for plain
+    decoding and the draft model's chains (the aim: one per cycle, the verdict's, and none in the draft steps)."""
+    cfg, target = check.cfg, check.target
+    assert target is not None
+    if check.device.type != "cuda":
+        return {"syncs": "not counted: CUDA's sync debug mode needs a CUDA device"}
+    mode, counts = check.modes[0], {}
+    draft = cfg.models / "draft"
+    for name, spec, gamma in (("plain", "none", 0), ("draft model", str(draft), 3), ("ngram", "ngram", 7)):
+        if spec == str(draft) and not (draft / "config.json").is_file():
+            continue
+        engine = mode.engine(target, build_drafter_set(spec, target, dtype=cfg.dtype, device=cfg.device))
+        config = GenerationConfig(max_new_tokens=32, gamma=gamma)
+        engine.generate(check.prompt_ids[0], None, config)  # warm: graphs captured, kernels loaded
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                result = engine.generate(check.prompt_ids[0], None, config)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message).lower() for w in caught)
+        cycles = max(result.stats.cycles, 1)
+        counts[name] = {"mode": mode.name, "syncs": syncs, "cycles": cycles, "per_cycle": round(syncs / cycles, 2)}
+        print(f"  {name}: {syncs / cycles:.2f} host synchronisations per cycle ({mode.name})", flush=True)
+    return {"syncs": counts}
 
 
 def verify_cost(check: Check, model: CausalLM, prefix: list[int]) -> dict[str, Any]:
@@ -912,6 +943,7 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
             ("plain", 30.0, lambda: plain_section(check), ("load", loaded)),
             ("drafters", 30.0, lambda: drafters_section(check, modes[:1]), ("plain", referenced)),
             ("verify_cost", 10.0, lambda: target_verify_section(check), ("load", loaded)),
+            ("syncs", 10.0, lambda: syncs_section(check), ("load", loaded)),
             ("llama_1b", 40.0, lambda: llama_section(check), None),
             ("hf_static_target", 60.0, lambda: hf_static_section(check, "target"), ("load", loaded)),
             ("drafters_dynamic", 30.0, lambda: drafters_section(check, modes[-1:]), ("plain", referenced)),

@@ -32,7 +32,7 @@ from specserve.benchmarks.device_check import (
 from specserve.core.graphs import GraphCache
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = {"load", "plain", "drafters", "verify_cost", "llama_1b", "hf_static_target", "drafters_dynamic",
+SECTIONS = {"load", "plain", "drafters", "verify_cost", "syncs", "llama_1b", "hf_static_target", "drafters_dynamic",
             "hf_static_llama_1b"}  # fmt: skip
 
 
