@@ -9,7 +9,7 @@ them (:mod:`specserve.core.static_cache`). A block wider than the largest bucket
 
 Which widths? The ones a measurement of T_verify(k) says are worth having (:func:`choose_buckets`): width k
 is a bucket unless some wider width is clearly cheaper, in which case k pads up to it. The defaults below are
-those measurements' outcome on this project's machines (BENCHMARKS.md §14). The policy reads the same
+those measurements' outcome (BENCHMARKS.md §14): none on a CPU, powers of two on a GPU. The policy reads the same
 buckets, so it prices a width at its bucket's cost (``specserve.policies``). Knows nothing of models.
 """
 
@@ -73,12 +73,16 @@ class VerifyBuckets:
 
 NO_BUCKETS = VerifyBuckets(())
 
-CPU_BUCKETS = VerifyBuckets((1, 2, 3, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128))
-"""Default on a CPU, where a forward's cost grows with its width: small widths stay exact, wider ones pad to
-multiples of 4 and 8, which the CPU's matrix kernels run faster than their neighbours (BENCHMARKS.md §14)."""
+CPU_BUCKETS = NO_BUCKETS
+"""Default on a CPU: no padding. There a forward's cost grows with its width, one row at a time: measured on the
+shipped target at 1 thread, :func:`choose_buckets` keeps every width from 1 to 64, padding 5 to 8 costs 5-6 % and
+17 to 24 up to 19 %, and an engine padding to multiples of 4 and 8 ran 0.93-1.02x the unpadded one (BENCHMARKS.md
+§14). A CPU gains from the static engine's preallocated cache only."""
 
 GPU_BUCKETS = VerifyBuckets((1, 2, 4, 8, 16, 32, 64, 128))
-"""Default on a GPU, where T_verify(k) is flat up to large k (launch-bound): powers of two, few graphs."""
+"""Default on a GPU, where T_verify(k) was found flat up to large k (launch-bound; one H200, the figures in issue 20)
+and a block of 6 dearer than one of 5: powers of two, one graph each. ``bench/device_check.sh`` measures T(k) there;
+:func:`choose_buckets` on its table gives the buckets that machine should use."""
 
 
 def default_buckets(device_type: str) -> VerifyBuckets:

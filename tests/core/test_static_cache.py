@@ -294,12 +294,15 @@ def test_graph_cache_falls_back_for_shapes_limits_and_no_backend() -> None:
 
 
 def test_a_sequence_past_the_static_cache_is_refused_clearly(pair: TinyPair) -> None:
+    """A slot holds max_len positions and 128 more (a padded block, a tree near the end): 16 + 128 here."""
     owner = StaticTarget(pair.target, StaticOptions(buckets=BUCKETS, max_len=16))
+    assert owner.columns == 144
     cache = owner.new_cache()
-    pair.target.forward(cache, torch.arange(3, 17))
-    pair.target.forward(cache, torch.tensor([4, 5, 6]))  # 17 of 16 + 16 columns: the padding fits, so it pads
+    pair.target.forward(cache, torch.randint(3, 60, (141,)))
+    pair.target.forward(cache, torch.tensor([4, 5, 6]))  # its bucket of 4 would not fit, the block does: unpadded
+    assert cache.length == 144
     with pytest.raises(StaticCacheFull, match="does not fit the static cache of 16"):
-        pair.target.forward(cache, torch.arange(3, 20))
+        pair.target.forward(cache, torch.tensor([7]))
 
 
 @pytest.mark.parametrize("gamma", [2, 4])
