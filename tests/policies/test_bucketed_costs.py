@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 
 import pytest
 from synthetic_streams import DRAFT_MS_PER_TOKEN, MS, constant_alpha, cpu_verify_seconds, run_stream
+from test_simulator import record_trace
 
 from specserve.core.buckets import NO_BUCKETS, VerifyBuckets, bucketed_costs
 from specserve.core.schedule import Schedule
@@ -187,46 +188,6 @@ def test_adaptive_requests_never_draft_into_a_dearer_bucket(alpha: float) -> Non
 # The trace simulator
 
 
-def record_fixed(
-    gamma: int, streams: list[list[bool]], truth: Callable[[int], float], draft_ms: float
-) -> list[TraceRecord]:
-    """A fixed-γ recording on the static-shape engine: verify seconds are the bucketed ones."""
-    rng = random.Random(gamma)
-    records = []
-    for index, stream in enumerate(streams):
-        position = cycle = 0
-        while position < len(stream):
-            remaining = len(stream) - position
-            drafted = max(0, min(gamma, remaining - 1))
-            accepted = 0
-            while accepted < drafted and stream[position + accepted]:
-                accepted += 1
-            jitter = 1.0 + rng.uniform(-0.02, 0.02)
-            records.append(
-                TraceRecord(
-                    request_id=f"request-{index}",
-                    workload="bucketed",
-                    policy=f"fixed:{gamma}",
-                    cycle=cycle,
-                    gamma=gamma,
-                    tree=None,
-                    nodes=drafted,
-                    depth=drafted,
-                    accepted=accepted,
-                    accept_flags=(True,) * accepted + ((False,) if accepted < drafted else ()),
-                    draft_seconds=draft_ms * MS * drafted * jitter,
-                    verify_seconds=truth(drafted + 1) * jitter,
-                    wire_seconds=0.0,
-                    batch_size=1,
-                    temperature=0.0,
-                    remaining=remaining,
-                )
-            )
-            position += accepted + 1
-            cycle += 1
-    return records
-
-
 class EnvelopeOnly:
     """The adaptive policy reading the enveloped table but blind to which blocks would pay a dearer bucket."""
 
@@ -266,7 +227,14 @@ def test_a_replay_with_bucketed_costs_drafts_only_blocks_that_pad_for_free() -> 
     truth = paid(RAW_MS)
     rng = random.Random(7)
     streams = [[rng.random() < 0.74 for _ in range(160)] for _ in range(4)]
-    records = [r for gamma in range(MAX_GAMMA + 1) for r in record_fixed(gamma, streams, truth, 2.0)]
+    records = [
+        r
+        for gamma in range(MAX_GAMMA + 1)
+        for r in record_trace(
+            streams, gamma, max_new_tokens=160, noise=0.02, seed=gamma, workload="bucketed",
+            draft=lambda drafted: 2.0 * MS * drafted, verify=truth,
+        )
+    ]  # fmt: skip
     chosen, rate = replay(AdaptivePolicy(max_gamma=MAX_GAMMA), records)
     assert len(chosen) > 100
     cheapest_from = {w: min(RAW_MS[b] for b in BUCKETS.widths if b >= w) for w in BUCKETS.widths}

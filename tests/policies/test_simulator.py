@@ -44,8 +44,11 @@ def record_trace(
     seed: int = 0,
     workload: str = "synthetic",
     batch: int = 1,
+    draft: Callable[[int], float] = draft_cost,
+    verify: Callable[[int], float] = verify_cost,
 ) -> list[TraceRecord]:
-    """Run a fixed γ over per-request acceptance streams as the engine would, recording every cycle."""
+    """Run a fixed γ over per-request acceptance streams as the engine would, recording every cycle (``draft`` and
+    ``verify``: seconds for a draft of that many tokens, a verify of that many positions)."""
     rng = random.Random(seed)
     records = []
     for index, stream in enumerate(acceptable):
@@ -69,8 +72,8 @@ def record_trace(
                     depth=drafted,
                     accepted=accepted,
                     accept_flags=(True,) * accepted + ((False,) if accepted < drafted else ()),
-                    draft_seconds=draft_cost(drafted) * jitter,
-                    verify_seconds=verify_cost(batch * (drafted + 1)) * jitter,
+                    draft_seconds=draft(drafted) * jitter,
+                    verify_seconds=verify(batch * (drafted + 1)) * jitter,
                     wire_seconds=0.0,
                     batch_size=batch,
                     temperature=0.0,
