@@ -3,8 +3,10 @@
 * Bucketing and padding never change outputs: greedy ids equal transformers' ``generate`` for every γ, padded
   (a block of 3 or 5 runs at 4 or 8) and not, for chains (no drafter, n-gram, the draft model, the target drafting
   for itself) and trees, eagerly and through graphs. On a CPU the graphs are :class:`RecordingGraphs`: a stand-in
-  backend with a graph's contract (inputs and outputs fixed at capture, a replay reruns the step on them), which
-  drives the graph path's code — full-width attention under the mask, the step's buffers, the keys — as a GPU would.
+  backend with a graph's contract (the step's tensor operations recorded once by ``make_fx``, Python state baked in,
+  inputs and outputs fixed at capture), which drives the graph path's code — full-width attention under the mask,
+  the step's buffers, the keys — and, as a GPU would, breaks a step that reads Python state a replay cannot see
+  (making the attended width follow the length, for one, fails 12 of 12 greedy checks).
 * The static cache equals the growing one after every cycle, layer by layer, when both verify the same proposals
   (chains and trees, so rollbacks and compactions); padding queries write only past their block, and a block's
   logits do not depend on what the columns past it hold.
@@ -23,6 +25,7 @@ from conftest import REF_TOKENS, TinyPair, finish_all
 from head_helpers import random_heads, trained_head
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig
 from specserve.core.batch_engine import BatchedEngine
@@ -46,8 +49,11 @@ TOKENS = 20
 
 
 class RecordingGraphs:
-    """A graph backend for the CPU with a CUDA graph's contract: the step runs on the inputs fixed at capture and
-    writes the outputs fixed at capture; counts captures and replays."""
+    """A graph backend for the CPU with a CUDA graph's contract: a capture records the step's tensor operations once
+    (``make_fx``: every Python value the step reads is baked in, every tensor it reads or writes — the inputs, the KV
+    slots — is held by reference), and a replay runs that recording, writing the outputs fixed at capture. A step
+    that read Python state a replay cannot see (a length, a width) would go wrong here as on a GPU. Counts captures
+    and replays."""
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
@@ -58,11 +64,12 @@ class RecordingGraphs:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
         self.captures += 1
-        outputs = tuple(t.clone() for t in run())
+        recording = make_fx(lambda: tuple(run()), tracing_mode="real")()
+        outputs = tuple(t.clone() for t in recording())
 
         def replay() -> None:
             self.replays += 1
-            for static, new in zip(outputs, run(), strict=True):
+            for static, new in zip(outputs, recording(), strict=True):
                 static.copy_(new)
 
         return replay, outputs
