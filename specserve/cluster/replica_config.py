@@ -369,13 +369,30 @@ def _argument_type(name: str, field: FieldInfo, switch_off: bool = False) -> dic
     if annotation is bool:
         if field.default is not False:
             raise TypeError(f"{name}: a command-line switch needs default False")
-        return {"action": argparse.BooleanOptionalAction if switch_off else "store_true"}
+        if not switch_off:
+            return {"action": "store_true"}
+        return {"action": _NegatedSwitch if name.startswith("no_") else argparse.BooleanOptionalAction}
     if get_origin(annotation) is Literal:
         choices = get_args(annotation)
         return {"type": type(choices[0]), "choices": list(choices)}
     if annotation in (str, int, float):
         return {"type": annotation}
     raise TypeError(f"{name}: no command-line form for {annotation!r}")
+
+
+class _NegatedSwitch(argparse.Action):
+    """A switch whose flag is itself a negation (``--no-cuda-graphs``), with its ``--no-`` stripped form to set it
+    back over a configuration file (``--cuda-graphs``). argparse's ``BooleanOptionalAction`` would read any flag
+    that starts with ``--no-`` as false."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        plain = ["--" + flag.removeprefix("--no-") for flag in option_strings if flag.startswith("--no-")]
+        super().__init__([*option_strings, *plain], dest, nargs=0, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        setattr(namespace, self.dest, bool(option and option.startswith("--no-")))
 
 
 def _where(config: type[ReplicaConfig], loc: tuple[int | str, ...]) -> str:

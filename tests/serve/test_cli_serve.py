@@ -116,6 +116,15 @@ def test_a_flag_given_beats_the_config_file_which_beats_the_default(tmp_path: Pa
     assert plain == ServeConfig(target=TARGET, draft="ngram")
 
 
+def test_a_negated_switch_reads_both_ways(tmp_path: Path) -> None:
+    """``--no-cuda-graphs`` sets its field (argparse's own optional switch would read any ``--no-`` flag as false);
+    ``--cuda-graphs`` sets it back over a configuration file."""
+    assert serve_file(parse(["--target", TARGET, "--no-cuda-graphs"])).config.no_cuda_graphs is True
+    path = config_file(tmp_path, {"target": TARGET, "no_cuda_graphs": True})
+    assert serve_file(parse(["--config", str(path)])).config.no_cuda_graphs is True
+    assert serve_file(parse(["--config", str(path), "--cuda-graphs"])).config.no_cuda_graphs is False
+
+
 def test_max_num_seqs_raises_max_ongoing_requests_unless_that_is_given(tmp_path: Path) -> None:
     path = config_file(tmp_path, {"target": TARGET, "max_ongoing_requests": 8})
     fitted = serve_file(parse(["--config", str(path), "--max-num-seqs", "16"])).config
