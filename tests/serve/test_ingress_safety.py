@@ -43,7 +43,7 @@ JSON = {"Content-Type": "application/json"}
 # What a real failure's text carries (a colored Ray traceback names files, processes and addresses): none of it may
 # reach a client.
 SECRET = "\x1b[31mshard died\x1b[0m in /work/secret/coordinator.py (pid=4242, ip=10.1.2.3)"
-LEAKS = ("shard died", "/work/secret", "4242", "10.1.2.3", "\x1b", "\\u001b", "Traceback", "RuntimeError")
+LEAKS = ("shard died", "/work/secret", "pid=4242", "10.1.2.3", "\x1b", "\\u001b", "Traceback", "RuntimeError")
 INTERNAL = re.compile(r"internal error \(request id (req-[0-9a-f]{32})\); see the server log")
 
 
