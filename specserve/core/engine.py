@@ -29,6 +29,7 @@ each cycle's root and accepted tokens' after the verdict.
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
@@ -54,6 +55,8 @@ from specserve.core.static_cache import StaticOptions, StaticTarget, use_static_
 from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
 from specserve.core.tree import TreeSpec
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_GAMMA",
@@ -231,8 +234,14 @@ class SpeculativeEngine(GenerationFrontend):
         self.static: StaticTarget | None = None
         if static is not None:
             self.static = StaticTarget(target, static)
-            self.static.capture()  # every bucket's verify graph now, once per model load (none without graphs)
+            captured = self.static.capture()  # every bucket's verify graph, once per model load (none without graphs)
             use_static_shapes(self.drafter, static)
+            logger.info(
+                "target on %s: buckets %s, %d verify graphs captured",
+                static.describe(),
+                self.static.buckets.describe(),
+                len(captured),
+            )
 
     def validate(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
         super().validate(prompt_ids, config)

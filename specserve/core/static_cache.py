@@ -1,23 +1,28 @@
 """A static-shape KV cache: preallocated keys and values, verify blocks padded to buckets, forwards replayable as
 CUDA graphs.
 
-:class:`StaticTarget` wraps one loaded model for the static-shape engine. It owns *slots*, each holding the keys
-and values of one sequence in preallocated tensors of ``columns = max_len + widest bucket`` positions per layer,
-and hands them out as :class:`StaticKVCache` objects (one per request; the slot returns when the cache is
-released or dropped). A :class:`StaticKVCache` quacks like :class:`~specserve.core.model.KVCache` — ``length``,
-``rollback``, ``compact``, ``snapshot`` — and :meth:`~specserve.core.model.CausalLM.forward` and
-:meth:`~specserve.core.model.CausalLM.forward_tree` hand it their blocks, so the engine's
-:class:`~specserve.core.target.LocalSequence` and the draft model run on it unchanged.
+:class:`StaticSlots` owns one model's *slots*, each holding the keys and values of one sequence in preallocated
+tensors of ``columns = max_len + widest bucket`` positions per layer, and hands them out as :class:`StaticKVCache`
+objects (one per request; the slot returns when the cache is released or dropped). A :class:`StaticKVCache` quacks
+like :class:`~specserve.core.model.KVCache` — ``length``, ``rollback``, ``compact``, ``snapshot``. Subclasses say how
+a step calls their model: :class:`StaticTarget` wraps a loaded :class:`~specserve.core.model.CausalLM` (the target,
+or a draft model), whose :meth:`~specserve.core.model.CausalLM.forward` and
+:meth:`~specserve.core.model.CausalLM.forward_tree` hand their blocks to the cache, so the engine's
+:class:`~specserve.core.target.LocalSequence` and the draft model run on it unchanged; the EAGLE head's
+``HeadSlots`` (:mod:`specserve.drafters.eagle`) feed its features beside the tokens.
 
-A block of k tokens (a chain, a tree, a prefill chunk) runs at width ``buckets.width(k)``
-(:mod:`specserve.core.buckets`): the pad tokens follow the real ones, see only themselves, and write their keys and
-values at the columns after the block — beyond the committed text, where the verifier's rollback drops them and
-the next block overwrites them. Real tokens never see a pad, so padding changes no output. The step is one
-function of tensors only — the block's tokens, positions, ancestry and the cached length — which builds the
-attention mask and the columns it writes on the device. With a graph backend (:mod:`specserve.core.graphs`: a
-CUDA device and ``cuda_graphs``) every (slot, width, outputs) is captured once and replayed; the step then attends
-over all ``columns`` positions under the mask, as the graph's shapes must not depend on the length. Eagerly (a
-CPU, no graphs, a block wider than every bucket) it attends over the cached length and the block only.
+A block (:class:`SlotBlock`) of k tokens — a chain, a tree, a prefill chunk, a drafter's tree level — runs at width
+``buckets.width(k)`` (:mod:`specserve.core.buckets`): the pad tokens follow the real ones, see only themselves, and
+write their keys and values at the columns after the block — beyond the committed text, where the verifier's
+rollback drops them and the next block overwrites them. Real tokens never see a pad, so padding changes no output.
+A block may *reach back* over the last cached positions and see only some of them (a tree level sees its ancestors
+among the nodes forwarded before it); the reach pads to a bucket too, the extra positions being ones every row sees.
+The step is one function of tensors only — the block's tokens, positions, what it sees, the cached length and reach
+— which builds the attention mask and the columns it writes on the device. With a graph backend
+(:mod:`specserve.core.graphs`: a CUDA device and ``cuda_graphs``) every (slot, width, outputs, reach) is captured
+once and replayed; the step then attends over all ``columns`` positions under the mask, as the graph's shapes must
+not depend on the length. Eagerly (a CPU, no graphs, a block wider than every bucket) it attends over the cached
+length and the block only.
 
 Does not verify or sample (the verifier does, on the logits it gets back) and serves one model in one process;
 the batched engine's pool is :mod:`specserve.core.kv_pool`.
@@ -28,6 +33,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +44,15 @@ from specserve.core.graphs import CudaGraphs, GraphBackend, GraphCache
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, select_features
 from specserve.core.static_options import StaticOptions
 
-__all__ = ["StaticCacheFull", "StaticKVCache", "StaticOptions", "StaticTarget", "use_static_shapes"]
+__all__ = [
+    "SlotBlock",
+    "StaticCacheFull",
+    "StaticKVCache",
+    "StaticOptions",
+    "StaticSlots",
+    "StaticTarget",
+    "use_static_shapes",
+]
 
 
 TAIL_ROOM = 128
@@ -116,30 +130,68 @@ class _SlotCache(Cache):
         super().__init__(layers=[_SlotLayer(slot, i) for i in range(len(slot.keys))])
 
 
-class StaticTarget:
-    """One model's static-shape forwards: its slots, buckets and graphs (see the module docstring)."""
+@dataclass(frozen=True)
+class SlotBlock:
+    """A block a slot's step appends after the cached length: its tokens, their positions after that length, what
+    each sees, and any per-row inputs beside the tokens (an EAGLE head's features).
 
-    def __init__(self, model: CausalLM, options: StaticOptions, backend: GraphBackend | None = None) -> None:
+    ``sees`` is ``[k, back + k]`` bool over a *window*: the last ``back`` cached positions and the block itself;
+    every cached position before the window is seen by every row. ``None`` is a causal chain (``back`` 0)."""
+
+    tokens: torch.Tensor  # [k] int64
+    offsets: tuple[int, ...]  # [k] positions after the cached length (negative ones reach back into the window)
+    sees: torch.Tensor | None = None  # [k, back + k] bool; None = causal, back 0
+    rows: tuple[torch.Tensor, ...] = ()  # [k, ...] each
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def back(self) -> int:
+        return 0 if self.sees is None else int(self.sees.shape[1]) - self.size
+
+    @staticmethod
+    def of(block: BatchBlock) -> SlotBlock:
+        """A verify block (:class:`~specserve.core.model.BatchBlock`): its ancestry over itself, nothing cached
+        before it seen selectively."""
+        return SlotBlock(block.tokens, block.offsets, block.ancestry)
+
+
+class StaticSlots:
+    """One model's slots, buckets and graphs (see the module docstring); a subclass says how its step calls the
+    model (:meth:`_call`). Steps are :meth:`run`: the block padded to its bucket, the mask and the write columns built
+    on the device, captured and replayed per (slot, width, window, outputs) with a graph backend."""
+
+    def __init__(
+        self,
+        config: Any,  # the transformers config of the layers whose keys and values the slots hold
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int,
+        options: StaticOptions,
+        backend: GraphBackend | None = None,
+    ) -> None:
         """``backend``: how graphs are captured; by default CUDA graphs on a CUDA device with ``cuda_graphs``, and
         none (every step eager) otherwise."""
-        self.model = model
         self.options = options
-        device = model.device
+        self.dtype, self.device = dtype, device
         self.buckets = options.buckets_for(device.type)
-        self.max_len = options.max_len or model.info.max_positions
+        self.max_len = options.max_len or max_positions
         # room past max_len for a padded block, or a tree near the end (its nodes are cut by depth, not by count)
         self.columns = self.max_len + max(self.buckets.largest, TAIL_ROOM)
         if backend is None and options.cuda_graphs and device.type == "cuda":
             backend = CudaGraphs(device)
         self.graphs = GraphCache(backend)
-        self._call: Any = model.model
-        if options.compile:
-            self._call = torch.compile(model.model, dynamic=False)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._kv_shape = (1, heads, self.columns, head_dim)
+        self._layers = int(config.num_hidden_layers)
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
-        self._low = torch.finfo(model.dtype).min
-        self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # a chain's layout by (k, width)
-        self._rows: dict[int, torch.Tensor] = {}
+        self._low = torch.finfo(dtype).min
+        self._layouts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # a chain's, by (k, width)
+        self._scalars: dict[int, torch.Tensor] = {}
 
     @property
     def graphed(self) -> bool:
@@ -152,21 +204,16 @@ class StaticTarget:
         return StaticKVCache(self, slot)
 
     def _new_slot(self) -> _Slot:
-        config = self.model.model.config
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (1, heads, self.columns, head_dim)
-        dtype, device = self.model.dtype, self.model.device
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        keys = [torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device) for _ in range(self._layers)]
         values = [torch.zeros_like(k) for k in keys]
         slot = _Slot(len(self._slots), keys, values)
         self._slots.append(slot)
         return slot
 
-    def capture(self, last_only: Sequence[bool] = (False,)) -> list[object]:
-        """Capture every bucket's step now (on a free slot, whose contents do not matter until a sequence writes
-        them), rather than on a request's first block of that width; returns the keys captured. Nothing happens
-        without a graph backend."""
+    def capture(self, last_only: Sequence[bool] = (False,), hidden: bool = False) -> list[object]:
+        """Capture every bucket's chain step now (on a free slot, whose contents do not matter until a sequence
+        writes them), rather than on a request's first block of that width; returns the keys captured. Nothing
+        happens without a graph backend."""
         if not self.graphed:
             return []
         cache = self.new_cache()
@@ -176,7 +223,10 @@ class StaticTarget:
                 if width > self.max_len:
                     break
                 for last in last_only:
-                    cache.forward_block(BatchBlock.chain(0, torch.zeros(width, dtype=torch.long)), last_only=last)
+                    tokens = torch.zeros(width, dtype=torch.long)
+                    self.run(
+                        cache.slot, SlotBlock(tokens, tuple(range(width)), rows=self._blank_rows(width)), last, hidden
+                    )
                     cache.rollback(0)
         finally:
             cache.release()
@@ -187,15 +237,38 @@ class StaticTarget:
             self._free.append(slot)
 
     # -----------------------------------------------------------------------------------------
+    # What a subclass says
+
+    def _call(
+        self,
+        cache: Cache,
+        ids: torch.Tensor,
+        rows: Sequence[torch.Tensor],
+        shape: dict[str, torch.Tensor],
+        last: torch.Tensor,
+        last_only: bool,
+        hidden: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the model on ``ids`` (``[w]``) and ``rows`` with ``cache``; ``shape`` holds ``attention_mask`` and
+        ``position_ids`` (none for a causal chain, whose mask and positions transformers builds). ``last`` (``[1]``)
+        is the last real row, ``last_only`` whether only its outputs are wanted."""
+        raise NotImplementedError
+
+    def _blank_rows(self, width: int) -> tuple[torch.Tensor, ...]:
+        """Per-row inputs of ``width`` rows for a capture (none but the tokens by default)."""
+        return ()
+
+    # -----------------------------------------------------------------------------------------
     # One step
 
     @torch.inference_mode()
-    def forward_block(
-        self, slot: _Slot, block: BatchBlock, last_only: bool = False, capture: FeatureCapture | None = None
-    ) -> torch.Tensor:
-        """Append ``block`` (its ``seq_id`` unused) to the slot's sequence; its ``[k, vocab]`` logits (``[1, vocab]``,
-        the last token's, with ``last_only``), and with ``capture`` its tokens' features."""
-        k = block.size
+    def run(
+        self, slot: _Slot, block: SlotBlock, last_only: bool = False, hidden: bool = False
+    ) -> tuple[tuple[torch.Tensor, ...], bool]:
+        """Append ``block`` to the slot's sequence; the step's outputs at its padded width (rows past the block's
+        ``k`` are padding), and whether they came from a graph: then they are the graph's own tensors, valid until
+        its next replay, and a caller keeping them copies them."""
+        k, back = block.size, block.back
         width = self.buckets.width(k)
         if slot.length + width > self.columns:
             if slot.length + k > self.columns:
@@ -204,81 +277,124 @@ class StaticTarget:
                     "raise --max-len (StaticOptions.max_len) or shorten the request"
                 )
             width = k  # the padding would not fit, the block does: run it at its own width
-        device = self.model.device
-        ids = block.tokens.to(device, torch.long)  # where the drafter made them: no transfer back to the host
+        # a window reaching back pads its reach to a bucket too (the extra columns are cached text, seen by all)
+        reach = self.buckets.width(back) if back else 0
+        if reach > slot.length:
+            reach = back
+        ids = block.tokens.to(self.device, torch.long)  # where the drafter made them: no transfer back to the host
+        rows = tuple(row.to(self.device) for row in block.rows)
         if width > k:
-            ids = torch.cat([ids, torch.zeros(width - k, dtype=torch.long, device=device)])
-        offsets, sees = self._layout(block, width)
-        inputs = [ids, offsets, sees, slot.length_t, self._row(k - 1)]  # a chain step copies nothing from the host
-        hidden = capture is not None
-        graphed = self.graphed and self.buckets.bucket(k) == width
+            ids = torch.cat([ids, ids.new_zeros(width - k)])
+            rows = tuple(torch.cat([row, row.new_zeros(width - k, *row.shape[1:])]) for row in rows)
+        offsets, sees = self._layout(block, width, reach)
+        inputs = [ids, offsets, sees, slot.length_t, self._scalar(reach), self._scalar(k - 1), *rows]
+        graphed = self.graphed and self.buckets.bucket(k) == width and (not back or self.buckets.bucket(back) == reach)
         slot.visible = self.columns if graphed else slot.length + width
 
         # eagerly, an unpadded chain is an ordinary causal block: transformers builds its mask and positions, as for
         # a growing cache (a mask built here costs a one-token draft step about 10 % on a CPU)
-        causal = not graphed and width == k and block.ancestry is None
+        causal = not graphed and width == k and block.sees is None
 
         def step(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
             return self._step(slot, tensors, last_only, hidden, causal)
 
-        key = (slot.index, width, last_only, hidden)
+        key = (slot.index, width, last_only, hidden, reach)
         outputs = self.graphs.run(key, step, inputs) if graphed else step(inputs)
         slot.length += k
-        logits = outputs[0][:1] if last_only else outputs[0][:k]
-        if capture is not None:
-            capture.value = select_features([h[:k] for h in outputs[1:]], capture.layers).clone()
-        return logits.clone() if graphed else logits
+        return outputs, graphed
 
-    def _row(self, row: int) -> torch.Tensor:
-        """``[row]`` on the device, kept."""
-        if row not in self._rows:
-            self._rows[row] = torch.tensor([row], dtype=torch.long, device=self.model.device)
-        return self._rows[row]
+    def _scalar(self, value: int) -> torch.Tensor:
+        """``[value]`` on the device, kept."""
+        if value not in self._scalars:
+            self._scalars[value] = torch.tensor([value], dtype=torch.long, device=self.device)
+        return self._scalars[value]
 
-    def _layout(self, block: BatchBlock, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's positions after the cached length (``[width]``; a pad's is 0) and which of its tokens each sees
-        (``[width, width]`` bool; a pad sees only itself), on the device: a chain's are the same every time, kept."""
-        k = block.size
-        chain = block.ancestry is None
-        if chain and (k, width) in self._chains:
-            return self._chains[(k, width)]
+    def _layout(self, block: SlotBlock, width: int, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's positions after the cached length (``[width]``; a pad's is 0) and what each of its rows sees
+        of the window (``[width, reach + width]`` bool over the last ``reach`` cached positions and the block; a
+        pad sees only itself), on the device: a chain's are the same every time, kept."""
+        k, back = block.size, block.back
+        chain = block.sees is None
+        if chain and (k, width) in self._layouts:
+            return self._layouts[(k, width)]
         offsets = torch.zeros(width, dtype=torch.long)
         offsets[:k] = torch.tensor(block.offsets)
-        sees = torch.eye(width, dtype=torch.bool)
-        sees[:k, :k] = block.attends()
-        layout = offsets.to(self.model.device), sees.to(self.model.device)
+        sees = torch.zeros(width, reach + width, dtype=torch.bool)
+        sees[:, reach:].fill_diagonal_(True)
+        sees[:k, : reach - back] = True  # cached text the padded reach takes in: seen, as before the window
+        own = torch.ones(k, k, dtype=torch.bool).tril() if block.sees is None else block.sees
+        sees[:k, reach - back : reach + k] = own
+        layout = offsets.to(self.device), sees.to(self.device)
         if chain:
-            self._chains[(k, width)] = layout
+            self._layouts[(k, width)] = layout
         return layout
 
     def _step(
         self, slot: _Slot, tensors: Sequence[torch.Tensor], last_only: bool, hidden: bool, causal: bool = False
     ) -> tuple[torch.Tensor, ...]:
         """The step as a function of tensors: ``ids``, ``offsets`` (positions after the cached length), ``sees``
-        (``[w, w]`` bool), ``length`` (cached positions) and ``last`` (the last real token's row), ``[1]`` each.
-        Builds the mask and the columns on the device; ``causal`` (an eager, unpadded chain) leaves the mask and the
-        positions to transformers."""
-        ids, offsets, sees, length, last = tensors
-        width, device = ids.shape[0], ids.device
+        (``[w, reach + w]`` bool), ``length`` (cached positions), ``reach`` (cached positions in the window) and
+        ``last`` (the last real token's row), ``[1]`` each, then the per-row inputs. Builds the mask and the columns
+        on the device; ``causal`` (an eager, unpadded chain) leaves the mask and the positions to transformers."""
+        ids, offsets, sees, length, reach, last, *rows = tensors
+        width, window, device = ids.shape[0], sees.shape[1], ids.device
         slot.columns = length + torch.arange(width, device=device)
-        kwargs: dict[str, Any] = {self.model._cache_kwarg: _SlotCache(slot), "use_cache": True}
+        shape: dict[str, torch.Tensor] = {}
         if not causal:
             columns = torch.arange(slot.visible, device=device)
-            relative = columns[None, :] - length  # [1, visible]: column - cached length
-            in_block = (relative >= 0) & (relative < width)
-            block_sees = sees.gather(1, relative.clamp(0, width - 1).expand(width, -1))
-            allowed = (relative < 0) | (in_block & block_sees)
-            mask = torch.zeros(width, slot.visible, dtype=self.model.dtype, device=device)
-            kwargs["attention_mask"] = mask.masked_fill_(~allowed, self._low)[None, None]
-            kwargs["position_ids"] = (length + offsets)[None]
-        if last_only:
-            kwargs["logits_to_keep"] = 1 if causal else last
-        if hidden:
-            kwargs["output_hidden_states"] = True
+            relative = columns[None, :] - (length - reach)  # [1, visible]: column - the window's first column
+            in_window = (relative >= 0) & (relative < window)
+            row_sees = sees.gather(1, relative.clamp(0, window - 1).expand(width, -1))
+            allowed = (relative < 0) | (in_window & row_sees)
+            mask = torch.zeros(width, slot.visible, dtype=self.dtype, device=device)
+            shape["attention_mask"] = mask.masked_fill_(~allowed, self._low)[None, None]
+            shape["position_ids"] = (length + offsets)[None]
         try:
-            out = self._call(input_ids=ids[None], **kwargs)
+            return self._call(_SlotCache(slot), ids, rows, shape, last, last_only, hidden)
         finally:
             slot.columns = None
+
+
+class StaticTarget(StaticSlots):
+    """A :class:`~specserve.core.model.CausalLM`'s static-shape forwards (the target's, or a draft model's)."""
+
+    def __init__(self, model: CausalLM, options: StaticOptions, backend: GraphBackend | None = None) -> None:
+        config = model.model.config
+        super().__init__(config, model.dtype, model.device, model.info.max_positions, options, backend)
+        self.model = model
+        self._model: Any = model.model
+        if options.compile:
+            self._model = torch.compile(model.model, dynamic=False)
+
+    @torch.inference_mode()
+    def forward_block(
+        self, slot: _Slot, block: BatchBlock, last_only: bool = False, capture: FeatureCapture | None = None
+    ) -> torch.Tensor:
+        """Append ``block`` (its ``seq_id`` unused) to the slot's sequence; its ``[k, vocab]`` logits (``[1, vocab]``,
+        the last token's, with ``last_only``), and with ``capture`` its tokens' features."""
+        k = block.size
+        outputs, graphed = self.run(slot, SlotBlock.of(block), last_only, capture is not None)
+        logits = outputs[0][:1] if last_only else outputs[0][:k]
+        if capture is not None:
+            capture.value = select_features([h[:k] for h in outputs[1:]], capture.layers).clone()
+        return logits.clone() if graphed else logits
+
+    def _call(
+        self,
+        cache: Cache,
+        ids: torch.Tensor,
+        rows: Sequence[torch.Tensor],
+        shape: dict[str, torch.Tensor],
+        last: torch.Tensor,
+        last_only: bool,
+        hidden: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        kwargs: dict[str, Any] = {self.model._cache_kwarg: cache, "use_cache": True, **shape}
+        if last_only:
+            kwargs["logits_to_keep"] = last if shape else 1
+        if hidden:
+            kwargs["output_hidden_states"] = True
+        out = self._model(input_ids=ids[None], **kwargs)
         if hidden:
             return (out.logits[0], *(h[0] for h in out.hidden_states))
         return (out.logits[0],)
@@ -288,7 +404,7 @@ class StaticKVCache:
     """One sequence's KV in a slot of a :class:`StaticTarget`; the interface of :class:`~specserve.core.model.KVCache`
     plus :meth:`forward_block`. :meth:`release` (or dropping it) returns the slot."""
 
-    def __init__(self, owner: StaticTarget, slot: _Slot) -> None:
+    def __init__(self, owner: StaticSlots, slot: _Slot) -> None:
         self.owner = owner
         self.slot = slot
         self._finalizer = weakref.finalize(self, owner._release, slot)
@@ -300,6 +416,7 @@ class StaticKVCache:
     def forward_block(
         self, block: BatchBlock, last_only: bool = False, capture: FeatureCapture | None = None
     ) -> torch.Tensor:
+        assert isinstance(self.owner, StaticTarget), "verify blocks run on a model's slots"
         return self.owner.forward_block(self.slot, block, last_only, capture)
 
     def rollback(self, length: int) -> None:

@@ -19,6 +19,11 @@ prompt and of each verdict's root and accepted tokens, so before each proposal t
 holds real inputs for every committed position but the last, and the session feeds the few new
 ones first (causal), then the tree level by level with tree attention.
 
+The head's keys and values live in a slot of a :class:`HeadSlots` (:mod:`specserve.core.static_cache`), shared by
+every request's drafter over the same head: by default eager and unpadded, exactly the forwards a growing cache would
+run; on the static-shape engine (:meth:`EagleDrafter.use_static_shapes`) each block pads to its bucket — a tree
+level's reach back over the nodes forwarded before it too — and on a GPU replays as a CUDA graph.
+
 A trained head is an HF-style directory (``config.json`` naming ``"specserve_drafter": "eagle"``,
 ``model.safetensors`` with the head's weights only, a ``README.md`` card); :meth:`EagleDrafter.load`
 checks it against the target. Does not train (``specserve.training.eagle``) or verify.
@@ -34,12 +39,16 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache, LlamaConfig, LlamaModel, PreTrainedModel
+from transformers import LlamaConfig, LlamaModel, PreTrainedModel
+from transformers.cache_utils import Cache
 
+from specserve.core.buckets import NO_BUCKETS
 from specserve.core.draft import Draft
 from specserve.core.errors import UserError
+from specserve.core.graphs import GraphBackend
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.core.sampling import SamplingParams
+from specserve.core.static_cache import SlotBlock, StaticKVCache, StaticOptions, StaticSlots
 from specserve.core.tree import ROOT, DraftTree, TreeSpec
 from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 from specserve.drafters.tree import DraftSession, TreeModelDrafter
@@ -137,7 +146,7 @@ class EagleHead(torch.nn.Module):
         self,
         features: torch.Tensor,  # [batch, k, hidden]: fused target features, or the head's own outputs
         token_embeds: torch.Tensor,  # [batch, k, hidden]: the target's embeddings of the next tokens
-        cache: DynamicCache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [batch, k, hidden]: h, standing for the next token's feature; LM head -> the token after
@@ -216,7 +225,10 @@ class EagleDrafter(TreeModelDrafter):
         embeddings: torch.nn.Module,  # the target's input embeddings (frozen)
         lm_head: torch.nn.Module,  # the target's output embeddings (frozen)
         output_device: torch.device | str = "cpu",
+        slots: HeadSlots | None = None,
     ) -> None:
+        """``slots``: where the head's keys and values live (shared with :meth:`fresh` drafters); by default eager
+        and unpadded."""
         self.head = head.eval()
         self.embeddings = embeddings
         self.lm_head = lm_head
@@ -227,9 +239,10 @@ class EagleDrafter(TreeModelDrafter):
         self.context: list[int] = []
         self.params = SamplingParams()
         self._generator: torch.Generator | None = None
-        self._cache: Any = None
+        self.slots = slots or HeadSlots(self.head, embeddings, lm_head, StaticOptions(NO_BUCKETS, cuda_graphs=False))
+        self._head_cache: StaticKVCache | None = None
         self._features: list[torch.Tensor] = []  # the head's input feature of each committed position, fused
-        self._cached = 0  # head positions whose keys/values are in the cache (real inputs)
+        self._head_cached = 0  # head positions whose keys/values are in the cache (real inputs)
 
     @classmethod
     def for_target(
@@ -257,7 +270,13 @@ class EagleDrafter(TreeModelDrafter):
     def fresh(self) -> EagleDrafter:
         """A drafter for another request over the same head, embeddings and LM head (shared, not copied), with
         none of this one's per-request state."""
-        return type(self)(self.head, self.embeddings, self.lm_head, self._output_device)
+        return type(self)(self.head, self.embeddings, self.lm_head, self._output_device, self.slots)
+
+    def use_static_shapes(self, options: StaticOptions, backend: GraphBackend | None = None) -> None:
+        """Draft on the static-shape engine: the head's blocks padded to the buckets and, on a GPU (or with
+        ``backend``), replayed as graphs; the catch-up blocks and the one-node chain steps are captured now."""
+        self.slots = HeadSlots(self.head, self.embeddings, self.lm_head, options, backend)
+        self.slots.capture(last_only=(True, False))
 
     # -----------------------------------------------------------------------------------------
     # The drafter contract
@@ -265,9 +284,11 @@ class EagleDrafter(TreeModelDrafter):
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:  # type: ignore[override]
         self.context = list(prompt_ids)
         self.params, self._generator = params, generator
-        self._cache = DynamicCache(config=self.head.body.config)
+        if self._head_cache is not None:
+            self._head_cache.release()
+        self._head_cache = self.slots.new_cache()
         self._features = []
-        self._cached = 0
+        self._head_cached = 0
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
         if features.numel() == 0:
@@ -278,14 +299,14 @@ class EagleDrafter(TreeModelDrafter):
             fused = self.head.fuse_features(features.to(self._device))
         del self._features[start:]
         self._features.extend(fused.unbind(0))
-        self._cached = min(self._cached, start)  # a position whose input changed must be fed again
+        self._head_cached = min(self._head_cached, start)  # a position whose input changed must be fed again
 
     def rewind(self, length: int) -> None:
         if not 0 <= length <= len(self.context):
             raise ValueError(f"cannot rewind {len(self.context)} committed tokens to {length}")
         del self.context[length:]
         del self._features[length:]
-        self._cached = min(self._cached, max(length - 1, 0))
+        self._head_cached = min(self._head_cached, max(length - 1, 0))
 
     def propose(self, budget: int) -> Draft:
         budget = min(budget, self.head.config.max_position_embeddings - len(self.context))
@@ -304,32 +325,74 @@ class EagleDrafter(TreeModelDrafter):
         return len(self.context) >= 2 and len(self._features) >= len(self.context) - 1
 
     def _open_session(self) -> DraftSession:
-        if self._cache is None:
+        if self._head_cache is None:
             raise RuntimeError("call start() before proposing")
         return _EagleSession(self)
+
+
+class HeadSlots(StaticSlots):
+    """The head's static-shape forwards: its one layer's keys and values in slots; a step takes tokens and the head's
+    input features (per-row inputs) and gives the draft logits and h."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        embeddings: torch.nn.Module,
+        lm_head: torch.nn.Module,
+        options: StaticOptions,
+        backend: GraphBackend | None = None,
+    ) -> None:
+        weight = next(head.parameters())
+        config = head.body.config
+        super().__init__(config, weight.dtype, weight.device, head.config.max_position_embeddings, options, backend)
+        self.head, self.embeddings, self.lm_head = head, embeddings, lm_head
+
+    def _blank_rows(self, width: int) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(width, self.head.config.hidden_size, dtype=self.dtype, device=self.device),)
+
+    def _call(
+        self,
+        cache: Cache,
+        ids: torch.Tensor,
+        rows: Sequence[torch.Tensor],
+        shape: dict[str, torch.Tensor],
+        last: torch.Tensor,
+        last_only: bool,
+        hidden: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        mask, positions = shape.get("attention_mask"), shape.get("position_ids")
+        h = self.head(rows[0][None], self.embeddings(ids)[None], cache, mask, positions)[0]
+        if last_only:
+            h = h.index_select(0, last) if shape else h[-1:]
+        return self.lm_head(h), h
 
 
 class _EagleSession:
     """One proposal's head forwards. Head position t holds (feature of t, token t + 1); the committed text
     x_0 .. x_n fills positions 0 .. n - 1 with real features, and the root of the tree is position n - 1 (whose
-    output drafts x_{n+1}). Draft nodes sit at n + depth with their parent's output as their feature."""
+    output drafts x_{n+1}). Draft nodes sit at n + depth with their parent's output as their feature; each level's
+    block reaches back over the nodes forwarded before it, seeing only its ancestors among them."""
 
     @torch.inference_mode()
     def __init__(self, drafter: EagleDrafter) -> None:
+        assert drafter._head_cache is not None
         self.drafter = drafter
-        self.cache = drafter._cache
+        self.slots = drafter.slots
+        self.cache = drafter._head_cache
         self.committed = len(drafter.context) - 1  # real head positions: 0 .. committed - 1
-        keep = min(drafter._cached, self.committed - 1)  # feed at least the root again: its output is needed
-        _crop(self.cache, keep)
+        keep = min(drafter._head_cached, self.committed - 1, self.cache.length)  # feed at least the root again
+        self.cache.rollback(keep)
         positions = range(keep, self.committed)
-        features = torch.stack([drafter._features[p] for p in positions])[None]
+        features = torch.stack([drafter._features[p] for p in positions])
         tokens = torch.tensor([drafter.context[p + 1] for p in positions], dtype=torch.long, device=drafter._device)
-        hidden = drafter.head(features, drafter.embeddings(tokens)[None], cache=self.cache)[0]
-        drafter._cached = self.committed
-        self.root_hidden = hidden[-1]
-        self.root_logits = drafter.lm_head(self.root_hidden)
+        block = SlotBlock(tokens, tuple(range(len(positions))), rows=(features,))
+        (logits, hidden), graphed = self.slots.run(self.cache.slot, block, last_only=True)
+        drafter._head_cached = self.committed
+        self.root_hidden = hidden[0].clone() if graphed else hidden[0]
+        self.root_logits = logits[0].clone() if graphed else logits[0]
         self._tokens: list[int] = []  # forwarded nodes, in order
         self._parents: list[int] = []  # their parents, as indices into the forwarded nodes
+        self._depths: list[int] = []  # their depths (0: the root's children)
         self._index: dict[int, int] = {}  # tree node -> forwarded index
         self._hidden: list[torch.Tensor] = []  # head output of each forwarded node
 
@@ -340,28 +403,28 @@ class _EagleSession:
         features = []
         for node in nodes:
             parent = parents[node]
-            self._parents.append(ROOT if parent == ROOT else self._index[parent])
-            features.append(self.root_hidden if parent == ROOT else self._hidden[self._index[parent]])
+            forwarded_parent = ROOT if parent == ROOT else self._index[parent]
+            self._parents.append(forwarded_parent)
+            self._depths.append(0 if parent == ROOT else self._depths[forwarded_parent] + 1)
+            features.append(self.root_hidden if parent == ROOT else self._hidden[forwarded_parent])
             self._index[node] = len(self._tokens)
             self._tokens.append(int(tokens[node]))
-        forwarded = DraftTree(torch.tensor(self._tokens, dtype=torch.long), tuple(self._parents))
-        prefix = self.committed - 1  # the cache holds prefix + root + the nodes forwarded before
-        dtype = next(drafter.head.parameters()).dtype
-        mask = forwarded.attention_mask(prefix, dtype, drafter._device)[:, :, 1 + start :]
-        positions = forwarded.position_ids(prefix, drafter._device)[:, 1 + start :]
+        k = len(nodes)
+        # the cache holds the committed text and the `start` nodes forwarded before; a node sits at committed + depth
+        offsets = tuple(depth - start for depth in self._depths[start:])
+        chain = k == 1 and self._depths[start] == start  # one node below all forwarded before: a causal step
+        sees = None
+        if not chain:
+            forwarded = DraftTree(torch.tensor(self._tokens, dtype=torch.long), tuple(self._parents))
+            sees = forwarded.ancestry()[1 + start :, 1:]  # [k, start + k]: its ancestors among the forwarded nodes
         new_tokens = torch.tensor(self._tokens[start:], dtype=torch.long, device=drafter._device)
-        hidden = drafter.head(
-            torch.stack(features)[None], drafter.embeddings(new_tokens)[None], self.cache, mask, positions
-        )[0]
+        block = SlotBlock(new_tokens, offsets, sees, rows=(torch.stack(features),))
+        (logits, hidden), graphed = self.slots.run(self.cache.slot, block)
+        logits, hidden = logits[:k], hidden[:k]
+        if graphed:
+            logits, hidden = logits.clone(), hidden.clone()
         self._hidden.extend(hidden.unbind(0))
-        return drafter.lm_head(hidden)
+        return logits
 
     def close(self) -> None:
-        _crop(self.cache, self.committed)
-
-
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions (transformers 5.x's ``crop`` takes a negative count to drop)."""
-    current = cache.get_seq_length()
-    if current > length:
-        cache.crop(length - current)
+        self.cache.rollback(min(self.committed, self.cache.length))

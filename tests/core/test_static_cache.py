@@ -34,11 +34,11 @@ from specserve.core.draft import Draft
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.graphs import GraphCache
-from specserve.core.model import BatchBlock, CausalLM
+from specserve.core.model import BatchBlock, CausalLM, select_features
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_cache import StaticCacheFull, StaticOptions, StaticTarget
 from specserve.core.target import LocalSequence, TargetVerifier
-from specserve.core.tree import DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.medusa import MedusaDrafter
@@ -155,6 +155,157 @@ def test_hidden_state_drafters_read_features_from_the_static_forwards(
         assert static.static is not None and any(key[3] for key in static.static.graphs.keys)  # type: ignore[index]
 
 
+class RecordingEagle(EagleDrafter):
+    """An EAGLE drafter that keeps every proposal it makes."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.proposals: list[object] = []
+
+    def propose(self, budget: int) -> Draft:
+        draft = super().propose(budget)
+        self.proposals.append(draft.tokens.tolist())
+        return draft
+
+    def propose_tree(self, spec: TreeSpec) -> DraftTree:
+        tree = super().propose_tree(spec)
+        self.proposals.append((tree.tokens.tolist(), tuple(tree.parents)))
+        return tree
+
+
+EAGLE_CONFIGS = [
+    GenerationConfig(REF_TOKENS, gamma=3),  # a catch-up block, then one-node steps
+    GenerationConfig(REF_TOKENS, gamma=6),
+    *(GenerationConfig(REF_TOKENS, tree=TREES[name]) for name in sorted(TREES)),  # levels reaching back
+    # levels of 3 reach back over 3, 6, 9 nodes: padded to 4, 8, 16, taking in committed text
+    GenerationConfig(REF_TOKENS, tree=TreeSpec("dynamic", budget=TreeBudget(depth=4, width=3, nodes=12))),
+]
+
+
+def eagle_pair(pair: TinyPair, graphs: RecordingGraphs | None) -> tuple[RecordingEagle, RecordingEagle]:
+    """Two drafters over one trained head: one on the default (eager, unpadded) slots, one on bucketed slots."""
+    head = trained_head(pair)
+    growing = RecordingEagle.for_target(head, pair.target)
+    shaped = RecordingEagle.for_target(head, pair.target)
+    shaped.use_static_shapes(StaticOptions(buckets=BUCKETS), graphs)
+    return growing, shaped
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_the_eagle_head_drafts_the_same_on_static_shapes(pair: TinyPair, mode: str, hf_greedy: HfGreedy) -> None:
+    """The EAGLE head's blocks pad to buckets — its catch-up blocks, its one-node chain steps, and each tree level,
+    whose reach back over the nodes forwarded before it pads too — and replay as graphs: every proposal equals the
+    unpadded head's, and greedy output stays the target's."""
+    graphs = RecordingGraphs() if mode == "graphs" else None
+    growing, shaped = eagle_pair(pair, graphs)
+    static = static_engine(pair, shaped, RecordingGraphs() if graphs else None)
+    shaped.use_static_shapes(StaticOptions(buckets=BUCKETS), graphs)  # the engine gave it the CPU's (no graphs)
+    dynamic = SpeculativeEngine(pair.target, growing)
+    for config in EAGLE_CONFIGS:
+        for prompt in pair.prompts[:3]:
+            result = static.generate(list(prompt), SamplingParams(), config)
+            assert result.output_ids == hf_greedy(pair.target, prompt, REF_TOKENS)
+            dynamic.generate(list(prompt), SamplingParams(), config)
+    assert shaped.proposals == growing.proposals and len(shaped.proposals) > 40
+    keys = shaped.slots.graphs.keys
+    if graphs is None:
+        assert keys == []
+        return
+    assert {key[1] for key in keys} <= set(BUCKETS.widths)  # type: ignore[index]
+    assert {key[4] for key in keys} - {0} <= set(BUCKETS.widths)  # type: ignore[index]
+    assert any(key[4] > 0 and shaped.slots.graphs.replays(key) > 0 for key in keys)  # type: ignore[index]
+    assert (0, 1, False, False, 0) in keys  # a one-node step, captured up front
+    assert graphs.replays > graphs.captures and not shaped.slots.graphs.failures
+
+
+# a tree grown level by level, as a tree drafter asks for it: (nodes, tokens, parents) over node ids
+LEVELS = [[0, 1, 2], [3, 4, 5, 6], [7], [8, 9], [10]]
+TREE_TOKENS = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+TREE_PARENTS = [ROOT, ROOT, ROOT, 0, 0, 2, 1, 3, 7, 7, 9]
+
+
+def head_without_a_cache(
+    drafter: EagleDrafter, context: Sequence[int], features: torch.Tensor, nodes: int
+) -> torch.Tensor:
+    """The reference: the head over the committed positions and the first ``nodes`` tree nodes in one forward with
+    no cache at all, each node's feature its parent's output (found by rerunning, level by level), tree-masked."""
+    committed = len(context) - 1
+    depth = [0] * nodes
+    for i in range(nodes):
+        depth[i] = 0 if TREE_PARENTS[i] == ROOT else depth[TREE_PARENTS[i]] + 1
+    tokens = torch.tensor([*context[1:], *TREE_TOKENS[:nodes]])
+    size = committed + nodes
+    allowed = torch.ones(size, size, dtype=torch.bool).tril()
+    allowed[committed:, committed:] = False
+    for i in range(nodes):
+        j = i
+        while j != ROOT:
+            allowed[committed + i, committed + j] = True
+            j = TREE_PARENTS[j]
+    mask = torch.zeros(size, size, dtype=torch.float64).masked_fill_(~allowed, torch.finfo(torch.float64).min)
+    positions = torch.tensor([[*range(committed), *(committed + d for d in depth)]])
+    hidden = torch.zeros(size, features.shape[-1], dtype=torch.float64)
+    for _ in range(max(depth, default=0) + 2):  # each pass settles one more level's features
+        rows = torch.cat(
+            [
+                features[:committed],
+                *(hidden[[committed - 1 if p == ROOT else committed + p]] for p in TREE_PARENTS[:nodes]),
+            ]
+        )
+        hidden = drafter.head(rows[None], drafter.embeddings(tokens)[None], None, mask[None, None], positions)[0]
+    return drafter.lm_head(hidden)
+
+
+@pytest.mark.parametrize("mode", ["default", "buckets", "graphs"])
+def test_the_eagle_heads_logits_equal_a_forward_without_a_cache(pair: TinyPair, mode: str) -> None:
+    """Every logit the head's session gives — the root's, then each level's, whose blocks reach back over the nodes
+    forwarded before them (3, 7, 8, 10: padded to 4, 8, 8, 16 with buckets) — equals one forward of the head without a
+    cache over the committed text and the tree so far (float64, 1e-9); then a second proposal after two committed
+    tokens (a catch-up block) again."""
+    drafter = EagleDrafter.for_target(trained_head(pair), pair.target)
+    if mode != "default":
+        drafter.use_static_shapes(StaticOptions(buckets=BUCKETS), RecordingGraphs() if mode == "graphs" else None)
+    context = [5, 17, 23, 8, 9, 30, 31]
+    with torch.inference_mode():
+        out = pair.target.model(torch.tensor([context]), output_hidden_states=True)
+        raw = select_features([h[0] for h in out.hidden_states], drafter.feature_layers)
+        fused = drafter.head.fuse_features(raw)
+    drafter.start(context[:5], SamplingParams(), torch.Generator())
+    drafter.add_features(0, raw[:4])
+    for committed_text in (context[:5], context):
+        if len(committed_text) > 5:  # two tokens committed since: the next session feeds their positions first
+            drafter.accept(context[5:])
+            drafter.add_features(4, raw[4:6])
+        session = drafter._open_session()
+        reference = head_without_a_cache(drafter, committed_text, fused, 0)
+        torch.testing.assert_close(session.root_logits, reference[len(committed_text) - 2], rtol=1e-9, atol=1e-9)
+        done = 0
+        for level in LEVELS:
+            logits = session.expand(level, TREE_TOKENS, TREE_PARENTS)
+            done += len(level)
+            reference = head_without_a_cache(drafter, committed_text, fused, done)
+            torch.testing.assert_close(logits, reference[-len(level) :], rtol=1e-9, atol=1e-9)
+        session.close()
+    if mode == "graphs":
+        assert {key[4] for key in drafter.slots.graphs.keys} >= {4, 8, 16}  # type: ignore[index]
+
+
+def test_sampled_eagle_on_static_shapes_draws_what_the_growing_one_draws(pair: TinyPair) -> None:
+    """At T = 1 (chains sent with q, trees drawn without replacement) the padded, graphed head drafts the same, so
+    the engine emits the same draw from the same seed."""
+    growing, shaped = eagle_pair(pair, RecordingGraphs())
+    static = static_engine(pair, shaped, None)
+    shaped.use_static_shapes(StaticOptions(buckets=BUCKETS), RecordingGraphs())
+    dynamic = SpeculativeEngine(pair.target, growing)
+    params = SamplingParams(temperature=1.0, seed=11)
+    for config in (GenerationConfig(24, gamma=4), GenerationConfig(24, tree=TREES["dynamic"])):
+        for prompt in pair.prompts[:3]:
+            assert static.generate(list(prompt), params, config).output_ids == (
+                dynamic.generate(list(prompt), params, config).output_ids
+            )
+    assert shaped.proposals == growing.proposals
+
+
 def test_sampled_output_is_the_dynamic_engines_draw(pair: TinyPair) -> None:
     """At T = 1 the static engine, padded, draws what the growing one draws from the same seed: the same logits
     reach the same rules (tiny models in float64)."""
@@ -248,13 +399,14 @@ def test_graph_keys_capture_once_and_replay(pair: TinyPair) -> None:
         pair.target.forward(cache, torch.tensor([4]))
         pair.target.forward(cache, torch.tensor([4, 5, 6]))  # at bucket 4
     slot = cache.slot.index
-    assert owner.graphs.keys == [(slot, 8, False, False), (slot, 1, False, False), (slot, 4, False, False)]
-    assert graphs.captures == 3 and owner.graphs.replays((slot, 4, False, False)) == 3
+    # (slot, width, last only, features, reach back): a verify block reaches back nowhere
+    assert owner.graphs.keys == [(slot, 8, False, False, 0), (slot, 1, False, False, 0), (slot, 4, False, False, 0)]
+    assert graphs.captures == 3 and owner.graphs.replays((slot, 4, False, False, 0)) == 3
     pair.target.forward(cache, torch.arange(3, 23))  # 20 tokens: past every bucket, eager and uncaptured
     assert len(owner.graphs.keys) == 3
     second = owner.new_cache()  # the first is in use: a second slot, graphs of its own
     pair.target.forward(second, torch.tensor([4]))
-    assert (second.slot.index, 1, False, False) in owner.graphs.keys and second.slot.index != slot
+    assert (second.slot.index, 1, False, False, 0) in owner.graphs.keys and second.slot.index != slot
     cache.release()
     assert owner.new_cache().slot.index == slot  # a released slot is handed out again
 
@@ -265,7 +417,7 @@ def test_every_bucket_is_captured_up_front(pair: TinyPair) -> None:
     graphs = RecordingGraphs()
     owner = StaticTarget(pair.target, StaticOptions(buckets=BUCKETS), graphs)
     keys = owner.capture()
-    assert keys == [(0, width, False, False) for width in BUCKETS.widths] and graphs.captures == len(BUCKETS.widths)
+    assert keys == [(0, width, False, False, 0) for width in BUCKETS.widths] and graphs.captures == len(BUCKETS.widths)
     assert owner.new_cache().slot.index == 0  # the slot went back
     assert StaticTarget(pair.target, StaticOptions(buckets=BUCKETS)).capture() == []  # no backend: nothing to do
 
