@@ -59,7 +59,7 @@ typecheck: install
 # would compile specserve again, about a second each.
 pytest: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=60
 
 test: lint typecheck pytest
 

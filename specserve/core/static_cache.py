@@ -59,6 +59,10 @@ TAIL_ROOM = 128
 """Columns past ``max_len`` at least: a verify block may reach past the request's last position (a tree's nodes are
 cut by depth, not by count), and a padded one by its padding."""
 
+EAGER_COLUMNS = 256
+"""Columns a slot starts with when no graph reads it (it doubles as its sequence grows, up to the full width): a
+model with a long context, an EAGLE head's default slots among them, holds only what its sequences use."""
+
 
 class StaticCacheFull(UserError):
     """A sequence outgrew its static cache; the message says how to size it."""
@@ -86,6 +90,19 @@ class _Slot:
         if value != self._length:
             self.length_t.fill_(value)
         self._length = value
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    def grow(self, columns: int) -> None:
+        """Reallocate to ``columns`` positions, keeping the cached ones (never for a slot a graph reads)."""
+        n = self._length
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                new = old.new_zeros(*old.shape[:2], columns, old.shape[3])
+                new[:, :, :n] = old[:, :, :n]
+                tensors[i] = new
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -204,7 +221,10 @@ class StaticSlots:
         return StaticKVCache(self, slot)
 
     def _new_slot(self) -> _Slot:
-        keys = [torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device) for _ in range(self._layers)]
+        # a graph's slot has every column from the start; an eager one grows as its sequence does
+        columns = self.columns if self.graphed else min(self.columns, EAGER_COLUMNS)
+        shape = (*self._kv_shape[:2], columns, self._kv_shape[3])
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self._layers)]
         values = [torch.zeros_like(k) for k in keys]
         slot = _Slot(len(self._slots), keys, values)
         self._slots.append(slot)
@@ -289,6 +309,8 @@ class StaticSlots:
         offsets, sees = self._layout(block, width, reach)
         inputs = [ids, offsets, sees, slot.length_t, self._scalar(reach), self._scalar(k - 1), *rows]
         graphed = self.graphed and self.buckets.bucket(k) == width and (not back or self.buckets.bucket(back) == reach)
+        if not graphed and slot.length + width > slot.capacity:
+            slot.grow(min(self.columns, max(2 * slot.capacity, slot.length + width)))
         slot.visible = self.columns if graphed else slot.length + width
 
         # eagerly, an unpadded chain is an ordinary causal block: transformers builds its mask and positions, as for

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig
+from specserve.core import static_cache
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.buckets import CPU_BUCKETS, GPU_BUCKETS, VerifyBuckets, choose_buckets, default_buckets
 from specserve.core.draft import Draft
@@ -388,6 +389,25 @@ def test_padding_writes_past_the_block_and_nothing_past_it_is_read(pair: TinyPai
     assert torch.all(keys[:, :, 14:] == 1e3)  # and nothing wrote further
     cache.rollback(7)  # the verifier keeps what it committed; the next block overwrites from there
     assert cache.length == 7
+
+
+def test_an_eager_slot_grows_with_its_sequence(pair: TinyPair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without graphs a slot starts small and doubles as its sequence grows (a long-context model holds only what
+    its sequences use), keeping what it cached: its logits and keys stay a growing cache's. A graph's slot has every
+    column from the start."""
+    monkeypatch.setattr(static_cache, "EAGER_COLUMNS", 16)
+    owner = StaticTarget(pair.target, StaticOptions(buckets=BUCKETS))
+    cache, grown = owner.new_cache(), pair.target.new_cache()
+    capacities = [cache.slot.capacity]
+    for block in (torch.arange(3, 15), torch.tensor([4, 5, 6]), torch.arange(20, 45), torch.tensor([7])):
+        torch.testing.assert_close(pair.target.forward(cache, block), pair.target.forward(grown, block))
+        capacities.append(cache.slot.capacity)
+    assert capacities == [16, 16, 16, 40, 80] and cache.length == grown.length == 41  # 15 + 25 > 32: to 40; then 80
+    for (ks, vs), (kd, vd) in zip(cache.snapshot(), grown.snapshot(), strict=True):
+        torch.testing.assert_close(ks, kd, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(vs, vd, rtol=1e-9, atol=1e-9)
+    graphed = StaticTarget(pair.target, StaticOptions(buckets=BUCKETS), RecordingGraphs())
+    assert graphed.new_cache().slot.capacity == graphed.columns
 
 
 def test_graph_keys_capture_once_and_replay(pair: TinyPair) -> None:
