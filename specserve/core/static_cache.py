@@ -202,7 +202,7 @@ class StaticSlots:
         self.graphs = GraphCache(backend)
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._kv_shape = (1, heads, self.columns, head_dim)
+        self._heads, self._head_dim = int(heads), int(head_dim)
         self._layers = int(config.num_hidden_layers)
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
@@ -223,14 +223,14 @@ class StaticSlots:
     def _new_slot(self) -> _Slot:
         # a graph's slot has every column from the start; an eager one grows as its sequence does
         columns = self.columns if self.graphed else min(self.columns, EAGER_COLUMNS)
-        shape = (*self._kv_shape[:2], columns, self._kv_shape[3])
+        shape = (1, self._heads, columns, self._head_dim)
         keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self._layers)]
         values = [torch.zeros_like(k) for k in keys]
         slot = _Slot(len(self._slots), keys, values)
         self._slots.append(slot)
         return slot
 
-    def capture(self, last_only: Sequence[bool] = (False,), hidden: bool = False) -> list[object]:
+    def capture(self, last_only: Sequence[bool] = (False,)) -> list[object]:
         """Capture every bucket's chain step now (on a free slot, whose contents do not matter until a sequence
         writes them), rather than on a request's first block of that width; returns the keys captured. Nothing
         happens without a graph backend."""
@@ -244,9 +244,7 @@ class StaticSlots:
                     break
                 for last in last_only:
                     tokens = torch.zeros(width, dtype=torch.long)
-                    self.run(
-                        cache.slot, SlotBlock(tokens, tuple(range(width)), rows=self._blank_rows(width)), last, hidden
-                    )
+                    self.run(cache.slot, SlotBlock(tokens, tuple(range(width)), rows=self._blank_rows(width)), last)
                     cache.rollback(0)
         finally:
             cache.release()
