@@ -6,6 +6,8 @@
 # torch is installed first and pinned (TORCH_SPEC) so that nothing pulls a multi-GB CUDA build
 # on a CPU machine. GPU users: make install TORCH_INDEX=https://download.pytorch.org/whl/cu128 (this replaces a CPU
 # build already installed: the torch step is keyed by TORCH_SPEC and TORCH_INDEX).
+# Everything else comes from the lock, requirements/lock.txt: every runtime and development dependency, transitive
+# ones included, at an exact version with its hashes (make lock regenerates it; docs/usage.md#the-lock).
 
 PYTHON ?= python3
 SHELL := /bin/bash
@@ -14,35 +16,55 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
+# The installer, pinned like everything it installs.
+PIP_SPEC := pip==26.3
 PROMPT ?= def parse_args(argv):
+LOCK := requirements/lock.txt
+# Where `make lock` finds torch's CPU build to resolve torch's own dependencies against (not CUDA's): this machine's
+# local wheel if it has one, otherwise PyTorch's CPU index.
+LOCK_TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
 
 export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test lint typecheck pytest bench bench-batch bench-chaos train datastore protos clean
+.PHONY: install lock check-lock demo test test-quick lint typecheck pytest bench bench-batch bench-chaos train datastore protos clean
 
 # The torch step is keyed by TORCH_SPEC and TORCH_INDEX: changing either (a CUDA build after a CPU one) reinstalls
-# torch, then the rest; pyproject.toml changes reinstall the rest only.
+# torch, then the rest; a change of the lock or of pyproject.toml reinstalls the rest only.
 TORCH_KEY := $(shell printf '%s %s' '$(TORCH_SPEC)' '$(TORCH_INDEX)' | cksum | cut -d' ' -f1)
 TORCH_STAMP := $(VENV)/.torch-$(TORCH_KEY)
 
 $(TORCH_STAMP):
 	@echo "==> [1/2] torch ($(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX), CPU build)) into $(VENV)/: about 1 minute"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(PIP_SPEC)"
 	$(BIN)/python -m pip install --progress-bar on --force-reinstall "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	rm -f $(VENV)/.torch-* $(VENV)/.installed
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(TORCH_STAMP)
-	@echo "==> [2/2] specserve and its dependencies (transformers, Ray Serve, gRPC, test tools): about 2 minutes"
-	$(BIN)/python -m pip install --progress-bar on -e ".[dev]" | { grep -v "^Requirement already satisfied" || true; }
+$(VENV)/.installed: pyproject.toml $(LOCK) $(TORCH_STAMP)
+	@echo "==> [2/2] the locked dependencies ($(LOCK): transformers, Ray Serve, gRPC, test tools), then specserve: about 2 minutes"
+	$(BIN)/python -m pip install --progress-bar on --require-hashes --no-deps -r $(LOCK) | { grep -v "^Requirement already satisfied" || true; }
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip check
 	$(BIN)/python -c "import specserve, torch, transformers, ray; print('==> installed: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
 	touch $@
 
 install: $(VENV)/.installed
+
+# Regenerate the lock from pyproject.toml's ranges and requirements/lock.in (newest releases that fit, for Python 3.11
+# on x86-64 Linux, torch's CPU build): an upgrade is its own commit stating the suite's time before and after.
+# UPGRADE="--upgrade-package ray" moves one package; the default keeps every pin the ranges still allow.
+lock: install
+	$(BIN)/uv pip compile pyproject.toml requirements/lock.in --extra dev --constraint <(echo "$(TORCH_SPEC)+cpu") \
+		--python-version 3.11 --python-platform x86_64-manylinux_2_28 $(LOCK_TORCH_SOURCE) --no-emit-package torch \
+		--generate-hashes --no-header --annotation-style line $(UPGRADE) --output-file $(LOCK)
+
+# Does this .venv hold exactly what the lock says (make test runs it too)?
+check-lock: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_lock.py
 
 # The shipped pair, greedy: the text, then the same request without drafting and the speedup.
 demo: install

@@ -1,4 +1,5 @@
-"""The Makefile's install steps, dry-run (``make -n``): what a change of torch build or of pyproject.toml reinstalls."""
+"""The Makefile's install steps, dry-run (``make -n``): what a change of torch build, of the lock or of pyproject.toml
+reinstalls, and that the rest comes from the lock."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_INDEX = "https://download.pytorch.org/whl/cu128"
+LOCK = ROOT / "requirements" / "lock.txt"
+FROM_THE_LOCK = "--require-hashes --no-deps -r requirements/lock.txt"
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
@@ -30,15 +33,15 @@ def install_for_real(venv: Path, *variables: str) -> None:
     venv.mkdir(exist_ok=True)
     for age, stamp in zip((20, 10), stamps, strict=True):
         Path(stamp).touch()
-        newer_than_pyproject = (ROOT / "pyproject.toml").stat().st_mtime + 1000 - age
-        os.utime(stamp, (newer_than_pyproject, newer_than_pyproject))
+        newer_than_inputs = max(path.stat().st_mtime for path in (ROOT / "pyproject.toml", LOCK)) + 1000 - age
+        os.utime(stamp, (newer_than_inputs, newer_than_inputs))
 
 
 def test_a_fresh_install_takes_the_pinned_cpu_torch_first(tmp_path: Path) -> None:
     steps = dry_run(tmp_path / "venv")
     torch_step = next(line for line in steps.splitlines() if "pip install" in line and "torch==" in line)
     assert "--index-url" not in torch_step
-    assert steps.index(torch_step) < steps.index('-e ".[dev]"')
+    assert steps.index(torch_step) < steps.index(FROM_THE_LOCK) < steps.index("--no-deps --no-build-isolation -e .")
 
 
 def test_an_installed_tree_is_left_alone(tmp_path: Path) -> None:
@@ -54,4 +57,13 @@ def test_choosing_the_cuda_build_after_the_cpu_one_reinstalls_torch(tmp_path: Pa
     steps = dry_run(venv, f"TORCH_INDEX={CUDA_INDEX}")
     torch_step = next(line for line in steps.splitlines() if "pip install" in line and "torch==" in line)
     assert f"--index-url {CUDA_INDEX}" in torch_step and "--force-reinstall" in torch_step
-    assert '-e ".[dev]"' in steps  # then the rest, against the new torch
+    assert FROM_THE_LOCK in steps  # then the rest, against the new torch
+
+
+def test_a_new_lock_reinstalls_the_rest_but_not_torch(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    install_for_real(venv)
+    stamp = venv / ".installed"
+    os.utime(stamp, (LOCK.stat().st_mtime - 10, LOCK.stat().st_mtime - 10))  # the lock changed after the install
+    steps = dry_run(venv)
+    assert FROM_THE_LOCK in steps and "torch==" not in steps
