@@ -57,13 +57,13 @@ from typing import Any
 
 from specserve.actors.drafter import CycleReport, DraftJob
 from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
-from specserve.core.detokenize import TextStream
 from specserve.core.draft import Draft
 from specserve.core.drafter_spec import probe_nodes_of
-from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput
+from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import ReplicaLost, UserError
 from specserve.core.model import load_tokenizer
 from specserve.core.prompts import PromptCodec
+from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, request_output
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
 
@@ -153,7 +153,6 @@ class Coordinator(GenerationFrontend):
         request_id = uuid.uuid4().hex
         eos = () if config.ignore_eos else replica.target_info.eos_token_ids
         stats = RequestStats()
-        text = TextStream(self.prompts.decode, config.stop)
         start = time.perf_counter()
         layers = replica.feature_layers if config.drafter == "default" else ()  # hidden-state drafters' features
         started = replica.rank0.start_request.remote(
@@ -178,7 +177,7 @@ class Coordinator(GenerationFrontend):
             tree=config.tree,
             policy=config.policy,
         )
-        out = RequestOutput(prompt_ids, text, stats, start, logprobs=params.logprobs is not None)
+        out = request_output(prompt_ids, params, config, self.prompts.decode, start, stats)
         try:
             if self._drafter_down():  # it died or was killed and has not come back yet: do not wait for it
                 logger.info("request %s starts without speculation: the drafter is restarting", request_id)

@@ -53,6 +53,7 @@ from specserve.core.draft import BatchedDrafter, Drafter, FeatureDrafter
 from specserve.core.draft_side import DraftSide
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
+from specserve.core.request import new_draft_side
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.schedule import Budget, CycleObservation
 from specserve.core.target import FinishReason
@@ -205,9 +206,17 @@ class DrafterActor:
     def _cycles(self, job: DraftJob, target_ready: Sequence[Any], drafter: Drafter) -> Iterator[list[CycleReport]]:
         device, run = self.device, self.compute.run
         generators = make_generators(job.params.seed, device)
-        side_type = OverlapDraftSide if job.overlap else DraftSide
-        schedule = self.schedules(job.policy, job.budget)
-        side = side_type(drafter, schedule, job.budget, len(job.prompt_ids), job.max_new_tokens, device, job.drafter)
+        side = new_draft_side(
+            drafter,
+            self.schedules,
+            len(job.prompt_ids),
+            device,
+            policy=job.policy,
+            budget=job.budget,
+            max_new_tokens=job.max_new_tokens,
+            drafter_name=job.drafter,
+            side_type=OverlapDraftSide if job.overlap else DraftSide,
+        )
         run(side.start, job.prompt_ids, job.params, generators.draft)
         if side.reads_features and target_ready:  # it drafts from the prompt's features: wait for the target's prefill
             import ray

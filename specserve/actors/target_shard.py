@@ -44,10 +44,10 @@ import torch
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft import Proposal
-from specserve.core.grammar import request_grammar
 from specserve.core.kv_pool import KVPool
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
+from specserve.core.request import new_verifier
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, FinishReason, PooledSequence, TargetVerifier
 from specserve.core.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
@@ -492,16 +492,15 @@ class TargetShardActor:
             else:
                 sequence = self._new_sequence()
             generators = make_generators(params.seed, self.target.device)
-            verifier = TargetVerifier(
+            verifier = new_verifier(
+                self.target,
                 sequence,
                 prompt_ids,
                 params,
                 generators.verify,
                 max_new_tokens,
                 eos_token_ids,
-                self.target.device,
                 feature_layers,
-                request_grammar(params, self.target.tokenizer, self.target.info),
             )
             request = self._prefilling[request_id] = _Request(sequence, verifier)
             return request

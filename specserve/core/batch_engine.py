@@ -50,18 +50,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
-from specserve.core.detokenize import TextStream
 from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft, drafter_counters, probe_nodes
 from specserve.core.draft_side import DraftSide, propose_batch
-from specserve.core.engine import ChunkStream, GenerationConfig, GenerationFrontend, RequestOutput, StreamChunk
-from specserve.core.grammar import request_grammar
+from specserve.core.engine import GenerationFrontend
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.prompts import InvalidRequest, PromptCodec
-from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, StreamChunk, start_request
+from specserve.core.sampling import SamplingParams
 from specserve.core.schedule import ScheduleFactory, fixed_schedules
 from specserve.core.static_options import StaticOptions
-from specserve.core.stats import RequestStats
 from specserve.core.target import PooledSequence, TargetVerifier
 
 
@@ -262,41 +260,25 @@ class BatchedEngine(GenerationFrontend):
     def _start(self, request: _Request) -> None:
         """Give a newcomer its KV, verifier and draft side, as the single-request engine does; its prompt is
         prefilled in chunks by the steps that follow (:meth:`_prefill`)."""
-        params, config = request.params, request.config
-        device = self.target.device
+        params = request.params
         seq_id = self.pool.allocate(self._request_kv_tokens(request))
-        stats = RequestStats()
-        eos = () if config.ignore_eos else self.target.info.eos_token_ids
-        generators = make_generators(params.seed, device)
-        schedule = self.schedules(config.policy, config.budget)
-        side = DraftSide(
-            request.drafter,
-            schedule,
-            config.budget,
-            len(request.prompt_ids),
-            config.max_new_tokens,
-            device,
-            config.drafter,
-        )
         sequence = request.sequence = PooledSequence(self.ops, seq_id)
-        verifier = TargetVerifier(
+        started = start_request(
+            self.target,
             sequence,
             request.prompt_ids,
             params,
-            generators.verify,
-            config.max_new_tokens,
-            eos,
-            device,
-            side.feature_layers,
-            request_grammar(params, self.target.tokenizer, self.target.info),
+            request.config,
+            request.drafter,
+            self.schedules,
+            self.decode,
+            request.submitted,
         )
         # No target cache for a layer-skip drafter: the request's KV is a span of the pool, not a cache it can draft
         # in, so it keeps its own (as in a drafter process). A hidden-state drafter gets the prompt's features from
         # the prefill's chunks (_prefill).
-        side.start(request.prompt_ids, params, generators.draft)
-        request.verifier, request.side = verifier, side
-        text = TextStream(self.decode, config.stop)
-        request.out = RequestOutput(request.prompt_ids, text, stats, request.submitted, params.logprobs is not None)
+        started.side.start(request.prompt_ids, params, started.generators.draft)
+        request.verifier, request.side, request.out = started.verifier, started.side, started.out
         self._running[request.request_id] = request
 
     # -----------------------------------------------------------------------------------------

@@ -32,29 +32,16 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from specserve.core.detokenize import TextStream
-from specserve.core.draft import (
-    REQUEST_DRAFTERS,
-    Drafter,
-    DrafterSet,
-    check_can_draft,
-    check_drafter_name,
-    drafter_counters,
-)
-from specserve.core.draft_side import DraftSide
-from specserve.core.grammar import request_grammar
-from specserve.core.logprobs import TokenLogprob
+from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_can_draft, drafter_counters
 from specserve.core.model import CausalLM, KVCache
 from specserve.core.prompts import InvalidRequest, PromptCodec
-from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.schedule import MAX_GAMMA, Budget, ScheduleFactory, check_policy_name, fixed_schedules
+from specserve.core.request import ChunkStream, GenerationConfig, GenerationResult, StreamChunk, start_request
+from specserve.core.sampling import SamplingParams
+from specserve.core.schedule import MAX_GAMMA, ScheduleFactory, fixed_schedules
 from specserve.core.static_cache import StaticOptions, StaticTarget, use_static_shapes
-from specserve.core.stats import RequestStats
-from specserve.core.target import FinishReason, LocalSequence, TargetVerifier
-from specserve.core.tree import TreeSpec
+from specserve.core.target import FinishReason, LocalSequence
 
 logger = logging.getLogger(__name__)
 
@@ -70,95 +57,6 @@ __all__ = [
     "SpeculativeEngine",
     "StreamChunk",
 ]
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    gamma: int = 4  # draft tokens per cycle (the drafter may return fewer)
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    drafter: str = "default"  # one of REQUEST_DRAFTERS: the configured one, "ngram", "suffix", "lookahead", "none"
-    tree: TreeSpec | None = None  # draft trees instead of chains (drafters that can; gamma unused)
-    policy: str = "fixed"  # how much to draft each cycle: POLICY_NAMES (gamma / tree = the fixed budget)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.gamma <= MAX_GAMMA:
-            raise InvalidRequest(f"gamma must be between 1 and {MAX_GAMMA} (0 = no drafting), got {self.gamma}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequest("stop strings must be non-empty strings")
-        check_drafter_name(self.drafter)
-        check_policy_name(self.policy)
-
-    @property
-    def budget(self) -> Budget:
-        """The request's own budget: what the fixed policy drafts every cycle (and where the others start)."""
-        return Budget(self.gamma, self.tree)
-
-
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    stats: RequestStats = field(default_factory=RequestStats)
-    logprobs: list[TokenLogprob] | None = None  # one per output token when the request asked for them
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    text: str  # new text since the previous chunk (may be empty)
-    token_ids: list[int]  # tokens committed in this cycle
-    result: GenerationResult | None = None  # set on the last chunk only
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids when the request asked for them
-
-
-ChunkStream = Generator[StreamChunk, None, None]  # a generation: close it to stop early and free its state
-
-
-class RequestOutput:
-    """One request's output as it streams: cuts at stop strings, detokenises, finishes, shapes each chunk.
-
-    Step 4 of the loop, shared by the in-process engine and the distributed coordinator so the two
-    stream identical chunks for identical committed tokens.
-    """
-
-    def __init__(
-        self, prompt_ids: Sequence[int], text: TextStream, stats: RequestStats, start: float, logprobs: bool = False
-    ) -> None:
-        """``logprobs``: the request asked for them; every pushed token then comes with its own."""
-        self.prompt_ids = list(prompt_ids)
-        self.text = text
-        self.stats = stats
-        self.start = start
-        self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
-        self.finish: FinishReason | None = None
-
-    def push(self, new: list[int], finish: FinishReason | None, logprobs: Sequence[TokenLogprob] = ()) -> StreamChunk:
-        """Commit one cycle's tokens (``finish`` set when the target ended the request) and, when the request asked
-        for them, their logprobs; a stop string found in them cuts them and sets ``finish = "stop"``."""
-        if self.logprobs is not None and len(logprobs) != len(new):
-            raise ValueError(f"{len(new)} new tokens came with {len(logprobs)} logprobs")
-        delta, keep = self.text.push(new)
-        if self.text.stopped:
-            new, finish = new[:keep], "stop"
-        logprobs = tuple(logprobs[: len(new)]) if self.logprobs is not None else ()
-        if self.logprobs is not None:
-            self.logprobs.extend(logprobs)
-        self.tokens.extend(new)
-        self.finish = finish
-        if finish is not None:
-            delta += self.text.finish()
-        self.stats.new_tokens = len(self.tokens)
-        self.stats.total_seconds = time.perf_counter() - self.start
-        result = None
-        if finish is not None:
-            result = GenerationResult(self.prompt_ids, self.tokens, self.text.text, finish, self.stats, self.logprobs)
-        return StreamChunk(delta, new, result, logprobs)
 
 
 class GenerationFrontend(ABC):
@@ -270,41 +168,24 @@ class SpeculativeEngine(GenerationFrontend):
         sequence: LocalSequence,
         start: float,
     ) -> ChunkStream:
-        target, device = self.target, self.target.device
-        stats = RequestStats()
-        eos = () if config.ignore_eos else target.info.eos_token_ids
-        generators = make_generators(params.seed, device)
-        schedule = self.schedules(config.policy, config.budget)
-        side = DraftSide(
-            self.drafters.get(config.drafter),
-            schedule,
-            config.budget,
-            len(prompt_ids),
-            config.max_new_tokens,
-            device,
-            config.drafter,
-        )
-        grammar = request_grammar(params, target.tokenizer, target.info)
-        verifier = TargetVerifier(
+        request = start_request(
+            self.target,
             sequence,
             prompt_ids,
             params,
-            generators.verify,
-            config.max_new_tokens,
-            eos,
-            device,
-            side.feature_layers,
-            grammar,
+            config,
+            self.drafters.get(config.drafter),
+            self.schedules,
+            self.decode,
+            start,
         )
+        side, verifier, out, stats = request.side, request.verifier, request.out, request.out.stats
         prompt_features = verifier.prefill()
         shared = sequence.cache if isinstance(sequence.cache, KVCache) else None  # a layer-skip drafter reads it
-        side.start(prompt_ids, params, generators.draft, target_cache=shared)
+        side.start(prompt_ids, params, request.generators.draft, target_cache=shared)
         side.add_prompt_features(prompt_features)
         stats.prefill_seconds = time.perf_counter() - start
 
-        out = RequestOutput(
-            prompt_ids, TextStream(self.decode, config.stop), stats, start, logprobs=params.logprobs is not None
-        )
         while out.finish is None:
             # 1. draft (the schedule's budget), 2. verify, 3. commit (EOS and length cuts, KV rollback or compaction)
             proposal = side.propose()

@@ -17,15 +17,22 @@ that holds for every verified row, each with its own history (:class:`RequestGra
 JSON is laid out as ``json.dumps`` lays it out (``", "``, ``": "``, no other whitespace: :data:`JSON_LAYOUT`).
 Built on llguidance, whose matchers advance, check (``validate_tokens``) and roll back token by token on the CPU.
 :class:`GrammarCompiler` wraps one tokenizer for it (built once) and compiles requests' grammars, refusing a bad
-one with llguidance's own words. :class:`DraftGrammar` lets a drafter propose only what the grammar allows (the
+one with llguidance's own words. A grammar is compiled once (:func:`compile_grammar`) and kept, by its spec and
+the vocabulary it was compiled for, in a small LRU shared by every compiler of an equal vocabulary (the target's and
+a draft model's, say): the edge's check, the verifier and the drafter of one request each get a fresh matcher copied
+from that one compiled grammar. :class:`DraftGrammar` lets a drafter propose only what the grammar allows (the
 draft model does: its q is then the masked law it samples from). Does not sample or verify.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import itertools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +72,11 @@ class _DecodedVocabulary:
         ]
         self._tokenizer = tokenizer
 
+    def digest(self) -> str:
+        """What llguidance reads of this vocabulary (but the encoding of text: see the backend's digest), digested."""
+        described = repr((self.eos_token_id, self.bos_token_id, self.special_token_ids, self.tokens))
+        return hashlib.sha256(described.encode()).hexdigest()
+
     def __call__(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -83,29 +95,79 @@ class GrammarCompiler:
         self.eos = frozenset(eos)
         try:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
+            described: Hashable = ("backend", _backend_digest(tokenizer))
         except ValueError:  # a decoder llguidance does not know: describe the vocabulary by each token's bytes
-            wrapper = llguidance.TokenizerWrapper(_DecodedVocabulary(tokenizer, vocab))
+            decoded = _DecodedVocabulary(tokenizer, vocab)
+            wrapper = llguidance.TokenizerWrapper(decoded)
             self.tokenizer = llguidance.LLTokenizer(wrapper, n_vocab=vocab, eos_token=eos)
+            described = ("decoded", _backend_digest(tokenizer), decoded.digest())
         self.vocab = vocab
+        # what the compiled grammars depend on: compilers with equal keys compile equal matchers
+        self.key: Hashable = (described, vocab, tuple(eos))
 
     def compile(self, spec: GrammarSpec) -> RequestGrammar:
         """A fresh matcher for ``spec``; :class:`InvalidRequest` saying what is wrong with a bad grammar."""
-        try:
-            if spec.kind == "json_schema":
-                text = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
-            elif spec.kind == "regex":
-                text = llguidance.LLMatcher.grammar_from_regex(spec.source)
+        return RequestGrammar(self._compiled(spec).deep_copy(), self.vocab, self.eos)
+
+    def check(self, spec: GrammarSpec) -> None:
+        """Raises :class:`InvalidRequest` for a grammar that does not compile (and keeps one that does)."""
+        self._compiled(spec)
+
+    def _compiled(self, spec: GrammarSpec) -> Any:
+        """``spec``'s matcher in its initial state, compiled once and kept (never advanced: callers copy it)."""
+        key = (self.key, spec)
+        with _GRAMMARS_LOCK:
+            matcher = _GRAMMARS.get(key)
+            if matcher is None:
+                matcher = _GRAMMARS[key] = compile_grammar(self.tokenizer, spec)
+                if len(_GRAMMARS) > GRAMMAR_CACHE_SIZE:
+                    _GRAMMARS.popitem(last=False)
             else:
-                text = llguidance.LLMatcher.grammar_from_lark(spec.source)
-        except ValueError as exc:
-            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(str(exc))}") from exc
-        error = llguidance.LLMatcher.validate_grammar(text)
-        if error:
-            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(error)}")
-        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(matcher.get_error())}")
-        return RequestGrammar(matcher, self.vocab, self.eos)
+                _GRAMMARS.move_to_end(key)
+            return matcher
+
+
+def compile_grammar(tokenizer: Any, spec: GrammarSpec) -> Any:
+    """``spec`` compiled into an llguidance matcher over ``tokenizer`` (an ``LLTokenizer``); :class:`InvalidRequest`
+    saying what is wrong with a bad grammar. The one place a grammar is compiled (:class:`GrammarCompiler` keeps its
+    results)."""
+    try:
+        if spec.kind == "json_schema":
+            text = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_LAYOUT)
+        elif spec.kind == "regex":
+            text = llguidance.LLMatcher.grammar_from_regex(spec.source)
+        else:
+            text = llguidance.LLMatcher.grammar_from_lark(spec.source)
+    except ValueError as exc:
+        raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(str(exc))}") from exc
+    error = llguidance.LLMatcher.validate_grammar(text)
+    if error:
+        raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(error)}")
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+    if matcher.is_error():
+        raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(matcher.get_error())}")
+    return matcher
+
+
+def _backend_digest(tokenizer: Any) -> Hashable:
+    """What llguidance reads of a fast tokenizer (its backend's JSON, as ``llguidance.hf.from_tokenizer`` reads it),
+    digested: two tokenizers loaded from equal files (a target's and its draft model's) get equal digests. Any other
+    tokenizer gets one of its own, shared with no other."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return ("unique", next(_UNIQUE))
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return hashlib.sha256(backend.to_str().encode()).hexdigest()
+
+
+# Compiled grammars, oldest use first, by (compiler key, spec): a request's grammar is compiled once for all who use
+# it (the edge's check, the verifier, a draft model's drafter), and a spec many requests send is compiled once.
+GRAMMAR_CACHE_SIZE = 64
+_GRAMMARS: OrderedDict[tuple[Hashable, GrammarSpec], Any] = OrderedDict()
+_GRAMMARS_LOCK = threading.Lock()
+_UNIQUE = itertools.count()
 
 
 def one_line(error: str) -> str:
@@ -268,6 +330,7 @@ __all__ = [
     "DraftGrammar",
     "GrammarCompiler",
     "RequestGrammar",
+    "compile_grammar",
     "compiler_for",
     "mask_logits",
     "request_grammar",

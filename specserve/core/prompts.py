@@ -63,7 +63,7 @@ class PromptCodec:
             return
         if ignore_eos:
             raise InvalidRequest("structured output cannot be combined with ignore_eos: a grammar ends the text")
-        compiler_for(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids).compile(params.grammar)
+        compiler_for(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids).check(params.grammar)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:

@@ -36,11 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specserve.core.detokenize import Decode, TextStream
-from specserve.core.engine import FinishReason, GenerationConfig, RequestOutput, StreamChunk
 from specserve.core.invariant import noise_key
 from specserve.core.logprobs import TokenLogprob
+from specserve.core.request import GenerationConfig, RequestOutput, StreamChunk
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
+from specserve.core.target import FinishReason
 
 
 @dataclass(frozen=True)
