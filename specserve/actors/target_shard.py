@@ -8,7 +8,8 @@ Rank 0 is the driver of its replica. It hosts the gRPC verifier
 (:class:`~specserve.rpc.verifier.VerifierServer`), owns each request's
 :class:`~specserve.core.target.TargetVerifier` — the same verify-and-commit step the
 single-process engine runs — and, before every forward or rollback, broadcasts a small command
-(``op, sequence, args`` plus the block's token ids) to the other ranks. Those ranks run a loop
+(``op, sequence, args`` plus the block's token ids: :mod:`specserve.actors.rank_commands`) to the other
+ranks. Those ranks run a loop
 that receives the commands and mirrors them on their own KV shard, so after every verdict every
 shard's cache holds exactly the committed text. Draft trees take two more commands: a tree
 forward (root, node tokens and parents: every rank builds the same tree attention mask) and the
@@ -42,6 +43,20 @@ from datetime import timedelta
 import torch
 
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
+from specserve.actors.rank_commands import (
+    Compact,
+    FollowerState,
+    Forward,
+    ForwardBatch,
+    ForwardTree,
+    Free,
+    Heartbeat,
+    New,
+    RankCommands,
+    Rollback,
+    Shutdown,
+    follow,
+)
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft import Proposal
 from specserve.core.kv_pool import KVPool
@@ -56,43 +71,14 @@ from specserve.rpc.verifier import UnknownRequest, VerifierServer
 
 logger = logging.getLogger(__name__)
 
-# Commands rank 0 broadcasts to the other ranks: header = [op, sequence id, a, b] (int64).
-OP_FORWARD = 1  # a = number of tokens (broadcast next), b = last_only
-OP_ROLLBACK = 2  # a = length to keep
-OP_NEW = 3
-OP_FREE = 4
-OP_SHUTDOWN = 5
-OP_FORWARD_TREE = 6  # a = number of nodes; then [root, tokens..., parents...] (2a + 1 int64)
-OP_COMPACT = 7  # a = number of positions to keep; then the positions
-OP_HEARTBEAT = 8  # nothing to do: keeps an idle replica's followers inside the collectives' timeout
-OP_FORWARD_BATCH = 9  # sequence = number of blocks, a = payload length (broadcast next), b = last_only
-HEADER_SIZE = 4
 ROOM_POLL_S = 0.05  # a batched replica's newcomer re-checks the KV pool for room this often while it waits
 HEARTBEAT_FRACTION = 6  # rank 0 sends a heartbeat after 1/6 of the collectives' timeout without a command
-
-
-class _Commands:
-    """Rank 0's broadcast of one command to the other ranks (nothing to do at TP 1)."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.last_sent = time.monotonic()
-
-    def send(self, op: int, sequence: int, a: int = 0, b: int = 0, tokens: torch.Tensor | None = None) -> None:
-        if self.world_size == 1:
-            return
-        import torch.distributed as dist
-
-        self.last_sent = time.monotonic()
-        dist.broadcast(torch.tensor([op, sequence, a, b], dtype=torch.long), src=0)
-        if tokens is not None:
-            dist.broadcast(tokens.to("cpu", torch.long).contiguous(), src=0)
 
 
 class ShardedSequence:
     """A :class:`~specserve.core.target.TargetSequence` whose forwards and rollbacks run on every rank."""
 
-    def __init__(self, sequence_id: int, target: CausalLM, cache: KVCache, commands: _Commands) -> None:
+    def __init__(self, sequence_id: int, target: CausalLM, cache: KVCache, commands: RankCommands) -> None:
         self.sequence_id = sequence_id
         self.target = target
         self.cache = cache
@@ -105,81 +91,38 @@ class ShardedSequence:
     def forward(
         self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
     ) -> torch.Tensor:
-        self.commands.send(OP_FORWARD, self.sequence_id, int(input_ids.numel()), int(last_only), input_ids)
+        Forward.send(self.commands, self.sequence_id, input_ids, last_only)
         return self.target.forward(self.cache, input_ids, last_only=last_only, capture=capture)
 
     def rollback(self, length: int) -> None:
-        self.commands.send(OP_ROLLBACK, self.sequence_id, length)
+        Rollback.send(self.commands, self.sequence_id, length)
         self.cache.rollback(length)
 
     def forward_tree(self, root: int, tree: DraftTree, capture: FeatureCapture | None = None) -> torch.Tensor:
-        self.commands.send(OP_FORWARD_TREE, self.sequence_id, tree.size, 0, _tree_block(root, tree))
+        ForwardTree.send(self.commands, self.sequence_id, root, tree)
         return self.target.forward_tree(self.cache, root, tree, capture=capture)
 
     def compact(self, keep: Sequence[int]) -> None:
-        self.commands.send(OP_COMPACT, self.sequence_id, len(keep), 0, torch.tensor(list(keep), dtype=torch.long))
+        Compact.send(self.commands, self.sequence_id, keep)
         self.cache.compact(keep)
-
-
-def _tree_block(root: int, tree: DraftTree) -> torch.Tensor:
-    """What the other ranks need to repeat a tree forward: ``[root, tokens..., parents...]``."""
-    parents = torch.tensor(tree.parents, dtype=torch.long)
-    return torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens.to("cpu", torch.long), parents])
-
-
-def _from_tree_block(block: torch.Tensor, nodes: int) -> tuple[int, DraftTree]:
-    root, tokens, parents = int(block[0]), block[1 : nodes + 1], block[nodes + 1 :]
-    return root, DraftTree(tokens.clone(), tuple(int(p) for p in parents.tolist()))
-
-
-def pack_blocks(blocks: Sequence[BatchBlock]) -> torch.Tensor:
-    """What the other ranks need to repeat a batched forward: per block ``[seq_id, k, tokens (k), offsets (k), sees
-    (k · k)]`` as one int64 tensor (a causal block travels with its explicit lower-triangular mask)."""
-    parts: list[torch.Tensor] = []
-    for block in blocks:
-        k = block.size
-        offsets = block.offsets or tuple(range(k))
-        parts += [
-            torch.tensor([block.seq_id, k], dtype=torch.long),
-            block.tokens.to("cpu", torch.long),
-            torch.tensor(offsets, dtype=torch.long),
-            block.attends().to(torch.long).flatten(),
-        ]
-    return torch.cat(parts)
-
-
-def unpack_blocks(payload: torch.Tensor, count: int) -> list[BatchBlock]:
-    values = payload.tolist()
-    blocks, at = [], 0
-    for _ in range(count):
-        seq_id, k = values[at], values[at + 1]
-        at += 2
-        tokens = payload[at : at + k].clone()
-        offsets = tuple(values[at + k : at + 2 * k])
-        sees = payload[at + 2 * k : at + 2 * k + k * k].reshape(k, k).to(torch.bool)
-        at += 2 * k + k * k
-        blocks.append(BatchBlock(seq_id, tokens, sees, offsets))
-    if at != len(values):
-        raise RuntimeError(f"a batched-forward command of {len(values)} values held {at} for {count} blocks")
-    return blocks
 
 
 class ShardedPool:
     """Rank 0's :class:`~specserve.core.target.PoolOps`: every allocation, batched forward, rollback and
     compaction is broadcast to the other ranks first, then done here on this rank's share of the pool."""
 
-    def __init__(self, target: CausalLM, pool: KVPool, commands: _Commands) -> None:
+    def __init__(self, target: CausalLM, pool: KVPool, commands: RankCommands) -> None:
         self.local = LocalPool(target, pool)
         self.pool = pool
         self.commands = commands
 
     def allocate(self, tokens: int) -> int:
         seq_id = self.pool.allocate(tokens)
-        self.commands.send(OP_NEW, seq_id, tokens)
+        New.send(self.commands, seq_id, tokens)
         return seq_id
 
     def free(self, seq_id: int) -> None:
-        self.commands.send(OP_FREE, seq_id)
+        Free.send(self.commands, seq_id)
         self.pool.free(seq_id)
 
     def forward_batch(
@@ -190,16 +133,15 @@ class ShardedPool:
     ) -> list[torch.Tensor]:
         """The other ranks repeat the forward without capturing: after each row-parallel all-reduce every rank
         holds the full residual stream, so rank 0's captured features are the whole features."""
-        payload = pack_blocks(blocks)
-        self.commands.send(OP_FORWARD_BATCH, len(blocks), int(payload.numel()), int(last_only), payload)
+        ForwardBatch.send(self.commands, blocks, last_only)
         return self.local.forward_batch(blocks, last_only=last_only, capture=capture)
 
     def rollback(self, seq_id: int, length: int) -> None:
-        self.commands.send(OP_ROLLBACK, seq_id, length)
+        Rollback.send(self.commands, seq_id, length)
         self.pool.rollback(seq_id, length)
 
     def compact(self, seq_id: int, keep: Sequence[int]) -> None:
-        self.commands.send(OP_COMPACT, seq_id, len(keep), 0, torch.tensor(list(keep), dtype=torch.long))
+        Compact.send(self.commands, seq_id, keep)
         self.pool.compact(seq_id, keep)
 
 
@@ -307,7 +249,7 @@ class TargetShardActor:
         self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
         check_shardable(self.target.model, world_size)
         self.all_reduce: DeterministicAllReduce | None = None  # set once the process group exists
-        self._commands = _Commands(world_size)
+        self._commands = RankCommands(world_size)
         self._lock = threading.Lock()
         self._caches: dict[int, KVCache] = {}  # sequence id -> this rank's KV shard
         self._requests: dict[str, _Request] = {}  # rank 0 only
@@ -381,7 +323,7 @@ class TargetShardActor:
 
     def _send_heartbeat(self) -> None:
         if not self._stopped.is_set() and time.monotonic() - self._commands.last_sent >= self._heartbeat_s:
-            self._commands.send(OP_HEARTBEAT, 0)
+            Heartbeat.send(self._commands)
 
     def start_server(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Rank 0: start the gRPC verifier; returns the address drafters dial.
@@ -597,7 +539,7 @@ class TargetShardActor:
             with self._room:
                 self._room.notify_all()
         else:
-            self._commands.send(OP_FREE, sequence.sequence_id)
+            Free.send(self._commands, sequence.sequence_id)
             self._caches.pop(sequence.sequence_id, None)
 
     def committed(self, request_id: str) -> list[int]:
@@ -651,7 +593,7 @@ class TargetShardActor:
             import torch.distributed as dist
 
             if self.rank == 0:
-                self.compute.run(self._commands.send, OP_SHUTDOWN, 0)
+                self.compute.run(Shutdown.send, self._commands)
             elif self._loop is not None:
                 self._loop.result(timeout=10)
             if dist.is_initialized():
@@ -662,72 +604,17 @@ class TargetShardActor:
     def _new_sequence(self) -> ShardedSequence:
         sequence_id = self._next_sequence
         self._next_sequence += 1
-        self._commands.send(OP_NEW, sequence_id)
+        New.send(self._commands, sequence_id)
         cache = self._caches[sequence_id] = self.target.new_cache()
         return ShardedSequence(sequence_id, self.target, cache, self._commands)
 
     def _follow(self) -> None:
         """Ranks > 0: mirror rank 0's commands on this rank's KV shard until told to stop."""
-        import torch.distributed as dist
-
-        header = torch.empty(HEADER_SIZE, dtype=torch.long)
+        state = FollowerState(self.target, self._caches, self._pool.pool if self._pool is not None else None)
         try:
-            while True:
-                dist.broadcast(header, src=0)
-                op, sequence, a, b = (int(x) for x in header.tolist())
-                if op == OP_SHUTDOWN:
-                    return
-                if op == OP_HEARTBEAT:
-                    continue
-                with self._lock:
-                    if self._pool is not None:  # a batched replica: sequences are the pool's
-                        self._follow_pool(self._pool.pool, op, sequence, a, b)
-                    elif op == OP_NEW:
-                        self._caches[sequence] = self.target.new_cache()
-                    elif op == OP_FREE:
-                        self._caches.pop(sequence, None)
-                    elif op == OP_ROLLBACK:
-                        self._caches[sequence].rollback(a)
-                    elif op == OP_FORWARD:
-                        tokens = torch.empty(a, dtype=torch.long)
-                        dist.broadcast(tokens, src=0)
-                        self.target.forward(self._caches[sequence], tokens, last_only=bool(b))
-                    elif op == OP_FORWARD_TREE:
-                        block = torch.empty(2 * a + 1, dtype=torch.long)
-                        dist.broadcast(block, src=0)
-                        root, tree = _from_tree_block(block, a)
-                        self.target.forward_tree(self._caches[sequence], root, tree)
-                    elif op == OP_COMPACT:
-                        keep = torch.empty(a, dtype=torch.long)
-                        dist.broadcast(keep, src=0)
-                        self._caches[sequence].compact(keep.tolist())
-                    else:
-                        raise RuntimeError(f"unknown tensor-parallel command {op}")
+            follow(state, self._lock)
         except Exception:  # the replica cannot continue; rank 0's next collective times out with an error
             logger.exception("tensor-parallel rank %d stopped following rank 0", self.rank)
-
-    def _follow_pool(self, pool: KVPool, op: int, seq_id: int, a: int, b: int) -> None:
-        """Ranks > 0 of a batched replica: one of rank 0's commands on this rank's share of the pool (allocations in
-        the same order place the same spans, moves included, as on rank 0)."""
-        import torch.distributed as dist
-
-        if op == OP_NEW:
-            if pool.allocate(a) != seq_id:
-                raise RuntimeError(f"this rank's KV pool gave another sequence id than rank 0's ({seq_id})")
-        elif op == OP_FREE:
-            pool.free(seq_id)
-        elif op == OP_ROLLBACK:
-            pool.rollback(seq_id, a)
-        elif op == OP_COMPACT:
-            keep = torch.empty(a, dtype=torch.long)
-            dist.broadcast(keep, src=0)
-            pool.compact(seq_id, keep.tolist())
-        elif op == OP_FORWARD_BATCH:
-            payload = torch.empty(a, dtype=torch.long)
-            dist.broadcast(payload, src=0)
-            self.target.forward_batch(pool, unpack_blocks(payload, seq_id), last_only=bool(b))
-        else:
-            raise RuntimeError(f"unknown tensor-parallel command {op} for a batched replica")
 
     def _allreduce_seconds(self) -> float:
         return self.all_reduce.seconds if self.all_reduce is not None else 0.0
