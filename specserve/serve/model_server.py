@@ -95,7 +95,9 @@ class QueueFull(Exception):
 
 
 def spawn_coordinator(config: ServeConfig) -> GenerationFrontend:
-    """The one-at-a-time runner: a distributed replica (target shards + drafter) placed on the cluster."""
+    """The distributed runner: a :class:`~specserve.actors.coordinator.Coordinator` over a replica (target shards +
+    drafter) it places on the cluster; it generates up to ``max_num_seqs`` requests at once (its ``max_concurrency``),
+    batching their verification when that is more than one."""
     from specserve.actors.coordinator import Coordinator
 
     return Coordinator.spawn(config.replica())
