@@ -12,15 +12,11 @@ policies against real models (``specserve experiment``) sits above it, in
 :mod:`specserve.benchmarks.experiment`.
 """
 
+from specserve.policies.acceptance import AcceptanceEstimator
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
 from specserve.policies.controller import SpeculationController
-from specserve.policies.estimators import (
-    AcceptanceEstimator,
-    CostEstimator,
-    EstimatorPrior,
-    Estimators,
-    ReplicaPrior,
-)
+from specserve.policies.costs import CostEstimator
+from specserve.policies.estimators import Estimators, ReplicaPrior
 from specserve.policies.policies import (
     POLICY_NAMES,
     AdaptivePolicy,
@@ -28,6 +24,7 @@ from specserve.policies.policies import (
     HeuristicPolicy,
     build_policy,
 )
+from specserve.policies.prior import EstimatorPrior
 from specserve.policies.rates import optimal_gamma, predicted_rate
 
 __all__ = [

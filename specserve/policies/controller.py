@@ -17,7 +17,7 @@ probe together.
 Under a static-shape engine the controller is given the engine's
 :class:`~specserve.core.buckets.VerifyBuckets` (by default the replica prior's): its estimators then learn
 T_verify per bucket the forward ran at and price each block at its bucket
-(:class:`~specserve.policies.estimators.CostEstimator`); a replica prior pooling other buckets is refused.
+(:class:`~specserve.policies.costs.CostEstimator`); a replica prior pooling other buckets is refused.
 
 A policy that sets ``calibrates_plain`` (the adaptive one) gets one plain-decoding cycle first when
 neither the request nor the replica has measured T_verify(1): plain decoding is what every γ is compared
@@ -40,13 +40,8 @@ from typing import Any
 from specserve.core.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.core.tree import TreeSpec
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
-from specserve.policies.estimators import (
-    REQUEST_HALF_LIFE_CYCLES,
-    VERIFY_TABLE_SIZE,
-    EstimatorPrior,
-    Estimators,
-    ReplicaPrior,
-)
+from specserve.policies.estimators import Estimators, ReplicaPrior
+from specserve.policies.prior import REQUEST_HALF_LIFE_CYCLES, VERIFY_TABLE_SIZE, EstimatorPrior
 from specserve.policies.rates import budget_depth, expected_tokens
 from specserve.policies.step_costs import StepCostEstimator
 

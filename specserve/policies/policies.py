@@ -115,7 +115,7 @@ class AdaptivePolicy:
       estimates. A probe that got nothing accepted leaves speculation off (the next probe waits longer);
       otherwise the decision after it compares against plain decoding with the full ``hysteresis``. The
       estimators restart their long memory when drafting resumes after a pause
-      (:class:`~specserve.policies.estimators.AcceptanceEstimator`), so a probe after a long pause weighs
+      (:class:`~specserve.policies.acceptance.AcceptanceEstimator`), so a probe after a long pause weighs
       heavily.
     * **Evidence before the off switch** — speculation is not switched off while the acceptance estimate
       at depth 1 rests on fewer than ``min_evidence`` pseudo-counts (the prior's 4 plus the request's own
@@ -132,7 +132,7 @@ class AdaptivePolicy:
       the decision is revisited (against plain decoding, with the full ``hysteresis``) whenever the batch is
       smaller than it was when speculation last was judged not to pay.
     * **Verify buckets** — under a static-shape engine ``state.verify_seconds`` prices every block at its
-      bucket, never above a wider bucket's cost (:class:`~specserve.policies.estimators.CostEstimator`). A
+      bucket, never above a wider bucket's cost (:class:`~specserve.policies.costs.CostEstimator`). A
       chain whose block would run at a bucket dearer than a wider one (``state.dominated_ks``) is no candidate:
       it would pay its own bucket, while a longer chain fills the cheaper one. Plain decoding always stays one.
     * **Trees** — optional candidates (static topologies or dynamic budgets), rated with the simple tree

@@ -6,7 +6,7 @@ E[accepted + 1] = 1 + Σ_{i ≤ γ} Π_{j ≤ i} α̂_j tokens; with a constant 
 γ = 0 is plain decoding: one token per T_verify(1).
 
 Trees are modelled simply: a tree of depth D and N nodes yields what a chain of depth D yields plus
-``tree_bonus_per_node`` (an estimate from observed trees, :class:`~specserve.policies.estimators.AcceptanceEstimator`)
+``tree_bonus_per_node`` (an estimate from observed trees, :class:`~specserve.policies.acceptance.AcceptanceEstimator`)
 per node beyond the D of its main path, never more than D accepted. Its draft cost is T_draft(D) (one draft
 forward per level) and its verify cost T_verify(N + 1).
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from specserve.core.tree import TreeSpec
 from specserve.policies.base import Budget, PolicyState
-from specserve.policies.estimators import TREE_BONUS_KEY
+from specserve.policies.prior import TREE_BONUS_KEY
 
 
 def expected_accepted(alpha: Sequence[float], depth: int) -> float:

@@ -9,7 +9,7 @@ controller is seeded from, and feeds, one :class:`~specserve.policies.estimators
 per factory — one per engine or drafter actor, i.e. per replica — and learns what a batched step costs in one
 :class:`~specserve.policies.step_costs.StepCostEstimator` per factory. A static-shape engine passes its verify
 ``buckets``: every controller (and the prior it makes) then learns T_verify per bucket and prices a block at
-its bucket (:class:`~specserve.policies.estimators.CostEstimator`). Does not draft, verify or time.
+its bucket (:class:`~specserve.policies.costs.CostEstimator`). Does not draft, verify or time.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from specserve.policies.estimators import DEFAULT_PRIOR, EstimatorPrior
+from specserve.policies.prior import DEFAULT_PRIOR, EstimatorPrior
 
 STEP_WINDOW = 32.0
 """Observations at one N that its mean averages over (an exponential window): steps repeat at the same N many

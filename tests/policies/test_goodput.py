@@ -21,7 +21,7 @@ from synthetic_streams import MS, draw_accepted
 
 from specserve.core.draft_side import choose_chains
 from specserve.policies import Budget, CycleObservation, ReplicaPrior, SpeculationController, build_policy
-from specserve.policies.estimators import EstimatorPrior
+from specserve.policies.prior import EstimatorPrior
 from specserve.policies.rates import expected_tokens_constant
 from specserve.policies.step_costs import StepCostEstimator
 

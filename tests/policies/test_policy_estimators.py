@@ -22,7 +22,7 @@ from specserve.policies import (
     Estimators,
     ReplicaPrior,
 )
-from specserve.policies.estimators import DEFAULT_ALPHA, PRIOR_STRENGTH, effective_window
+from specserve.policies.prior import DEFAULT_ALPHA, PRIOR_STRENGTH, effective_window
 
 
 def chain(gamma: int, accepted: int, draft_s: float = 0.0, verify_s: float = 0.02) -> CycleObservation:

@@ -19,7 +19,7 @@ from specserve.policies import (
     SpeculationController,
 )
 from specserve.policies.controller import clip_budget
-from specserve.policies.estimators import DEFAULT_ALPHA
+from specserve.policies.prior import DEFAULT_ALPHA
 
 
 def test_budgets_never_exceed_the_remaining_tokens_minus_one() -> None:
