@@ -20,6 +20,7 @@ from specserve.policies.prior import (
     EstimatorPrior,
     decay_factor,
     linear_extrapolation,
+    weighted_line,
 )
 
 COST_PRIOR_WEIGHT = 1.0
@@ -150,16 +151,7 @@ class CostEstimator:
 
     def _line(self) -> tuple[float, float] | None:
         """(intercept, slope) of the weighted fit over observed w >= 2, or None with < 2 distinct w."""
-        points = [(k, self._verify_mean[k], self._verify_weight[k]) for k in self._verify_mean if k >= 2]
-        if len(points) < 2:
-            return None
-        w = sum(p[2] for p in points)
-        x = sum(p[2] * p[0] for p in points) / w
-        y = sum(p[2] * p[1] for p in points) / w
-        sxx = sum(p[2] * (p[0] - x) ** 2 for p in points)
-        sxy = sum(p[2] * (p[0] - x) * (p[1] - y) for p in points)
-        slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0
-        return y - slope * x, slope
+        return weighted_line([(k, self._verify_mean[k], self._verify_weight[k]) for k in self._verify_mean if k >= 2])
 
     def _prior_ratio(self, ks: Sequence[int]) -> float | None:
         """Observed level relative to the prior's curve over widths ``ks`` (weighted), or None if none observed."""

@@ -71,6 +71,20 @@ def decay_factor(half_life: float | None) -> float:
     return 2.0 ** (-1.0 / half_life)
 
 
+def weighted_line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """(intercept, slope) of the weighted least-squares line through ``points`` (x, y, weight), the slope clamped at
+    >= 0 (a cost never falls with more positions); None with fewer than two points."""
+    if len(points) < 2:
+        return None
+    w = sum(p[2] for p in points)
+    x = sum(p[2] * p[0] for p in points) / w
+    y = sum(p[2] * p[1] for p in points) / w
+    sxx = sum(p[2] * (p[0] - x) ** 2 for p in points)
+    sxy = sum(p[2] * (p[0] - x) * (p[1] - y) for p in points)
+    slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0
+    return y - slope * x, slope
+
+
 def linear_extrapolation(table: Sequence[float], k: int) -> float:
     """``table[k - 1]``, or a linear continuation of its last two entries (never decreasing)."""
     if k <= len(table):

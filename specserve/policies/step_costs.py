@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from specserve.policies.prior import DEFAULT_PRIOR, EstimatorPrior
+from specserve.policies.prior import DEFAULT_PRIOR, EstimatorPrior, weighted_line
 
 STEP_WINDOW = 32.0
 """Observations at one N that its mean averages over (an exponential window): steps repeat at the same N many
@@ -92,14 +92,5 @@ class StepCostEstimator:
     def _fit(self) -> tuple[list[int], list[float], tuple[float, float] | None]:
         xs = sorted(self._mean)
         ys = [self._mean[x] for x in xs]
-        points = [(x, self._mean[x], float(min(self._count[x], self.window))) for x in xs if x >= 2]
-        line = None
-        if len(points) >= 2:
-            w = sum(p[2] for p in points)
-            mx = sum(p[2] * p[0] for p in points) / w
-            my = sum(p[2] * p[1] for p in points) / w
-            sxx = sum(p[2] * (p[0] - mx) ** 2 for p in points)
-            sxy = sum(p[2] * (p[0] - mx) * (p[1] - my) for p in points)
-            slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0
-            line = (my - slope * mx, slope)
+        line = weighted_line([(x, self._mean[x], float(min(self._count[x], self.window))) for x in xs if x >= 2])
         return xs, ys, line
