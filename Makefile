@@ -79,9 +79,21 @@ typecheck: install
 
 # Bytecode first: with PYTHONDONTWRITEBYTECODE set, each of the run's ~100 Python processes (Ray workers, CLI runs)
 # would compile specserve again, about a second each.
+#
+# Two xdist workers (--dist loadgroup): one runs the tests that need Ray, one after the other against one cluster (the
+# `ray` group: tests/conftest.py), the other the in-process tests beside them. PYTEST_WORKERS=0 runs everything in
+# one process, as before.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 pytest: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
-	$(BIN)/python -m pytest -q --durations=60
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=60
+
+# The edit-test loop (about 5 minutes): the exactness core in process, the `quick` marker (tests/conftest.py's
+# QUICK_LOOP): acceptance rules, the engines against generate, every drafter's greedy equality, the codec, the layers.
+test-quick: install
+	$(BIN)/python -m compileall -q -j 0 specserve tests
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "quick and not ray and not slow" --durations=20
 
 test: lint typecheck pytest
 

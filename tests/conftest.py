@@ -384,6 +384,48 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             _shared_replicas.close()
 
 
+# Two tiers. A test needs the session's Ray when its fixtures (transitively) include one of RAY_FIXTURES, or when it
+# is marked ``ray`` by hand (it starts a Ray of its own in a subprocess: a CLI run). ``make test`` runs pytest-xdist
+# with two workers and ``--dist loadgroup``: every ``ray`` test is in one group, so they run in order in one worker
+# against one cluster (its replicas and Serve apps shared as above), while the other worker runs the in-process
+# tests, one torch thread each: the second core is used while the first waits on actors and Serve.
+RAY_FIXTURES = frozenset({"ray_cluster", "serve_url", "shared_replicas"})
+
+
+# The quick loop (``make test-quick``, marker ``quick``): the exactness core, in process. Each entry is a path under
+# tests/ and, where only some of its tests belong, a word their names hold: the acceptance rules (chains, trees, the
+# wire codec), the engine and the batched engine against transformers' ``generate``, and every drafter's greedy
+# equality on the tiny models; the import order.
+QUICK_LOOP: dict[str, str | None] = {
+    "core/test_verification.py": None,
+    "core/test_tree_verification.py": None,
+    "core/test_engine.py": None,
+    "core/test_batch_engine.py": None,
+    "rpc/test_codec.py": None,
+    "drafters/": "greedy",
+    "test_layering.py": None,
+}
+TESTS = Path(__file__).resolve().parent
+
+
+def in_quick_loop(item: pytest.Item) -> bool:
+    where = item.path.relative_to(TESTS).as_posix()
+    return any(
+        (where == path or (path.endswith("/") and where.startswith(path))) and (word is None or word in item.name)
+        for path, word in QUICK_LOOP.items()
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if in_quick_loop(item):
+            item.add_marker(pytest.mark.quick)
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(scope="session")
 def serve_url(ray_cluster: Any) -> Iterator[str]:
     """Ray Serve's HTTP proxy on 127.0.0.1 (a free port) in the session's Ray; test modules run their own apps."""

@@ -186,6 +186,7 @@ def wait_until_serving(process: subprocess.Popen[str], timeout_s: float) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # starts a private Ray of its own
 def test_serve_a_checkpoint_without_yaml_then_stop_on_ctrl_c(tmp_path: Path, saved_pairs: dict[str, Path]) -> None:
     target = saved_pairs["llama"] / "target"  # a random-initialised tiny Llama with its tokenizer
     port = free_port()
