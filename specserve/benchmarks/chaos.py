@@ -54,6 +54,11 @@ each request's ``completion_tokens`` are attributed evenly to its text events' a
 stream carries text, not token counts); the plot shows the same per 1 s bin, with each kill and its
 recovery marked.
 
+**Where.** This module holds the configuration, the soak that runs the clients and the killer together
+(:func:`run_soak`, :func:`soak`) and the command; the streaming client and its per-request record are
+:mod:`~specserve.benchmarks.chaos_client`, the killer :mod:`~specserve.benchmarks.chaos_kill`, and the analysis,
+tables and plot :mod:`~specserve.benchmarks.chaos_report`.
+
 Writes ``chaos.json`` (the report: summary, kills, per-request records, bins), ``chaos.md`` and
 ``chaos.png`` under ``--out`` (default ``runs/bench-chaos/``); stdout carries the table and a
 ``results:`` line, or with ``--json`` the report alone; progress and kills go to stderr. Bounded in
@@ -69,14 +74,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -94,6 +96,24 @@ from specserve.benchmarks.arguments import (
     print_results,
     stdout_to_stderr,
 )
+from specserve.benchmarks.chaos_client import (
+    CONNECT_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    StreamRecord,
+    reference_texts,
+    request_body,
+    stream_into,
+)
+from specserve.benchmarks.chaos_kill import (
+    DRAFTER,
+    PROCESSES_LIMIT_S,
+    PROCESSES_TIMEOUT_S,
+    SHARD,
+    chaos,
+    read_processes,
+    replica_processes,
+)
+from specserve.benchmarks.chaos_report import analyse, markdown, plot, record_json
 from specserve.benchmarks.tally import report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
@@ -105,13 +125,6 @@ STEM = "chaos"
 APP_NAME = "specserve"  # the application serving() deploys (ServeFile's default)
 MODEL_NAME = "bench-chaos"
 REPLICA_FLAGS = ("target", "draft", "dtype", "device", "tp_degree", "max_num_seqs")
-CONNECT_TIMEOUT_S = 10.0
-READ_TIMEOUT_S = 120.0  # the longest a stream may pause: beyond the ingress's resume_timeout_s (60 s by default)
-REFERENCE_TIMEOUT_S = 300.0  # a reference request (the first one pays for lazy initialisation)
-PROCESSES_LIMIT_S = 60.0  # how long a kill may wait to read the replica's processes (a replica being replaced)
-PROCESSES_TIMEOUT_S = 2.0  # one read of them (a replica's status waits for a drafter Ray is restarting)
-DRAFTER, SHARD = "drafter", "shard"
-STALL_TARGETS_S = {DRAFTER: (5.0, 1.0), SHARD: (30.0, None)}  # (target, goal) for the longest stall at a kill
 
 QUICK = Quick(
     {"clients": 8, "duration": 20.0, "drafter_kill_at": 5.0, "shard_kill_at": 10.0, "max_tokens": 24},
@@ -144,235 +157,6 @@ class ChaosConfig:
         """The scheduled kills, ``(seconds after the soak starts, kind)``, in time order."""
         planned = [(self.drafter_kill_at_s, DRAFTER), (self.shard_kill_at_s, SHARD)]
         return sorted((at, kind) for at, kind in planned if at > 0)
-
-
-@dataclass
-class StreamRecord:
-    """What one client saw of one request; times are seconds since the soak started."""
-
-    client: int
-    prompt: int  # index into the prompts
-    sent: float
-    events: list[tuple[float, str]] = field(default_factory=list)  # (arrival, text) of each event carrying text
-    status: int | None = None
-    error: str | None = None  # an error event, a non-200 answer, a transport error, a stream that ended early
-    error_event: bool = False  # the stream carried an error event
-    tokens: int | None = None  # completion_tokens of the final event
-    ended: float | None = None  # None: still running when the soak was cut
-    cut: bool = False  # stopped at the drain limit
-
-    @property
-    def text(self) -> str:
-        return "".join(text for _, text in self.events)
-
-    @property
-    def first(self) -> float | None:
-        return self.events[0][0] if self.events else None
-
-    @property
-    def unfinished(self) -> bool:
-        return self.cut or self.ended is None
-
-    @property
-    def failed(self) -> bool:
-        return not self.unfinished and (self.error is not None or self.status != 200 or self.tokens is None)
-
-    @property
-    def completed(self) -> bool:
-        return not self.unfinished and not self.failed
-
-    @property
-    def server_error(self) -> bool:
-        """A fast 500: a 5xx status, or an error event in the stream."""
-        return (self.status is not None and self.status >= 500) or self.error_event
-
-    def gaps(self) -> list[tuple[float, float]]:
-        """``(length, end)`` of each pause between consecutive text events."""
-        times = [t for t, _ in self.events]
-        return [(b - a, b) for a, b in itertools.pairwise(times)]
-
-    @property
-    def longest_stall(self) -> float:
-        return max((length for length, _ in self.gaps()), default=0.0)
-
-    def in_flight(self, at: float) -> bool:
-        return self.sent <= at and (self.ended is None or self.ended > at)
-
-    def streaming(self, at: float) -> bool:
-        first = self.first
-        return self.in_flight(at) and first is not None and first <= at
-
-
-# ---------------------------------------------------------------------------------------------
-# The client
-
-
-def request_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-
-
-def reference_texts(url: str, model: str, prompts: Sequence[str], max_tokens: int) -> list[str]:
-    """Each prompt's answer, undisturbed and not streamed (this also warms the replica up)."""
-    texts = []
-    for prompt in tqdm(prompts, desc="references", unit="req", file=sys.stderr):
-        answer = requests.post(
-            f"{url}/v1/completions",
-            json=request_body(model, prompt, max_tokens),
-            timeout=(CONNECT_TIMEOUT_S, REFERENCE_TIMEOUT_S),
-        )
-        if answer.status_code != 200:
-            raise RuntimeError(f"a reference request failed before any fault: HTTP {answer.status_code}: {answer.text}")
-        texts.append(answer.json()["choices"][0]["text"])
-    return texts
-
-
-def stream_into(
-    session: requests.Session,
-    url: str,
-    body: dict[str, Any],
-    record: StreamRecord,
-    clock: Callable[[], float],
-    stop: threading.Event,
-) -> None:
-    """Stream one completion into ``record``; once ``stop`` is set, cut it (``record.cut``) at its next line."""
-    finished = False  # the answer ended, one way or another (else it was cut)
-    try:
-        with session.post(
-            f"{url}/v1/completions",
-            json={**body, "stream": True},
-            stream=True,
-            timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
-        ) as answer:
-            record.status = answer.status_code
-            if answer.status_code != 200:
-                record.error = f"HTTP {answer.status_code}: {answer.text[:200]}"
-                finished = True
-                return
-            for line in answer.iter_lines():
-                now = clock()
-                if stop.is_set():
-                    return
-                if not line.startswith(b"data: "):
-                    continue
-                if line == b"data: [DONE]":
-                    finished = True
-                    return
-                event = json.loads(line[len(b"data: ") :])
-                if "error" in event:
-                    record.error_event = True
-                    record.error = str(event["error"].get("message"))
-                    continue
-                text = event["choices"][0].get("text") or ""
-                if text:
-                    record.events.append((now, text))
-                if event.get("usage"):
-                    record.tokens = int(event["usage"]["completion_tokens"])
-            record.error = record.error or "the stream ended without [DONE]"
-            finished = True
-    except requests.RequestException as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-        finished = not stop.is_set()
-    except (ValueError, KeyError, IndexError, TypeError) as exc:  # an event that is not what the API sends
-        record.error = f"malformed event: {exc!r}"
-        finished = True
-    finally:
-        if finished:
-            record.ended = clock()
-        else:
-            record.cut = True
-            record.error = record.error or "still running at the drain limit"
-
-
-# ---------------------------------------------------------------------------------------------
-# The chaos
-
-
-def replica_processes(app_name: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    """The process ids of the application's ModelServer replica (``{"shards": [...], "drafter": pid}`` on the
-    distributed runtime, ``{"engine": pid}`` batched in process), from its status through the Serve handle."""
-    from ray import serve
-
-    from specserve.serve.app import MODEL
-
-    handle = serve.get_deployment_handle(MODEL, app_name=app_name)
-    return dict(handle.status.remote().result(timeout_s=timeout_s)["processes"])
-
-
-def victim(processes: dict[str, Any], kind: str) -> tuple[int, str]:
-    """The pid to kill for ``kind`` and what it is: the drafter, or the shard of the last rank (a replica batching in
-    process has one process, the engine: its "shard")."""
-    if kind == DRAFTER:
-        if "drafter" not in processes:
-            raise UserError(f"this replica has no drafter process to kill (its processes: {processes})")
-        return int(processes["drafter"]), "drafter"
-    shards = processes.get("shards")
-    if shards:
-        return int(shards[-1]), f"shard rank {len(shards) - 1}"
-    if "engine" in processes:
-        return int(processes["engine"]), "engine (the replica's own process)"
-    raise UserError(f"this replica reports no shard process to kill (its processes: {processes})")
-
-
-def read_processes(
-    processes: Callable[[], dict[str, Any]], limit_s: float, stop: threading.Event | None = None
-) -> dict[str, Any]:
-    """The replica's processes, asking again every half second for up to ``limit_s`` (a replica being replaced has no
-    answer yet); raises the last failure after that."""
-    give_up = time.monotonic() + limit_s
-    while True:
-        try:
-            return processes()
-        except Exception:
-            if time.monotonic() > give_up or (stop is not None and stop.is_set()):
-                raise
-            time.sleep(0.5)
-
-
-def chaos(
-    kills: Sequence[tuple[float, str]],
-    clock: Callable[[], float],
-    stop: threading.Event,
-    processes: Callable[[], dict[str, Any]],
-    kill: Callable[[int, int], None],
-    done: list[dict[str, Any]],
-    known: dict[str, Any] | None = None,
-) -> None:
-    """At each scheduled time, SIGKILL the victim and append what happened to ``done``.
-
-    The victim's pid comes from the replica's processes read then. When that read fails (a replica's status waits for
-    a drafter Ray is restarting), the last reading of the same replica (``known``: taken before the soak, or at an
-    earlier kill) stands in, since a replica's pids do not change until it is replaced — except its restarted
-    drafter's, which is forgotten when it is killed. After a shard kill the replica is replaced: the next kill waits
-    (``PROCESSES_LIMIT_S`` at most) for the new replica's answer."""
-    for scheduled, kind in kills:
-        if stop.wait(max(0.0, scheduled - clock())):
-            return
-        entry: dict[str, Any] = {"kind": kind, "scheduled_s": scheduled, "at_s": None, "pid": None, "error": None}
-        try:
-            try:
-                known = processes()
-            except Exception:
-                if known is None:  # no reading of this replica: wait for one
-                    known = read_processes(processes, PROCESSES_LIMIT_S, stop)
-            pid, role = victim(known, kind)
-            at = clock()
-            kill(pid, signal.SIGKILL)
-            entry.update(at_s=at, pid=pid, role=role)
-        except UserError as exc:
-            entry["error"] = str(exc)
-        except OSError as exc:
-            entry["error"] = f"kill: {exc}"
-        except Exception as exc:
-            entry["error"] = f"could not read the replica's processes: {exc!r}"
-        if kind == SHARD:
-            known = None  # Serve replaces the replica: other pids
-        elif known is not None:
-            known = {name: pid for name, pid in known.items() if name != "drafter"}  # Ray restarts it: another pid
-        if entry["error"]:
-            tqdm.write(f"[{clock():6.1f} s] {kind} kill failed: {entry['error']}", file=sys.stderr)
-        else:
-            tqdm.write(f"[{entry['at_s']:6.1f} s] killed the {entry['role']} (pid {entry['pid']})", file=sys.stderr)
-        done.append(entry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,313 +252,6 @@ def soak(
             if record.ended is None:
                 record.cut = True
         return [replace(r, events=list(r.events)) for r in records], [dict(k) for k in kills]
-
-
-# ---------------------------------------------------------------------------------------------
-# Analysis (pure: records in, numbers out)
-
-
-def _round(value: float | None, digits: int = 3) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def resumption(record: StreamRecord, at: float, until: float) -> float | None:
-    """When a request streaming at a kill at ``at`` resumed: the end of its longest pause that ends after the kill
-    (and by ``until``, the next kill); None when no text came in that time."""
-    gaps = [(length, end) for length, end in record.gaps() if at < end <= until]
-    return max(gaps)[1] if gaps else None
-
-
-def silence(records: Sequence[StreamRecord], at: float, until: float) -> tuple[float, float] | None:
-    """The longest interval, ending after ``at`` and by ``until``, in which no stream got text while some request was
-    in flight throughout (its client waited at least that long, whether or not its first token had come):
-    ``(length, end)``, or None when there is none."""
-    times = sorted(t for r in records for t, _ in r.events)
-    gaps = sorted(((b - a, a, b) for a, b in itertools.pairwise(times) if at < b <= until), reverse=True)
-    for length, a, b in gaps:  # the longest first: usually the first one qualifies
-        if any(r.sent <= a and (r.ended is None or r.ended >= b) for r in records):
-            return length, b
-    return None
-
-
-def kill_impact(records: Sequence[StreamRecord], kill: dict[str, Any], until: float) -> dict[str, Any]:
-    """What the requests in flight at one kill saw, and how long until service came back (module docstring)."""
-    at = kill["at_s"]
-    flying = [r for r in records if r.in_flight(at)]
-    streaming = [r for r in flying if r.streaming(at)]
-    resumed = [t for t in (resumption(r, at, until) for r in streaming) if t is not None]
-    waits = [r.first - r.sent for r in flying if r.first is not None and r.first > at]
-    new = [r.ended for r in records if r.sent > at and r.completed and r.ended is not None]
-    quiet = silence(records, at, until)
-    # pauses of the requests in flight that ended after this kill and by the next (a later kill's pause is its own)
-    stall = max((length for r in flying for length, end in r.gaps() if at < end <= until), default=0.0)
-    first_resumed = min(resumed) - at if resumed else None
-    last_resumed = max(resumed) - at if resumed else None
-    first_new = min(new) - at if new else None
-    back = [t - at for t in (*resumed, *([quiet[1]] if quiet else []))]  # streams resumed, the service spoke again
-    recovery = max(back) if back else first_new
-    return {
-        **kill,
-        "in_flight": len(flying),
-        "streaming": len(streaming),
-        "in_flight_failed": sum(not r.completed for r in flying),
-        "longest_stall_s": _round(stall),
-        "longest_silence_s": _round(quiet[0] if quiet else None),
-        "longest_client_stall_s": _round(max(stall, quiet[0] if quiet else 0.0)),
-        "longest_first_token_s": _round(max(waits, default=None)),
-        "first_resumed_s": _round(first_resumed),
-        "last_resumed_s": _round(last_resumed),
-        "first_new_completion_s": _round(first_new),
-        "recovered_at_s": _round(None if recovery is None else at + recovery),
-    }
-
-
-def token_times(records: Sequence[StreamRecord]) -> list[tuple[float, float]]:
-    """``(time, tokens)``: each request's completion tokens spread evenly over its text events."""
-    out: list[tuple[float, float]] = []
-    for r in records:
-        if r.tokens and r.events:
-            share = r.tokens / len(r.events)
-            out.extend((t, share) for t, _ in r.events)
-    return out
-
-
-def bins(samples: Sequence[tuple[float, float]], width: float = 1.0) -> list[float]:
-    """Tokens/s in consecutive ``width``-second bins from 0 to the last sample."""
-    if not samples:
-        return []
-    count = max(1, math.ceil(max(t for t, _ in samples) / width + 1e-9))
-    out = [0.0] * count
-    for t, tokens in samples:
-        out[min(count - 1, max(0, int(t // width)))] += tokens
-    return [tokens / width for tokens in out]
-
-
-def window(samples: Sequence[tuple[float, float]], start: float, end: float | None) -> dict[str, Any] | None:
-    if end is None or end <= start:
-        return None
-    tokens = sum(n for t, n in samples if start <= t < end)
-    return {"from_s": round(start, 3), "to_s": round(end, 3), "tok_s": round(tokens / (end - start), 2)}
-
-
-def throughput(
-    samples: Sequence[tuple[float, float]], kills: Sequence[dict[str, Any]], duration_s: float
-) -> dict[str, Any]:
-    """Tokens/s before the first kill, during (first kill → the latest recovery) and after (→ the duration)."""
-    landed = [k for k in kills if k.get("at_s") is not None]
-    if not landed:
-        return {"before": window(samples, 0.0, duration_s), "during": None, "after": None}
-    first = landed[0]["at_s"]
-    recovered = [k.get("recovered_at_s") for k in landed]
-    during_end = duration_s if None in recovered else min(duration_s, max(r for r in recovered if r is not None))
-    return {
-        "before": window(samples, 0.0, first),
-        "during": window(samples, first, during_end),
-        "after": window(samples, during_end, duration_s),
-    }
-
-
-def analyse(
-    records: Sequence[StreamRecord],
-    references: Sequence[str],
-    kills: Sequence[dict[str, Any]],
-    duration_s: float,
-    max_tokens: int,
-) -> dict[str, Any]:
-    """The report's numbers: requests by outcome, errors, stalls, each kill's impact, throughput, the targets."""
-    completed = [r for r in records if r.completed]
-    exact = [r for r in completed if r.text == references[r.prompt]]
-    wrong_count = [r for r in completed if r.tokens != max_tokens]
-    statuses = Counter(str(r.status) for r in records if r.status is not None and r.status != 200)
-    server_errors = sorted(r.ended for r in records if r.server_error and r.ended is not None)
-    landed = sorted((k for k in kills if k.get("at_s") is not None), key=lambda k: k["at_s"])
-    impacts = [
-        kill_impact(records, k, landed[i + 1]["at_s"] if i + 1 < len(landed) else math.inf)
-        for i, k in enumerate(landed)
-    ]
-    waits = [r.first - r.sent for r in records if r.first is not None]
-    samples = token_times(records)
-    summary: dict[str, Any] = {
-        "requests": {
-            "started": len(records),
-            "completed": len(completed),
-            "failed": sum(r.failed for r in records),
-            "unfinished": sum(r.unfinished for r in records),
-            "lost": len(records) - len(completed),
-            "exact": len(exact),
-            "inexact": len(completed) - len(exact),
-            "wrong_token_count": len(wrong_count),
-        },
-        "errors": {
-            "http": dict(sorted(statuses.items())),
-            "error_events": sum(r.error_event for r in records),
-            "examples": sorted({r.error for r in records if r.error and not r.cut})[:5],
-        },
-        "fast_500": {
-            "requests": len(server_errors),
-            "window_s": round(server_errors[-1] - server_errors[0], 3) if server_errors else 0.0,
-        },
-        "longest_stall_s": _round(max((r.longest_stall for r in records), default=0.0)),
-        "longest_first_token_s": _round(max(waits, default=None)),
-        "kills": impacts + [k for k in kills if k.get("at_s") is None],  # kills that failed are listed too
-        "throughput": throughput(samples, impacts, duration_s),
-        "bins_tok_s": [round(b, 2) for b in bins(samples)],
-    }
-    summary["targets"] = targets(summary)
-    return summary
-
-
-def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets beside the measured numbers; ``met`` is None where nothing was measured."""
-    req = summary["requests"]
-    started = req["started"]
-    rows = [
-        {
-            "measure": "requests completed",
-            "value": f"{req['completed']} of {started}",
-            "target": "100 %",
-            "met": started > 0 and req["completed"] == started,
-        },
-        {
-            "measure": "requests with exact tokens (text = the undisturbed answer)",
-            "value": f"{req['exact']} of {started}",
-            "target": "100 %",
-            "met": started > 0 and req["exact"] == started,
-        },
-        {
-            "measure": "tokens lost or duplicated (inexact or wrong-count requests)",
-            "value": str(req["inexact"] + req["wrong_token_count"]),
-            "target": "0",
-            "met": req["inexact"] + req["wrong_token_count"] == 0,
-        },
-    ]
-    for kind, (limit, goal) in STALL_TARGETS_S.items():
-        impact = next((k for k in summary["kills"] if k["kind"] == kind and k.get("at_s") is not None), None)
-        wording = f"≤ {limit:g} s" + (f" (goal ≤ {goal:g} s)" if goal is not None else "")
-        row: dict[str, Any] = {"measure": f"longest stall a client saw, {kind} kill", "target": wording}
-        if impact is None:
-            row.update(value="not killed", met=None)
-        else:
-            stall = impact["longest_client_stall_s"]
-            row.update(value=f"{stall:.2f} s", met=stall <= limit)
-            if goal is not None:
-                row["goal_met"] = stall <= goal
-        rows.append(row)
-    fast = summary["fast_500"]
-    rows.append(
-        {
-            "measure": "fast 500s (5xx or error events) and their window",
-            "value": f"{fast['requests']} ({fast['window_s']:.1f} s)",
-            "target": "0",
-            "met": fast["requests"] == 0,
-        }
-    )
-    return rows
-
-
-def record_json(record: StreamRecord, references: Sequence[str]) -> dict[str, Any]:
-    return {
-        "client": record.client,
-        "prompt": record.prompt,
-        "sent_s": _round(record.sent),
-        "first_s": _round(record.first),
-        "ended_s": _round(record.ended),
-        "events": len(record.events),
-        "tokens": record.tokens,
-        "status": record.status,
-        "error": record.error,
-        "outcome": "completed" if record.completed else "unfinished" if record.unfinished else "failed",
-        "exact": record.completed and record.text == references[record.prompt],
-        "longest_stall_s": _round(record.longest_stall),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Report
-
-
-def _s(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
-
-
-def _verdict(row: dict[str, Any]) -> str:
-    if row["met"] is None:
-        return "–"
-    verdict = "met" if row["met"] else "**not met**"
-    if "goal_met" in row:
-        verdict += ", goal met" if row["goal_met"] else ", goal not met"
-    return verdict
-
-
-def markdown(report: dict[str, Any]) -> str:
-    summary = report["summary"]
-    lines = ["| measure | measured | target | |", "|---|---|---|---|"]
-    lines += [f"| {r['measure']} | {r['value']} | {r['target']} | {_verdict(r)} |" for r in summary["targets"]]
-    lines += [
-        "",
-        "| kill | at s | pid | in flight | streaming | in flight failed | longest stall s | longest silence s "
-        "| longest first-token wait s | first resumed s | last resumed s | first new completion s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for k in summary["kills"]:
-        if k.get("at_s") is None:
-            lines.append(f"| {k['kind']} | – | – | failed: {k.get('error')} |" + " |" * 8)
-            continue
-        lines.append(
-            f"| {k.get('role', k['kind'])} | {k['at_s']:.1f} | {k['pid']} | {k['in_flight']} | {k['streaming']} "
-            f"| {k['in_flight_failed']} | {_s(k['longest_stall_s'])} | {_s(k['longest_silence_s'])} "
-            f"| {_s(k['longest_first_token_s'])} "
-            f"| {_s(k['first_resumed_s'])} | {_s(k['last_resumed_s'])} | {_s(k['first_new_completion_s'])} |"
-        )
-    lines += ["", "| throughput | from s | to s | tok/s |", "|---|---|---|---|"]
-    for name in ("before", "during", "after"):
-        w = summary["throughput"][name]
-        if w is not None:
-            lines.append(f"| {name} | {w['from_s']:.1f} | {w['to_s']:.1f} | {w['tok_s']:.1f} |")
-    req, errors = summary["requests"], summary["errors"]
-    lines += [
-        "",
-        "| started | completed | failed | unfinished | exact | inexact | wrong count | HTTP errors | error events "
-        "| longest stall s | longest first-token wait s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        f"| {req['started']} | {req['completed']} | {req['failed']} | {req['unfinished']} | {req['exact']} "
-        f"| {req['inexact']} | {req['wrong_token_count']} "
-        f"| {', '.join(f'{n}× {s}' for s, n in errors['http'].items()) or '0'} | {errors['error_events']} "
-        f"| {_s(summary['longest_stall_s'])} | {_s(summary['longest_first_token_s'])} |",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = report["summary"]
-    rates = summary["bins_tok_s"]
-    fig, ax = plt.subplots(figsize=(12, 3.8))
-    ax.step(range(len(rates) + 1), [*rates, *rates[-1:]], where="post", label="tokens/s (1 s bins)")
-    for k in summary["kills"]:
-        if k.get("at_s") is None:
-            continue
-        color = "tab:orange" if k["kind"] == DRAFTER else "tab:red"
-        what = k.get("role", k["kind"])
-        ax.axvline(k["at_s"], color=color, linestyle="--", label=f"{what} killed")
-        if k.get("recovered_at_s") is not None:
-            ax.axvspan(k["at_s"], k["recovered_at_s"], color=color, alpha=0.1, label=f"{what}: kill → recovered")
-    duration = report.get("config", {}).get("duration_s")
-    if duration is not None:
-        ax.axvline(duration, color="grey", linestyle=":", label="no request starts after")
-    ax.set_xlabel("seconds since the soak started")
-    ax.set_ylabel("tokens/s")
-    req = summary["requests"]
-    ax.set_title(f"{req['completed']} of {req['started']} requests completed, {req['exact']} exact")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------

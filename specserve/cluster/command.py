@@ -1,7 +1,8 @@
 """``specserve cluster up | down | status``: the arguments and entry point of the local multi-node Ray cluster.
 
-What the cluster is and how it is started and stopped is :mod:`specserve.cluster.local`; this
-only parses the command line and prints what ``up``, ``down`` and ``status`` report.
+What the cluster is and how it is started and stopped is :mod:`specserve.cluster.local` (reading
+its status: :mod:`specserve.cluster.cluster_status`); this only parses the command line and prints
+what ``up``, ``down`` and ``status`` report.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from specserve.cluster import local
+from specserve.cluster import cluster_status, local
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,6 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             print(f"the local Ray cluster at {report.address} had already stopped; cleaned up its state")
     else:
-        status = local.status()
-        print(json.dumps(status.to_dict()) if args.json else local.format_status(status))
+        status = cluster_status.status()
+        print(json.dumps(status.to_dict()) if args.json else cluster_status.format_status(status))
     return 0

@@ -39,7 +39,7 @@ def connect_ray(
     """
     import ray
 
-    from specserve.cluster.local import connect_address
+    from specserve.cluster.processes import connect_address
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     spec = spec or ClusterSpec()

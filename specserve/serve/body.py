@@ -1,7 +1,7 @@
 """A request body read as it arrives: at most ``max_bytes``, and the whole of it within ``timeout_s``.
 
 :func:`read_body` is how the ingress (:mod:`specserve.serve.ingress`) reads a ``POST`` body. It
-refuses, with OpenAI's error JSON (a :class:`~specserve.serve.schemas.RequestError`):
+refuses, with OpenAI's error JSON (a :class:`~specserve.serve.errors.RequestError`):
 
 * a declared ``Content-Length`` over ``max_bytes``: 413 before any of the body is read;
 * a body that grows past ``max_bytes`` as it streams (chunked, or longer than it said): 413 the
@@ -26,7 +26,7 @@ from contextlib import aclosing
 
 from starlette.requests import ClientDisconnect, Request
 
-from specserve.serve.schemas import RequestError
+from specserve.serve.errors import RequestError
 
 CLOSE = {"Connection": "close"}  # the unread rest of the body makes the connection unusable
 

@@ -75,9 +75,10 @@ from specserve.core.resume import Resume
 from specserve.serve.body import read_body
 from specserve.serve.config import ServeConfig
 from specserve.serve.engine_loop import EngineStopped
+from specserve.serve.errors import RequestError
 from specserve.serve.model_server import QueueFull
 from specserve.serve.openai_api import DONE_EVENT, ChoiceStream, OpenAIHandler, PreparedRequest, error_event
-from specserve.serve.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_request
+from specserve.serve.schemas import ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger("ray.serve")  # Serve writes this logger to the replica's log
 

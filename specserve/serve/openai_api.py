@@ -5,7 +5,7 @@
 tokenizer's own chat template when it has one, a plain ``<|role|>`` template otherwise — the
 shipped default models have none), the prompt is tokenised and checked against the context, and
 the sampling parameters and generation config are fixed. Every refusal is a
-:class:`~specserve.serve.schemas.RequestError` raised here, before anything runs.
+:class:`~specserve.serve.errors.RequestError` raised here, before anything runs.
 
 A :class:`PreparedRequest` then shapes whatever streams of
 :class:`~specserve.core.engine.StreamChunk` a runner produced: as one ``text_completion`` /
@@ -43,8 +43,9 @@ from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.serve.config import ServeConfig
+from specserve.serve.errors import RequestError
 from specserve.serve.logprob_shapes import TokenText, chat_logprobs, completion_logprobs, mean_logprob
-from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError
+from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 DONE_EVENT = "data: [DONE]\n\n"

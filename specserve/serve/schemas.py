@@ -8,11 +8,10 @@ most :data:`MAX_TOKENS`, no NaN or infinity...), an OpenAI field this server doe
 (``tools``, ``echo``, ``suffix``...) is refused unless it asks for
 nothing (absent, ``null`` or its no-op value), and a field that is no OpenAI field nor one of
 ours is refused as unknown. ``user`` and ``stream_options`` are accepted and ignored (harmless).
-A request that breaks a rule becomes a :class:`RequestError` with the OpenAI error shape
-(``{"error": {"message", "type", "param", "code"}}``) and a 4xx status, its message naming the
-field in the client's words: without pydantic's ``Value error, `` prefix, and with the engine's
-names of the request's fields (``max_new_tokens``) replaced by the OpenAI ones the client sent
-(``max_tokens``).
+A request that breaks a rule becomes a :class:`~specserve.serve.errors.RequestError` with the OpenAI
+error shape (``{"error": {"message", "type", "param", "code"}}``) and a 4xx status, its message
+naming the field in the client's words (:mod:`specserve.serve.errors`: the refusals and their words,
+and :data:`~specserve.serve.errors.STRICT`, the strictness every request object shares).
 
 OpenAI's ``logprobs`` (completions: how many alternatives; chat: ``logprobs`` + ``top_logprobs``), ``logit_bias``,
 ``presence_penalty``, ``frequency_penalty``, ``n``, (completions) ``best_of`` and ``response_format``
@@ -21,13 +20,8 @@ OpenAI's ``logprobs`` (completions: how many alternatives; chat: ``logprobs`` + 
 ``structured_outputs`` extension (vLLM's: ``json``, ``regex``, ``grammar`` in Lark, ``choice``).
 
 Extensions beyond the OpenAI API: ``top_k``, ``min_p``, ``repetition_penalty``, ``logprobs_mode`` (``raw`` or
-``processed``), ``ignore_eos`` and the ``speculation`` object (drafting on/off, γ, the
-drafter — the deployment's configured one, ``ngram`` or ``none``; a draft model cannot be chosen
-per request —, the draft shape — a chain, a dynamic tree within a budget, or a static topology
-(:mod:`specserve.core.tree`), bounded so that no request can ask for a giant tree —,
-drafter-invariant sampling, :mod:`specserve.core.invariant`, and the acceptance rule: exact, or
-Medusa's *lossy* typical acceptance, :mod:`specserve.core.typical`, refused unless ``lossy`` is
-true as well).
+``processed``), ``ignore_eos`` and the ``speculation`` object (how the request drafts, and its acceptance
+rule: :mod:`specserve.serve.speculation_schema`).
 
 What a validated request means for the engine — sampling parameters and the generation config —
 is decided here once (:meth:`CompletionRequest.sampling` / :meth:`CompletionRequest.generation`),
@@ -40,7 +34,6 @@ coordinator's prompt codec does it), or talk to Ray.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -54,11 +47,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
-from specserve.cluster.replica_config import validator_words
 from specserve.core.engine import GenerationConfig
-from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON, SamplingParams
+from specserve.core.sampling import SamplingParams
 from specserve.core.sampling_params import (
     GREEDY_BELOW,
     MAX_BIASED_TOKENS,
@@ -70,124 +61,19 @@ from specserve.core.sampling_params import (
     MAX_TOP_K,
     GrammarSpec,
 )
-from specserve.core.schedule import MAX_GAMMA
-from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.serve.errors import STRICT, RequestError, tagged_union_error
+from specserve.serve.speculation_schema import SpeculationOptions
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # characters in one stop string (a stream holds back up to that much text)
 MAX_TOKENS = 1 << 24  # far beyond any context (the prompt codec refuses more than the model's); keeps ints int64
 MAX_SEED = 1 << 63  # exclusive: seeds are non-negative int64, what a torch.Generator takes
 MAX_TEMPERATURE = 100.0
-# The largest draft tree a request may ask for: every node is a position of the target's verify pass.
-MAX_TREE_DEPTH = 16
-MAX_TREE_WIDTH = 8
-MAX_TREE_NODES = 64
 MAX_CHOICES = 16  # n and best_of: choices generated for one request
 
 
-ERROR_TYPES = {  # OpenAI's error ``type`` by status (anything else: invalid_request_error below 500)
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-class RequestError(Exception):
-    """A request the server refuses; ``body()`` is the OpenAI-style error JSON."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code = message, status, param, code
-        self.headers = dict(headers or {})  # extra response headers (429: Retry-After)
-
-    def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    @classmethod
-    def from_validation(cls, exc: ValidationError) -> RequestError:
-        """The first field pydantic found wrong, phrased as what to fix.
-
-        A value that fits no member of a union (``prompt: 5``) fails once per member, at
-        ``prompt.str``, ``prompt.list[int]``...: those are reported together, at the field.
-        """
-        errors = exc.errors()
-        field = errors[0]["loc"][:1]
-        same_field = [error for error in errors if error["loc"][:1] == field]
-        loc = _common_prefix([tuple(error["loc"]) for error in same_field])
-        param = ".".join(str(part) for part in loc) or None
-        reasons = " or ".join(dict.fromkeys(error_words(error) for error in same_field))
-        if not loc and errors[0]["type"] == "model_type":  # a JSON array, string, number or null
-            reasons = "the request body must be a JSON object"
-        message = f"{param}: {reasons}" if param else reasons
-        return cls(message, status=400, param=param, code="invalid_value")
-
-    @classmethod
-    def from_user_error(cls, exc: Exception, status: int = 400, **fields: Any) -> RequestError:
-        """A :class:`~specserve.core.errors.UserError` from below the HTTP edge, in the words of the API the client
-        speaks (:func:`openai_words`)."""
-        return cls(openai_words(str(exc)), status=status, **fields)
-
-
-# The engine's names for what the client sent under OpenAI's names (the engine's errors name its own fields).
-OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
-
-
-def openai_words(message: str) -> str:
-    """``message`` with the engine's names of request fields replaced by the ones the client sent."""
-    for ours, theirs in OPENAI_NAMES.items():
-        message = re.sub(rf"\b{ours}\b", theirs, message)
-    return message
-
-
-UNKNOWN_FIELD = "unknown field: this route takes the OpenAI fields and extensions listed in docs/usage.md"
-
-
-def error_words(error: Any) -> str:
-    """One pydantic error (an ``ErrorDetails``) as the client is told it."""
-    if error["type"] == "extra_forbidden":
-        return UNKNOWN_FIELD
-    return validator_words(str(error["msg"]))
-
-
-def _common_prefix(locs: list[tuple[Any, ...]]) -> tuple[Any, ...]:
-    prefix = locs[0]
-    for loc in locs[1:]:
-        n = 0
-        while n < min(len(prefix), len(loc)) and prefix[n] == loc[n]:
-            n += 1
-        prefix = prefix[:n]
-    return prefix
-
-
-def tagged_union_error(exc: ValidationError, tag: str, tags: tuple[str, ...]) -> PydanticCustomError:
-    """Every fault inside an object of a tagged union as one error at the object, each inner field named in the
-    message without the union's tag (pydantic's locations contain it, and it is no key of the JSON)."""
-    reasons = []
-    for error in exc.errors():
-        loc = error["loc"][1:] if error["loc"][:1] and error["loc"][0] in tags else error["loc"]
-        where = ".".join(str(part) for part in loc)
-        reason = error_words(error)
-        if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-            where = tag
-            reason = "Input should be " + ", ".join(repr(t) for t in tags[:-1]) + f" or {tags[-1]!r}"
-        reasons.append(f"{where}: {reason}" if where else reason)
-    return PydanticCustomError("invalid_object", "{reasons}", {"reasons": "; ".join(dict.fromkeys(reasons))})
-
-
 # ---------------------------------------------------------------------------------------------
-# Strictness and the OpenAI fields this server does not implement
-
-# JSON's own types (an integer is also a number), finite numbers, no field that is not declared.
-STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# The OpenAI fields this server does not implement
 
 # OpenAI fields this server does not implement, and the values that ask for nothing (some clients send them as
 # defaults): absent, null or one of these is accepted; anything else is refused, naming the field, never ignored.
@@ -229,161 +115,6 @@ def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
     if value is None or any(_same(value, no_op) for no_op in NO_OP_VALUES[name]):
         return value
     raise ValueError(f"not supported by this server; {UNSUPPORTED_HINTS.get(name, 'leave it out')}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The ``speculation`` extension
-
-
-class ChainTree(BaseModel):
-    """``{"kind": "chain"}``: one chain of ``gamma`` draft tokens per cycle (the default)."""
-
-    model_config = STRICT
-
-    kind: Literal["chain"] = Field(..., description="a chain of gamma draft tokens per cycle")
-
-    def spec(self) -> TreeSpec | None:
-        return None
-
-
-class DynamicTree(BaseModel):
-    """``{"kind": "dynamic", ...}``: a tree grown per cycle within a budget, as EAGLE-2 does."""
-
-    model_config = STRICT
-
-    kind: Literal["dynamic"] = Field(..., description="a tree grown each cycle from the draft's confidence")
-    depth: int = Field(4, ge=1, le=MAX_TREE_DEPTH, description="levels below the last committed token")
-    width: int = Field(2, ge=1, le=MAX_TREE_WIDTH, description="children per expanded node")
-    nodes: int = Field(8, ge=1, le=MAX_TREE_NODES, description="draft nodes kept for verification")
-    expand: int | None = Field(
-        None, ge=1, le=MAX_TREE_WIDTH, description="nodes expanded per level (default: width; 1 = cheapest drafting)"
-    )
-
-    def spec(self) -> TreeSpec:
-        return TreeSpec("dynamic", budget=TreeBudget(self.depth, self.width, self.nodes, self.expand))
-
-
-TreeRank = Annotated[int, Field(ge=0, lt=MAX_TREE_NODES)]  # which candidate of its parent: 0 = the best
-TreePath = Annotated[list[TreeRank], Field(min_length=1, max_length=MAX_TREE_DEPTH)]
-
-
-class StaticTree(BaseModel):
-    """``{"kind": "static", "paths": [[0], [1], [0, 0]]}``: one fixed topology as index paths (Medusa's form)."""
-
-    model_config = STRICT
-
-    kind: Literal["static"] = Field(..., description="the same tree shape every cycle")
-    paths: list[TreePath] = Field(
-        ...,
-        min_length=1,
-        max_length=MAX_TREE_NODES,
-        description=(
-            "one index path per node: [0] = the root's best child, [0, 1] = that child's second-best child...;"
-            " every path's parent path must be listed too"
-        ),
-    )
-
-    @field_validator("paths")
-    @classmethod
-    def _topology(cls, paths: list[list[int]]) -> list[list[int]]:
-        TreeTopology.from_lists(paths)  # raises InvalidTree, a ValueError: a path twice, a missing parent path...
-        return paths
-
-    def spec(self) -> TreeSpec:
-        return TreeSpec("static", topology=TreeTopology.from_lists(self.paths))
-
-
-TREE_KINDS = ("chain", "dynamic", "static")
-TreeOptions = Annotated[ChainTree | DynamicTree | StaticTree, Field(discriminator="kind")]
-
-
-class SpeculationOptions(BaseModel):
-    """The ``speculation`` extension object: how this request drafts."""
-
-    model_config = STRICT
-
-    enabled: bool = Field(True, description="draft and verify (true) or decode plainly (false); output is the same")
-    gamma: int | None = Field(
-        None, ge=1, le=MAX_GAMMA, description="draft tokens per cycle; default: the deployment's configured gamma"
-    )
-    drafter: Literal["default", "ngram", "suffix", "lookahead", "none"] = Field(
-        "default",
-        description=(
-            "who drafts: the deployment's configured drafter (default), prompt-lookup n-grams (ngram), suffix"
-            " decoding over this and recent requests (suffix), the target's own Jacobi iterations (lookahead), or"
-            " nobody (none: plain decoding); output is the same, only speed differs"
-        ),
-    )
-    tree: TreeOptions = Field(
-        default_factory=lambda: ChainTree(kind="chain"),
-        description=(
-            'the draft shape: {"kind": "chain"} (default; gamma tokens), {"kind": "dynamic", "depth": 4,'
-            ' "width": 2, "nodes": 8} (EAGLE-2 budget; gamma unused) or {"kind": "static", "paths": [[0], [1],'
-            f" [0, 0]]}} (a fixed topology); at most depth {MAX_TREE_DEPTH}, width {MAX_TREE_WIDTH},"
-            f" {MAX_TREE_NODES} nodes; output is the same, only speed differs"
-        ),
-    )
-    policy: Literal["fixed", "heuristic", "adaptive"] = Field(
-        "fixed",
-        description=(
-            "how much to draft each cycle: gamma (or the tree) every cycle (fixed), transformers' +2/-1 schedule"
-            " from gamma (heuristic), or the gamma that maximises predicted tokens/s from online estimates of"
-            " acceptance and cost, 0 = plain decoding (adaptive); output is the same, only speed differs"
-        ),
-    )
-    drafter_invariant: bool = Field(
-        False,
-        description=(
-            "sample so that the output for a seed is the same whatever the drafter, gamma or tree (keyed"
-            " Gumbel noise; accepts fewer drafts than the default rejection sampling); no effect at temperature 0"
-        ),
-    )
-
-    acceptance: Literal["exact", "typical"] = Field(
-        "exact",
-        description=(
-            "how drafts are accepted: exact (the output is distributed as the target's) or typical (Medusa's"
-            " typical acceptance: LOSSY, the output is no longer the target's; needs lossy: true)"
-        ),
-    )
-    lossy: bool = Field(
-        False,
-        validate_default=True,  # so that typical acceptance without lossy is refused here, at speculation.lossy
-        description="allow a lossy acceptance rule (acceptance: typical); the answer then says lossy: true",
-    )
-    typical_epsilon: float = Field(
-        TYPICAL_EPSILON, gt=0.0, lt=1.0, description="typical acceptance: accept x when p(x) > min(epsilon, ...)"
-    )
-    typical_delta: float = Field(
-        TYPICAL_DELTA, gt=0.0, le=1.0, description="typical acceptance: ... min(epsilon, delta * exp(-entropy(p)))"
-    )
-
-    @field_validator("acceptance")
-    @classmethod
-    def _exact_or_invariant(cls, acceptance: str, info: ValidationInfo) -> str:
-        if acceptance == "typical" and info.data.get("drafter_invariant"):
-            raise ValueError("typical acceptance cannot be combined with drafter_invariant (which is exact)")
-        return acceptance
-
-    @field_validator("lossy")
-    @classmethod
-    def _lossy_opt_in(cls, lossy: bool, info: ValidationInfo) -> bool:
-        if info.data.get("acceptance") == "typical" and not lossy:
-            raise ValueError(
-                "typical acceptance is lossy (the output is no longer distributed as the target's);"
-                " opt in with speculation.lossy: true"
-            )
-        return lossy
-
-    @field_validator("tree", mode="wrap")
-    @classmethod
-    def _one_tree_error(cls, tree: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        """Every fault inside the tree object is reported at ``speculation.tree``, the inner field named in the
-        message (pydantic's own locations would contain the union's tag, which is no key of the JSON)."""
-        try:
-            return handler(tree)
-        except ValidationError as exc:
-            raise tagged_union_error(exc, "kind", TREE_KINDS) from exc
 
 
 class TextFormat(BaseModel):

@@ -26,8 +26,9 @@ import requests
 from serve_helpers import quick_shutdown
 
 from specserve import cli
-from specserve.benchmarks import chaos
-from specserve.benchmarks.chaos import DRAFTER, SHARD, StreamRecord
+from specserve.benchmarks import chaos, chaos_client, chaos_kill, chaos_report
+from specserve.benchmarks.chaos_client import StreamRecord
+from specserve.benchmarks.chaos_kill import DRAFTER, SHARD
 from specserve.core.errors import UserError
 
 
@@ -106,7 +107,7 @@ def test_stdout_carries_the_table_or_one_json_document(
     assert "noise from a library" in captured.err and "results: runs/bench-chaos/chaos.json" in captured.err
     assert cli.main(["bench-chaos"]) == 0
     out = capsys.readouterr().out
-    assert out == chaos.markdown(report) + "results: runs/bench-chaos/chaos.json, chaos.md, chaos.png\n"
+    assert out == chaos_report.markdown(report) + "results: runs/bench-chaos/chaos.json, chaos.md, chaos.png\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,10 +161,10 @@ def stream(url: str, prompt: str) -> StreamRecord:
     record = StreamRecord(client=0, prompt=0, sent=0.0)
     start = time.perf_counter()
     with requests.Session() as session:
-        chaos.stream_into(
+        chaos_client.stream_into(
             session,
             url,
-            chaos.request_body("m", prompt, 4),
+            chaos_client.request_body("m", prompt, 4),
             record,
             lambda: time.perf_counter() - start,
             threading.Event(),
@@ -188,7 +189,9 @@ def test_a_stop_cuts_a_stream_at_its_next_line(scripted_url: str) -> None:
     stop = threading.Event()
     stop.set()
     with requests.Session() as session:
-        chaos.stream_into(session, scripted_url, chaos.request_body("m", "ok", 4), record, time.perf_counter, stop)
+        chaos_client.stream_into(
+            session, scripted_url, chaos_client.request_body("m", "ok", 4), record, time.perf_counter, stop
+        )
     assert record.cut and record.unfinished and not record.failed and record.ended is None
 
 
@@ -198,11 +201,11 @@ def test_a_stop_cuts_a_stream_at_its_next_line(scripted_url: str) -> None:
 
 def test_the_victims() -> None:
     distributed = {"shards": [101, 102], "drafter": 103}
-    assert chaos.victim(distributed, DRAFTER) == (103, "drafter")
-    assert chaos.victim(distributed, SHARD) == (102, "shard rank 1")
-    assert chaos.victim({"engine": 7}, SHARD) == (7, "engine (the replica's own process)")
+    assert chaos_kill.victim(distributed, DRAFTER) == (103, "drafter")
+    assert chaos_kill.victim(distributed, SHARD) == (102, "shard rank 1")
+    assert chaos_kill.victim({"engine": 7}, SHARD) == (7, "engine (the replica's own process)")
     with pytest.raises(UserError, match="no drafter process"):
-        chaos.victim({"engine": 7}, DRAFTER)
+        chaos_kill.victim({"engine": 7}, DRAFTER)
 
 
 class Readings:
@@ -230,7 +233,9 @@ def kill_all(
     def clock() -> float:
         return time.perf_counter() - start
 
-    chaos.chaos(kills, clock, threading.Event(), readings, lambda pid, sig: signals.append((pid, sig)), done, known)
+    chaos_kill.chaos(
+        kills, clock, threading.Event(), readings, lambda pid, sig: signals.append((pid, sig)), done, known
+    )
     return done, signals
 
 
@@ -257,7 +262,9 @@ def test_after_a_shard_kill_the_next_kill_waits_for_the_new_replica() -> None:
 
 def test_a_kill_that_cannot_happen_is_recorded_not_raised() -> None:
     done: list[dict[str, Any]] = []
-    chaos.chaos([(0.0, DRAFTER)], lambda: 1.0, threading.Event(), lambda: {"engine": 5}, lambda pid, sig: None, done)
+    chaos_kill.chaos(
+        [(0.0, DRAFTER)], lambda: 1.0, threading.Event(), lambda: {"engine": 5}, lambda pid, sig: None, done
+    )
     assert done[0]["at_s"] is None and "no drafter process" in done[0]["error"]
 
 
@@ -308,8 +315,8 @@ def synthetic_records() -> dict[str, StreamRecord]:
 
 def synthetic_report() -> dict[str, Any]:
     records = list(synthetic_records().values())
-    summary = chaos.analyse(records, [REFERENCE], KILLS, duration_s=40.0, max_tokens=MAX_TOKENS)
-    return {"summary": summary, "kills": KILLS, "requests": [chaos.record_json(r, [REFERENCE]) for r in records]}
+    summary = chaos_report.analyse(records, [REFERENCE], KILLS, duration_s=40.0, max_tokens=MAX_TOKENS)
+    return {"summary": summary, "kills": KILLS, "requests": [chaos_report.record_json(r, [REFERENCE]) for r in records]}
 
 
 def test_outcomes_errors_and_stalls() -> None:
@@ -374,7 +381,7 @@ def test_the_targets_and_the_table() -> None:
         "longest stall a client saw, shard kill": ("13.50 s", True, None),
         "fast 500s (5xx or error events) and their window": ("2 (1.9 s)", False, None),
     }
-    table = chaos.markdown(report)
+    table = chaos_report.markdown(report)
     assert "| longest stall a client saw, drafter kill | 2.50 s | ≤ 5 s (goal ≤ 1 s) | met, goal not met |" in table
     assert "| requests completed | 7 of 10 | 100 % | **not met** |" in table
     assert "| shard rank 1 | 20.0 | 12 | 2 | 1 | 1 | 13.50 | 10.50 | – | 13.00 | 13.00 | 15.00 |" in table
@@ -393,7 +400,7 @@ def test_when_nothing_streams_at_a_kill_the_services_silence_is_the_stall() -> N
         rec(3.8, [25.2, 26.5], 27.0),
     ]
     kill = {**KILLS[1], "at_s": 4.0}
-    summary = chaos.analyse(records, [REFERENCE], [kill], duration_s=5.0, max_tokens=MAX_TOKENS)
+    summary = chaos_report.analyse(records, [REFERENCE], [kill], duration_s=5.0, max_tokens=MAX_TOKENS)
     (impact,) = summary["kills"]
     assert (impact["in_flight"], impact["streaming"], impact["longest_stall_s"]) == (2, 0, 1.3)
     assert impact["longest_silence_s"] == impact["longest_client_stall_s"] == 21.1
@@ -404,7 +411,7 @@ def test_when_nothing_streams_at_a_kill_the_services_silence_is_the_stall() -> N
 
 def test_an_undisturbed_soak_meets_every_target_it_measured(tmp_path: Path) -> None:
     records = [rec(0.0, [0.5, 1.0, 1.5], 1.6), rec(0.2, [0.7, 1.1], 1.2)]
-    summary = chaos.analyse(records, [REFERENCE], [], duration_s=2.0, max_tokens=MAX_TOKENS)
+    summary = chaos_report.analyse(records, [REFERENCE], [], duration_s=2.0, max_tokens=MAX_TOKENS)
     assert summary["throughput"]["during"] is None and summary["throughput"]["after"] is None
     assert summary["throughput"]["before"] == {"from_s": 0.0, "to_s": 2.0, "tok_s": 5.0}
     rows = {row["measure"]: row for row in summary["targets"]}
@@ -412,18 +419,20 @@ def test_an_undisturbed_soak_meets_every_target_it_measured(tmp_path: Path) -> N
     assert drafter["value"] == "not killed" and drafter["met"] is None
     assert all(row["met"] for row in summary["targets"] if row["met"] is not None)
     report = {"config": {"duration_s": 2.0}, "summary": summary}
-    assert "| longest stall a client saw, shard kill | not killed | ≤ 30 s | – |" in chaos.markdown(report)
-    chaos.plot(report, tmp_path / "quiet.png")
+    assert "| longest stall a client saw, shard kill | not killed | ≤ 30 s | – |" in chaos_report.markdown(report)
+    chaos_report.plot(report, tmp_path / "quiet.png")
     assert (tmp_path / "quiet.png").stat().st_size > 0
 
 
 def test_a_failed_kill_is_listed_and_measures_nothing(tmp_path: Path) -> None:
     failed = {"kind": SHARD, "scheduled_s": 1.0, "at_s": None, "pid": None, "error": "could not read"}
-    summary = chaos.analyse([rec(0.0, [0.5, 1.5], 1.6)], [REFERENCE], [failed], duration_s=2.0, max_tokens=MAX_TOKENS)
+    summary = chaos_report.analyse(
+        [rec(0.0, [0.5, 1.5], 1.6)], [REFERENCE], [failed], duration_s=2.0, max_tokens=MAX_TOKENS
+    )
     assert summary["kills"] == [failed] and summary["throughput"]["during"] is None
     report = {"summary": summary}
-    assert "| shard | – | – | failed: could not read |" in chaos.markdown(report)
-    chaos.plot({"config": {"duration_s": 2.0}, **synthetic_report()}, tmp_path / "kills.png")
+    assert "| shard | – | – | failed: could not read |" in chaos_report.markdown(report)
+    chaos_report.plot({"config": {"duration_s": 2.0}, **synthetic_report()}, tmp_path / "kills.png")
     assert (tmp_path / "kills.png").stat().st_size > 0
 
 

@@ -18,24 +18,17 @@ from typing import Any
 import pytest
 
 from specserve.cli import main
-from specserve.cluster import local
-from specserve.cluster.local import (
-    ActorStatus,
-    ClusterAlreadyRunning,
-    ClusterNotRunning,
-    ClusterStatus,
-    LocalCluster,
-    LocalClusterSpec,
-    NodeProcess,
-    NodeStatus,
-)
+from specserve.cluster import cluster_status, local, processes
+from specserve.cluster.cluster_status import ActorStatus, ClusterStatus, NodeStatus
+from specserve.cluster.local import ClusterAlreadyRunning, LocalClusterSpec
 from specserve.cluster.placement import ClusterSpec, InvalidClusterSpec
+from specserve.cluster.processes import ClusterNotRunning, LocalCluster, NodeProcess
 
 
 @pytest.fixture
 def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     directory = tmp_path / "state"
-    monkeypatch.setenv(local.STATE_DIR_ENV, str(directory))
+    monkeypatch.setenv(processes.STATE_DIR_ENV, str(directory))
     return directory
 
 
@@ -45,7 +38,7 @@ def free_port_pair() -> int:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = int(probe.getsockname()[1])
-        if port < 65535 and local._port_free(port) and local._port_free(port + 1):
+        if port < 65535 and processes.port_free(port) and processes.port_free(port + 1):
             return port
     raise RuntimeError("no free port pair found")
 
@@ -64,8 +57,8 @@ def test_spec_defaults_match_the_placement_spec(state_dir: Path) -> None:
 
 
 def test_state_dir_defaults_to_home(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(local.STATE_DIR_ENV, raising=False)
-    assert local.default_state_dir() == Path.home() / ".specserve" / "cluster"
+    monkeypatch.delenv(processes.STATE_DIR_ENV, raising=False)
+    assert processes.default_state_dir() == Path.home() / ".specserve" / "cluster"
 
 
 @pytest.mark.parametrize(
@@ -122,7 +115,7 @@ def test_format_status_table() -> None:
         ),
         actors=(ActorStatus("c" * 32, "DrafterActor", "", "ALIVE", "b" * 56, 4242),),
     )
-    text = local.format_status(status)
+    text = cluster_status.format_status(status)
     assert "2 nodes (1 alive)" in text
     header, head_row, worker_row = text.splitlines()[2:5]
     assert header.split() == ["NODE", "ID", "IP", "ALIVE", "CPU", "cheap", "large"]
@@ -136,12 +129,12 @@ def test_stale_state_file_is_not_a_running_cluster(state_dir: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     node = NodeProcess("head", dead.pid, 1, str(local.node_temp_dir(7002, "head")), str(state_dir / "head.log"))
-    LocalCluster("127.0.0.1:7002", 7002, (node,), {}, state_dir / local.STATE_FILE).save()
-    assert local.connect_address() is None
+    LocalCluster("127.0.0.1:7002", 7002, (node,), {}, state_dir / processes.STATE_FILE).save()
+    assert processes.connect_address() is None
     with pytest.raises(ClusterNotRunning, match="start one with `specserve cluster up`"):
-        local.status()
+        cluster_status.status()
     report = local.down()  # cleans up the state of a cluster that died by itself
-    assert not report.was_running and not (state_dir / local.STATE_FILE).exists()
+    assert not report.was_running and not (state_dir / processes.STATE_FILE).exists()
 
 
 def test_cli_without_a_cluster_exits_2(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,7 +152,7 @@ def test_cli_without_a_cluster_exits_2(state_dir: Path, capsys: pytest.CaptureFi
 # Joins the way `generate --distributed` does (specserve.cluster.connect).
 PROBE = """
 import ray
-from specserve.cluster.local import connect_address
+from specserve.cluster.processes import connect_address
 ray.init(address=connect_address(), log_to_driver=False)
 
 @ray.remote(num_cpus=1, resources={"cheap": 1})
@@ -188,11 +181,11 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path, ray_cluste
         ray.get(ping.remote(), timeout=60)
         cluster = local.up(spec)
         up_s = time.monotonic() - started
-        assert local.connect_address() == cluster.address and cluster.address.endswith(f":{port}")
+        assert processes.connect_address() == cluster.address and cluster.address.endswith(f":{port}")
         with pytest.raises(ClusterAlreadyRunning, match="specserve cluster down"):
             local.up(spec)
 
-        status = local.status()
+        status = cluster_status.status()
         assert [node.name for node in status.nodes] == ["head", "worker1", "worker2"]
         assert all(node.alive for node in status.nodes)
         head, *workers = status.nodes
@@ -210,29 +203,29 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path, ray_cluste
         )
         assert probe.returncode == 0, probe.stderr[-2000:]
         probe_node = next(line.split()[1] for line in probe.stdout.splitlines() if line.startswith("NODE "))
-        status = local.status()
+        status = cluster_status.status()
         (actor,) = [a for a in status.actors if a.class_name == "Probe"]
         assert actor.state == "ALIVE" and actor.node_id == probe_node and actor.pid > 0
         placed_on = status.node(probe_node)
         assert placed_on is not None and placed_on.name in ("worker1", "worker2")
         assert placed_on.resources_available["cheap"] == 0
-        assert f"{placed_on.name} ({probe_node[:8]})" in local.format_status(status)
+        assert f"{placed_on.name} ({probe_node[:8]})" in cluster_status.format_status(status)
 
         stopping = time.monotonic()
         report = local.down()
         down_s = time.monotonic() - stopping
         assert report.was_running and report.nodes == 3 and report.killed == ()
         # Our cluster is gone: no state, no process of its sessions or naming its temp dirs, GCS port closed.
-        assert local.connect_address() is None and not (state_dir / local.STATE_FILE).exists()
-        assert local._session_members(list(cluster.nodes)) == []
-        assert local._ray_processes_naming([str(local.ray_temp_root(port))]) == []
-        assert not local._port_answers("127.0.0.1", port, timeout_s=1.0)
-        assert not local._port_answers("127.0.0.1", port + 1, timeout_s=1.0)
+        assert processes.connect_address() is None and not (state_dir / processes.STATE_FILE).exists()
+        assert processes._session_members(list(cluster.nodes)) == []
+        assert processes._ray_processes_naming([str(local.ray_temp_root(port))]) == []
+        assert not processes.port_answers("127.0.0.1", port, timeout_s=1.0)
+        assert not processes.port_answers("127.0.0.1", port + 1, timeout_s=1.0)
         # ... and the other Ray instance is still alive.
         assert ray.get(ping.remote(), timeout=30) > 0
         assert all(node["Alive"] for node in ray.nodes())
         print(f"\nup {up_s:.1f} s, down {down_s:.1f} s")
     finally:
-        if local.LocalCluster.load(state_dir) is not None:
+        if processes.LocalCluster.load(state_dir) is not None:
             local.down(state_dir)
         shutil.rmtree(local.ray_temp_root(port), ignore_errors=True)  # Ray's session logs of this run

@@ -298,7 +298,7 @@ def test_a_private_ray_is_started_loopback_only(monkeypatch: pytest.MonkeyPatch)
     import ray
     from ray._private import ray_constants
 
-    from specserve.cluster import connect, local
+    from specserve.cluster import connect, processes
 
     seen: dict[str, Any] = {}
 
@@ -308,7 +308,7 @@ def test_a_private_ray_is_started_loopback_only(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    monkeypatch.setattr(local, "connect_address", lambda: None)
+    monkeypatch.setattr(processes, "connect_address", lambda: None)
     monkeypatch.setattr(connect, "choose_token_auth", lambda: None)  # this session's Ray keeps its own auth mode
     monkeypatch.delenv(connect.SINGLE_MACHINE_ENV, raising=False)
     before = ray_constants.ENABLE_RAY_CLUSTER

@@ -16,17 +16,10 @@ from specserve.core.prompts import PromptCodec
 from specserve.core.sampling import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
+from specserve.serve.errors import RequestError
 from specserve.serve.openai_api import OpenAIHandler, plain_chat_prompt
-from specserve.serve.schemas import (
-    ChainTree,
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    DynamicTree,
-    RequestError,
-    SpeculationOptions,
-    StaticTree,
-)
+from specserve.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from specserve.serve.speculation_schema import ChainTree, DynamicTree, SpeculationOptions, StaticTree
 
 TREE_OPTIONS = (ChainTree, DynamicTree, StaticTree)
 CONFIG = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=16)

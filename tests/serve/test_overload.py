@@ -45,10 +45,10 @@ from specserve.drafters.registry import build_drafter_set
 from specserve.serve.app import MODEL, application
 from specserve.serve.body import read_body
 from specserve.serve.config import ServeConfig
+from specserve.serve.errors import RequestError
 from specserve.serve.ingress import OpenAIIngress
 from specserve.serve.model_server import ModelServer
 from specserve.serve.openai_api import OpenAIHandler, PreparedRequest
-from specserve.serve.schemas import RequestError
 
 pytestmark = pytest.mark.timeout(600)
 

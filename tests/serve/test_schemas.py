@@ -15,26 +15,28 @@ from specserve.core.prompts import PromptCodec
 from specserve.core.sampling_params import MAX_TOP_K, GrammarSpec
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.serve.config import API_KEY_ENV, ServeConfig
+from specserve.serve.errors import RequestError
 from specserve.serve.openai_api import OpenAIHandler
 from specserve.serve.schemas import (
     GREEDY_BELOW,
     MAX_STOP_CHARS,
     MAX_TEMPERATURE,
     MAX_TOKENS,
-    MAX_TREE_DEPTH,
-    MAX_TREE_NODES,
-    MAX_TREE_WIDTH,
     NO_OP_VALUES,
-    ChainTree,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    DynamicTree,
-    RequestError,
-    SpeculationOptions,
-    StaticTree,
     StreamOptions,
     parse_request,
+)
+from specserve.serve.speculation_schema import (
+    MAX_TREE_DEPTH,
+    MAX_TREE_NODES,
+    MAX_TREE_WIDTH,
+    ChainTree,
+    DynamicTree,
+    SpeculationOptions,
+    StaticTree,
 )
 
 LIMIT = 4096

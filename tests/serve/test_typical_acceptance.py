@@ -15,9 +15,10 @@ from specserve.core.engine import SpeculativeEngine
 from specserve.core.stats import RequestStats
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
+from specserve.serve.errors import RequestError
 from specserve.serve.metrics import ServeMetrics
 from specserve.serve.openai_api import OpenAIHandler
-from specserve.serve.schemas import CompletionRequest, RequestError, parse_request
+from specserve.serve.schemas import CompletionRequest, parse_request
 
 GOOD: dict[str, Any] = {"model": "tiny", "prompt": "def f(", "temperature": 1.0, "seed": 4, "max_tokens": 8}
 TYPICAL = {"acceptance": "typical", "lossy": True}
