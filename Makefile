@@ -82,12 +82,12 @@ typecheck: install
 #
 # Two xdist workers (--dist loadgroup): one runs the tests that need Ray, one after the other against one cluster (the
 # `ray` group: tests/conftest.py), the other the in-process tests beside them. PYTEST_WORKERS=0 runs everything in
-# one process, as before.
+# one process, as before; PYTEST_ARGS adds arguments (--junitxml=FILE: every test's time).
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 pytest: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=60
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=60 $(PYTEST_ARGS)
 
 # The edit-test loop (about 5 minutes): the exactness core in process, the `quick` marker (tests/conftest.py's
 # QUICK_LOOP): acceptance rules, the engines against generate, every drafter's greedy equality, the codec, the layers.
