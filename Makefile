@@ -80,20 +80,31 @@ typecheck: install
 # Bytecode first: with PYTHONDONTWRITEBYTECODE set, each of the run's ~100 Python processes (Ray workers, CLI runs)
 # would compile specserve again, about a second each.
 #
-# Two xdist workers (--dist loadgroup): one runs the tests that need Ray, one after the other against one cluster (the
-# `ray` group: tests/conftest.py), the other the in-process tests beside them. PYTEST_WORKERS=0 runs everything in
-# one process, as before; PYTEST_ARGS adds arguments (--junitxml=FILE: every test's time).
-PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+# Two tiers at once (tests/conftest.py): the tests that need Ray (marker `ray`), one after the other against one
+# cluster, and beside them, in a second pytest at nice 19, the in-process tests, which take the core the Ray tier leaves
+# idle while it waits on actors and Serve; the in-process tier's report follows the Ray tier's. SERIAL=1 runs the
+# whole suite in one pytest instead. JUNIT=PREFIX writes PREFIX-ray.xml and PREFIX-in-process.xml (every test's time).
+IN_PROCESS_LOG := $(VENV)/pytest-in-process.log
 pytest: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=60 $(PYTEST_ARGS)
+ifdef SERIAL
+	$(BIN)/python -m pytest -q --durations=60 $(if $(JUNIT),--junitxml=$(JUNIT).xml)
+else
+	@echo "==> two tiers at once: the Ray tier here, the in-process tier at nice 19 into $(IN_PROCESS_LOG) (printed after)"
+	nice -n 19 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" --durations=30 \
+		$(if $(JUNIT),--junitxml=$(JUNIT)-in-process.xml) > $(IN_PROCESS_LOG) 2>&1 & in_process=$$!; \
+	$(BIN)/python -m pytest -q -m ray --durations=30 $(if $(JUNIT),--junitxml=$(JUNIT)-ray.xml); ray=$$?; \
+	wait $$in_process; in_process_status=$$?; \
+	echo "==> the in-process tier (not ray)"; cat $(IN_PROCESS_LOG); \
+	echo "==> exit status: Ray tier $$ray, in-process tier $$in_process_status"; \
+	exit $$(( ray || in_process_status ))
+endif
 
-# The edit-test loop (about 5 minutes): the exactness core in process, the `quick` marker (tests/conftest.py's
-# QUICK_LOOP): acceptance rules, the engines against generate, every drafter's greedy equality, the codec, the layers.
+# The edit-test loop (about 5 minutes): the exactness core in process, marker `quick` (tests/conftest.py's QUICK_LOOP):
+# acceptance rules, the engines against generate, every drafter's greedy equality, the wire codec, the import order.
 test-quick: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "quick and not ray and not slow" --durations=20
+	$(BIN)/python -m pytest -q -m "quick and not ray and not slow" --durations=20
 
 test: lint typecheck pytest
 

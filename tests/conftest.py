@@ -257,6 +257,9 @@ def ray_cluster() -> Iterator[Any]:
     from specserve.cluster.connect import loopback_only
 
     if not ray.is_initialized():
+        # Ray starts its workers at nice 15 by default: they would yield to make test's in-process tier (nice 19
+        # there, the lowest) almost as little as it yields to them.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         with loopback_only():
             ray.init(
                 num_cpus=16,  # logical: two replicas (one up to TP 4) must fit, whatever the real core count
@@ -384,11 +387,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             _shared_replicas.close()
 
 
-# Two tiers. A test needs the session's Ray when its fixtures (transitively) include one of RAY_FIXTURES, or when it
-# is marked ``ray`` by hand (it starts a Ray of its own in a subprocess: a CLI run). ``make test`` runs pytest-xdist
-# with two workers and ``--dist loadgroup``: every ``ray`` test is in one group, so they run in order in one worker
-# against one cluster (its replicas and Serve apps shared as above), while the other worker runs the in-process
-# tests, one torch thread each: the second core is used while the first waits on actors and Serve.
+# Two tiers. A test needs Ray (marker ``ray``) when its fixtures, transitively, include one of RAY_FIXTURES, or when
+# it is marked by hand (a CLI run that starts a Ray of its own). ``make test`` runs the ``ray`` tier (one cluster, its
+# replicas and Serve apps shared as above) and, at the same time, the in-process tier (``not ray``: one torch thread
+# a test) in a second pytest at the lowest priority: it takes the core the Ray tier leaves idle while it waits on
+# actors and Serve, never the Ray tier's (whose actors run at nice 0 here, not Ray's default of 15).
 RAY_FIXTURES = frozenset({"ray_cluster", "serve_url", "shared_replicas"})
 
 
@@ -422,8 +425,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.quick)
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
-        if item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")

@@ -88,10 +88,9 @@ def draws_over_seeds(draw: Callable[[int], T], trials: int) -> list[T]:
 
     Each process draws its seeds in order, from the state ``draw`` had at the fork; ``draw`` must be a function of
     its seed and that state (side effects in the child are lost: return what the test needs). The split is fixed, not
-    the machine's core count, so a run is reproducible anywhere. Without ``os.fork``, or in a pytest-xdist worker
-    (``make test``: the other core is the other worker's), it draws in this process."""
+    the machine's core count, so a run is reproducible anywhere. Without ``os.fork`` it draws in this process."""
     half = trials // 2
-    if not hasattr(os, "fork") or half == 0 or "PYTEST_XDIST_WORKER" in os.environ:
+    if not hasattr(os, "fork") or half == 0:
         return [draw(seed) for seed in range(trials)]
     read_end, write_end = os.pipe()
     pid = os.fork()

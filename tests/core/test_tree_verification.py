@@ -221,6 +221,7 @@ def test_fast_equals_reference() -> None:
 # Power: wrong rules must fail the same tests
 
 
+@pytest.mark.slow  # the test's power against a wrong rule: make test, not the quick loop
 def test_iid_rule_on_children_drawn_without_replacement_fails() -> None:
     case = next(c for c in CASES if c.name == "wor_w3")
     wrong = pvalues_of(case, run_trials(case, seed=99, sampling=ChildSampling.IID))
@@ -241,6 +242,7 @@ def resample_from_p(
     return verdict
 
 
+@pytest.mark.slow  # the test's power against a wrong rule: make test, not the quick loop
 def test_resampling_from_p_fails() -> None:
     case = next(c for c in CASES if c.name == "iid_w2_spread")
     wrong = pvalues_of(case, run_trials(case, seed=5, verify=resample_from_p))
