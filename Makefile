@@ -78,27 +78,13 @@ typecheck: install
 	$(BIN)/mypy
 
 # Bytecode first: with PYTHONDONTWRITEBYTECODE set, each of the run's ~100 Python processes (Ray workers, CLI runs)
-# would compile specserve again, about a second each.
+# would compile specserve again, about a second each. JUNIT=FILE also writes every test's time there.
 #
-# Two tiers at once (tests/conftest.py): the tests that need Ray (marker `ray`), one after the other against one
-# cluster, and beside them, in a second pytest at nice 19, the in-process tests, which take the core the Ray tier leaves
-# idle while it waits on actors and Serve; the in-process tier's report follows the Ray tier's. SERIAL=1 runs the
-# whole suite in one pytest instead. JUNIT=PREFIX writes PREFIX-ray.xml and PREFIX-in-process.xml (every test's time).
-IN_PROCESS_LOG := $(VENV)/pytest-in-process.log
+# One pytest. Running the tests that need Ray (marker `ray`, tests/conftest.py) and the in-process ones as two pytest
+# runs at once, the second at nice 19, measured slower on this 2-core machine than one run (issue 32's note).
 pytest: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
-ifdef SERIAL
-	$(BIN)/python -m pytest -q --durations=60 $(if $(JUNIT),--junitxml=$(JUNIT).xml)
-else
-	@echo "==> two tiers at once: the Ray tier here, the in-process tier at nice 19 into $(IN_PROCESS_LOG) (printed after)"
-	nice -n 19 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" --durations=30 \
-		$(if $(JUNIT),--junitxml=$(JUNIT)-in-process.xml) > $(IN_PROCESS_LOG) 2>&1 & in_process=$$!; \
-	$(BIN)/python -m pytest -q -m ray --durations=30 $(if $(JUNIT),--junitxml=$(JUNIT)-ray.xml); ray=$$?; \
-	wait $$in_process; in_process_status=$$?; \
-	echo "==> the in-process tier (not ray)"; cat $(IN_PROCESS_LOG); \
-	echo "==> exit status: Ray tier $$ray, in-process tier $$in_process_status"; \
-	exit $$(( ray || in_process_status ))
-endif
+	$(BIN)/python -m pytest -q --durations=60 $(if $(JUNIT),--junitxml=$(JUNIT))
 
 # The edit-test loop (about 5 minutes): the exactness core in process, marker `quick` (tests/conftest.py's QUICK_LOOP):
 # acceptance rules, the engines against generate, every drafter's greedy equality, the wire codec, the import order.

@@ -257,9 +257,6 @@ def ray_cluster() -> Iterator[Any]:
     from specserve.cluster.connect import loopback_only
 
     if not ray.is_initialized():
-        # Ray starts its workers at nice 15 by default: they would yield to make test's in-process tier (nice 19
-        # there, the lowest) almost as little as it yields to them.
-        os.environ.setdefault("RAY_worker_niceness", "0")
         with loopback_only():
             ray.init(
                 num_cpus=16,  # logical: two replicas (one up to TP 4) must fit, whatever the real core count
@@ -387,11 +384,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
             _shared_replicas.close()
 
 
-# Two tiers. A test needs Ray (marker ``ray``) when its fixtures, transitively, include one of RAY_FIXTURES, or when
-# it is marked by hand (a CLI run that starts a Ray of its own). ``make test`` runs the ``ray`` tier (one cluster, its
-# replicas and Serve apps shared as above) and, at the same time, the in-process tier (``not ray``: one torch thread
-# a test) in a second pytest at the lowest priority: it takes the core the Ray tier leaves idle while it waits on
-# actors and Serve, never the Ray tier's (whose actors run at nice 0 here, not Ray's default of 15).
+# A test needs Ray (marker ``ray``) when its fixtures, transitively, include one of RAY_FIXTURES, or when it is marked
+# by hand (a CLI run that starts a Ray of its own): ``-m "not ray"`` runs the in-process tests alone.
 RAY_FIXTURES = frozenset({"ray_cluster", "serve_url", "shared_replicas"})
 
 
