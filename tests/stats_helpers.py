@@ -82,23 +82,57 @@ def two_token_fit(
 
 
 def draws_over_seeds(draw: Callable[[int], T], trials: int) -> list[T]:
-    """``[draw(seed) for seed in range(trials)]``, computed by two processes at once: a forked copy of this one draws
-    the first half of the seeds while this one draws the second (the seeds of a statistical test are fixed, so where
-    each is drawn changes nothing but the time: a test sampling in process uses one core of a 2-core machine).
+    """``[draw(seed) for seed in range(trials)]``, computed by two processes at once (:func:`split_seeds`)."""
+    return split_seeds(lambda seeds: [draw(seed) for seed in seeds], trials)
+
+
+def batched_runs(
+    engine: Any, prompt: Sequence[int], params: Any, config: Any, trials: int, forked: bool = True
+) -> list[Any]:
+    """The :class:`~specserve.core.request.GenerationResult` of one request per seed ``0 .. trials - 1`` (``params``,
+    a ``SamplingParams``, with that seed; ``config`` a ``GenerationConfig``), run as requests of ``engine``, a
+    :class:`~specserve.core.batch_engine.BatchedEngine`, in seed order: a statistical test's draws in batched
+    forwards, ``engine.max_num_seqs`` requests at a time (a request's tokens do not depend on who shares its batch:
+    ``tests/core/test_batch_engine.py``, and each test here checks a few seeds against the single-request engine).
+    ``forked``: two processes at once (:func:`split_seeds`), each with its copy of ``engine`` as it was."""
+    from dataclasses import replace
+
+    def run(seeds: range) -> list[Any]:
+        pending, order, results = iter(seeds), {}, {}
+        while True:
+            while len(order) - len(results) < 2 * engine.max_num_seqs:  # a queue as deep as the batch, no deeper
+                seed = next(pending, None)
+                if seed is None:
+                    break
+                order[engine.submit(list(prompt), replace(params, seed=seed), config)] = seed
+            if not engine.has_work:
+                break
+            for request_id, chunk in engine.step():
+                if chunk.result is not None:
+                    results[order[request_id]] = chunk.result
+        return [results[seed] for seed in seeds]
+
+    return split_seeds(run, trials) if forked else run(range(trials))
+
+
+def split_seeds(draw: Callable[[range], list[T]], trials: int) -> list[T]:
+    """``draw(range(trials))``, computed by two processes at once: a forked copy of this one draws the first half of
+    the seeds while this one draws the second (the seeds of a statistical test are fixed, so where each is drawn
+    changes nothing but the time: a test sampling in process uses one core of a 2-core machine).
 
     Each process draws its seeds in order, from the state ``draw`` had at the fork; ``draw`` must be a function of
-    its seed and that state (side effects in the child are lost: return what the test needs). The split is fixed, not
-    the machine's core count, so a run is reproducible anywhere. Without ``os.fork`` it draws in this process."""
+    its seeds and that state (side effects in the child are lost: return what the test needs). The split is fixed,
+    not the machine's core count, so a run is reproducible anywhere. Without ``os.fork`` it draws in this process."""
     half = trials // 2
     if not hasattr(os, "fork") or half == 0:
-        return [draw(seed) for seed in range(trials)]
+        return draw(range(trials))
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: the first half, sent back pickled; it never returns into the test session
         try:
             os.close(read_end)
             try:
-                message: tuple[str, Any] = ("ok", [draw(seed) for seed in range(half)])
+                message: tuple[str, Any] = ("ok", draw(range(half)))
             except BaseException:
                 message = ("error", traceback.format_exc())
             with os.fdopen(write_end, "wb") as out:
@@ -107,7 +141,7 @@ def draws_over_seeds(draw: Callable[[int], T], trials: int) -> list[T]:
             os._exit(0)
     os.close(write_end)
     try:
-        second = [draw(seed) for seed in range(half, trials)]
+        second = draw(range(half, trials))
     except BaseException:
         os.kill(pid, signal.SIGKILL)
         raise
@@ -118,3 +152,15 @@ def draws_over_seeds(draw: Callable[[int], T], trials: int) -> list[T]:
     status, first = pickle.loads(data) if data else ("error", "the child process died")
     assert status == "ok", f"drawing seeds 0..{half - 1} in a forked process failed:\n{first}"
     return [*first, *second]
+
+
+def check_single_engine_agrees(
+    engine: Any, runs: Sequence[Any], prompt: Sequence[int], params: Any, config: Any, seeds: int = 12
+) -> None:
+    """The single-request engine ``engine`` emits, for the first ``seeds`` seeds, the tokens ``runs`` (from
+    :func:`batched_runs`) hold: the law a batched test measured is the single-request engine's too."""
+    from dataclasses import replace
+
+    for seed in range(seeds):
+        single = engine.generate(list(prompt), replace(params, seed=seed), config).output_ids
+        assert single == runs[seed].output_ids, f"seed {seed}: alone {single}, in a batch {runs[seed].output_ids}"

@@ -8,7 +8,6 @@ checked by chi-square against the two-token law that the same plain-Python proce
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 
@@ -17,7 +16,7 @@ import torch
 from conftest import EOS_ID, PAD_ID, VOCAB, TinyPair, finish_all
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stats_helpers import two_token_pvalue
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from specserve.core.batch_engine import BatchedEngine
@@ -142,9 +141,10 @@ def test_a_batch_mixes_processed_and_plain_requests(pair: TinyPair) -> None:
 def test_sampled_output_follows_the_processed_target_law(
     tiny_pairs: dict[str, TinyPair], tree: TreeSpec | None
 ) -> None:
-    """Chi-square on the first two tokens (the second is penalised by the first), with every processor and min-p."""
+    """Chi-square on the first two tokens (the second is penalised by the first), with every processor and min-p:
+    1,500 seeds as requests of one batched engine, whose first seeds the single-request engine emits alike."""
     pair = tiny_pairs["llama"]
-    engine = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
+    batched = BatchedEngine(pair.target, request_drafters(pair.draft, pair.target, max_num_seqs=32), max_num_seqs=32)
     prompt = [5, 6, 7, 5, 6]
     base = SamplingParams(
         temperature=1.0,
@@ -157,13 +157,13 @@ def test_sampled_output_follows_the_processed_target_law(
     )
     config = GenerationConfig(max_new_tokens=2, gamma=2, tree=tree, ignore_eos=True)
 
-    def generate(seed: int) -> list[int]:
-        return engine.generate(prompt, dataclasses.replace(base, seed=seed), config).output_ids
-
     def process(ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         return reference_process(ids, len(prompt), logits, base)
 
-    assert two_token_pvalue(generate, pair.target, prompt, base, 1500, process=process, forked=True) > ALPHA
+    runs = batched_runs(batched, prompt, base, config, 1500)
+    assert two_token_fit([run.output_ids for run in runs], pair.target, prompt, base, process) > ALPHA
+    single = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target))
+    check_single_engine_agrees(single, runs, prompt, base, config)
 
 
 def test_min_p_drops_what_transformers_drops() -> None:

@@ -17,8 +17,9 @@ import pytest
 import torch
 from conftest import REF_TOKENS, TinyPair, build_model
 from head_helpers import RECIPE, target_stream, trained_head
-from stats_helpers import two_token_pvalue
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
+from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, select_features
@@ -132,18 +133,19 @@ def test_sampled_runs_reproduce_and_drafter_invariant_runs_match_plain_decoding(
 
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
 def test_sampled_eagle_emits_the_target_joint_law(tiny_pairs: dict[str, TinyPair], shape: str) -> None:
-    """Two emitted tokens at T = 1 through sampled EAGLE chains / trees: their joint law is the target's."""
+    """Two emitted tokens at T = 1 through sampled EAGLE chains / trees: their joint law is the target's (2,500 seeds
+    as requests of one batched engine, whose first seeds the single-request engine emits alike)."""
     pair = tiny_pairs["llama"]
-    engine = SpeculativeEngine(pair.target, EagleDrafter.for_target(trained_head(pair), pair.target))
+    head = trained_head(pair)
+    batched = BatchedEngine(pair.target, lambda name: EagleDrafter.for_target(head, pair.target), max_num_seqs=32)
     prompt = [5, 17, 23, 8, 30]
     tree = None if shape == "chain" else TreeSpec("dynamic", budget=TreeBudget(depth=3, width=3, nodes=7))
     config = GenerationConfig(max_new_tokens=2, gamma=3, tree=tree, ignore_eos=True)
-
-    def generate(seed: int) -> list[int]:
-        return engine.generate(prompt, SamplingParams(temperature=1.0, top_k=24, seed=seed), config).output_ids
-
     params = SamplingParams(temperature=1.0, top_k=24)
-    assert two_token_pvalue(generate, pair.target, prompt, params, 2500, forked=True) > ALPHA
+    runs = batched_runs(batched, prompt, params, config, 2500)
+    assert two_token_fit([run.output_ids for run in runs], pair.target, prompt, params) > ALPHA
+    single = SpeculativeEngine(pair.target, EagleDrafter.for_target(head, pair.target))
+    check_single_engine_agrees(single, runs, prompt, params, config)
 
 
 def test_the_head_directory_round_trips_and_refuses_another_target(pair: TinyPair, tmp_path: Path) -> None:

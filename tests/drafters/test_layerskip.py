@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REF_TOKENS, VOCAB, TinyPair, build_model, char_tokenizer
-from stats_helpers import two_token_pvalue
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
+from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
@@ -317,18 +318,20 @@ def test_training_an_exit_head_brings_the_view_closer_to_the_target(tmp_path: Pa
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
 def test_sampled_self_speculation_emits_the_target_joint_law(shape: str) -> None:
     """Two tokens at T = 1 drafted by the first layer with an exit head (sampled chains with q, sampled trees
-    without replacement): their joint law is the target's (chi-square, significance 1e-3, fixed seeds)."""
+    without replacement): their joint law is the target's (chi-square, significance 1e-3, fixed seeds). 2,500 seeds as
+    requests of one batched engine (where the drafter keeps a cache of its own), whose first seeds the single-request
+    engine (drafting on the target's cache) emits alike."""
     target = greedy_target("llama")
-    engine = SpeculativeEngine(target, LayerSkipDrafter(target, 1, random_exit_head(seed=1)))
+    head = random_exit_head(seed=1)
+    batched = BatchedEngine(target, lambda name: LayerSkipDrafter(target, 1, head), max_num_seqs=32)
     prompt = [5, 17, 23, 8, 30]
     tree = None if shape == "chain" else TreeSpec("dynamic", budget=TreeBudget(depth=3, width=3, nodes=7))
     config = GenerationConfig(max_new_tokens=2, gamma=3, tree=tree, ignore_eos=True)
-
-    def generate(seed: int) -> list[int]:
-        return engine.generate(prompt, SamplingParams(temperature=1.0, top_k=24, seed=seed), config).output_ids
-
     params = SamplingParams(temperature=1.0, top_k=24)
-    assert two_token_pvalue(generate, target, prompt, params, 2500, forked=True) > 1e-3
+    runs = batched_runs(batched, prompt, params, config, 2500)
+    assert two_token_fit([run.output_ids for run in runs], target, prompt, params) > 1e-3
+    single = SpeculativeEngine(target, LayerSkipDrafter(target, 1, head))
+    check_single_engine_agrees(single, runs, prompt, params, config)
 
 
 @pytest.mark.parametrize("with_head", [False, True])

@@ -15,7 +15,7 @@ import torch
 from conftest import REF_TOKENS, TinyPair, finish_all
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stats_helpers import two_token_pvalue
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Draft, ProbingDrafter
@@ -270,22 +270,19 @@ def test_batched_greedy_output_equals_transformers(pair: TinyPair, hf_greedy: Hf
 
 def test_sampled_output_follows_the_target(tiny_pairs: dict[str, TinyPair]) -> None:
     """Two tokens at T = 1 through the engine, a tree of pooled n-grams and the window in every forward: their
-    joint law is the target's. The prompt repeats "30 31" with three continuations, so the pool drafts after 31."""
+    joint law is the target's. The prompt repeats "30 31" with three continuations, so the pool drafts after 31.
+    2,000 seeds as requests of one batched engine, whose first seeds the single-request engine emits alike."""
     pair = tiny_pairs["llama"]
-    engine = SpeculativeEngine(pair.target, LookaheadDrafter(LookaheadSettings(3, 2, 3)))
+    settings = LookaheadSettings(3, 2, 3)
+    batched = BatchedEngine(pair.target, lambda name: LookaheadDrafter(settings), max_num_seqs=32)
     prompt = [7, 30, 31, 32, 8, 30, 31, 33, 9, 30, 31, 34, 6, 30, 31]
     params = SamplingParams(temperature=1.0, top_k=24)
     config = GenerationConfig(max_new_tokens=2, tree=DYNAMIC, ignore_eos=True)
-    drafted = 0
-
-    def generate(seed: int) -> list[int]:
-        nonlocal drafted
-        result = engine.generate(prompt, SamplingParams(temperature=1.0, top_k=24, seed=seed), config)
-        drafted += result.stats.drafted_tokens
-        return result.output_ids
-
-    assert two_token_pvalue(generate, pair.target, prompt, params, 2000) > ALPHA
-    assert drafted == 3 * 2000  # the three pooled continuations of 31, every time
+    runs = batched_runs(batched, prompt, params, config, 2000)
+    assert two_token_fit([run.output_ids for run in runs], pair.target, prompt, params) > ALPHA
+    assert sum(run.stats.drafted_tokens for run in runs) == 3 * 2000  # the three pooled continuations of 31, every time
+    single = SpeculativeEngine(pair.target, LookaheadDrafter(settings))
+    check_single_engine_agrees(single, runs, prompt, params, config)
 
 
 @pytest.mark.timeout(300)

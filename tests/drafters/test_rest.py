@@ -20,7 +20,7 @@ import pytest
 from conftest import EOS_ID, REF_TOKENS, VOCAB, TinyPair, char_tokenizer, finish_all, hf_greedy_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stats_helpers import two_token_pvalue
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.cli import main
 from specserve.core.batch_engine import BatchedEngine
@@ -269,19 +269,20 @@ def test_batched_greedy_output_equals_transformers(pair: TinyPair, rest_files: d
 def test_sampled_output_follows_the_target(
     tiny_pairs: dict[str, TinyPair], rest_files: dict[str, Path], shape: str
 ) -> None:
-    """Two tokens at T = 1 through the engine: their joint law is the target's (point-mass drafts, rule D)."""
+    """Two tokens at T = 1 through the engine: their joint law is the target's (point-mass drafts, rule D). 2,500 seeds
+    as requests of one batched engine, whose first seeds the single-request engine emits alike."""
     pair = tiny_pairs["llama"]
-    engine = SpeculativeEngine(pair.target, build_drafter(f"rest:{rest_files['llama']}", pair.target))
+    spec = f"rest:{rest_files['llama']}"
+    engine = SpeculativeEngine(pair.target, build_drafter(spec, pair.target))
     prompt = list(pair.prompts[0])  # in the datastore: its drafts are real (and often right)
     params = SamplingParams(temperature=1.0, top_k=24)
     tree = None if shape == "chain" else TREES["dynamic"]
     config = GenerationConfig(max_new_tokens=2, gamma=3, tree=tree, ignore_eos=True)
     assert engine.generate(prompt, SamplingParams(temperature=1.0, top_k=24, seed=0), config).stats.drafted_tokens
-
-    def generate(seed: int) -> list[int]:
-        return engine.generate(prompt, SamplingParams(temperature=1.0, top_k=24, seed=seed), config).output_ids
-
-    assert two_token_pvalue(generate, pair.target, prompt, params, 2500, forked=True) > ALPHA
+    batched = BatchedEngine(pair.target, request_drafters(spec, pair.target), max_num_seqs=32)
+    runs = batched_runs(batched, prompt, params, config, 2500)
+    assert two_token_fit([run.output_ids for run in runs], pair.target, prompt, params) > ALPHA
+    check_single_engine_agrees(engine, runs, prompt, params, config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 from conftest import TinyPair
-from stats_helpers import chi2_pvalue, draws_over_seeds
+from stats_helpers import batched_runs, check_single_engine_agrees, chi2_pvalue, draws_over_seeds
 
+from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, warp_probs
@@ -93,16 +94,16 @@ def target_probs(target: CausalLM, ids: Sequence[int], params: SamplingParams) -
 
 @pytest.mark.parametrize("shape", ["static", "dynamic"])
 def test_two_emitted_tokens_follow_the_target_joint_law(tiny_pairs: dict[str, TinyPair], shape: str) -> None:
-    """Draft sampled trees, verify, compact, draft again: the first two tokens' joint law is the target's."""
+    """Draft sampled trees, verify, compact, draft again: the first two tokens' joint law is the target's. 2,500
+    seeds as requests of one batched engine, whose first seeds the single-request engine emits alike."""
     pair = tiny_pairs["llama"]
     spec = TreeSpec("static", topology=TOPOLOGY) if shape == "static" else TreeSpec("dynamic", budget=BUDGET)
-    engine = SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target))
+    batched = BatchedEngine(pair.target, lambda name: DraftModelDrafter(pair.draft, pair.target), max_num_seqs=32)
     config = GenerationConfig(max_new_tokens=2, tree=spec, ignore_eos=True)
-
-    def generate(seed: int) -> list[int]:
-        return engine.generate(PROMPT, SamplingParams(temperature=1.0, top_k=24, seed=seed), config).output_ids
-
-    pairs = draws_over_seeds(generate, 2500)
+    runs = batched_runs(batched, PROMPT, SamplingParams(temperature=1.0, top_k=24), config, 2500)
+    single = SpeculativeEngine(pair.target, DraftModelDrafter(pair.draft, pair.target))
+    check_single_engine_agrees(single, runs, PROMPT, SamplingParams(temperature=1.0, top_k=24), config)
+    pairs = [run.output_ids for run in runs]
     first = target_probs(pair.target, PROMPT, PARAMS)
     joint = torch.stack([first[a] * target_probs(pair.target, [*PROMPT, a], PARAMS) for a in range(first.numel())])
     cells = torch.tensor([a * first.numel() + b for a, b in pairs])

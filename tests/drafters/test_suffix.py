@@ -18,7 +18,7 @@ import torch
 from conftest import REF_TOKENS, TinyPair, finish_all
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from stats_helpers import draws_over_seeds, two_token_fit
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter, TreeDrafter
@@ -298,21 +298,18 @@ def test_batched_greedy_output_equals_transformers(pair: TinyPair, hf_greedy: Hf
 def test_sampled_output_follows_the_target(tiny_pairs: dict[str, TinyPair], tree: TreeSpec | None) -> None:
     """Two tokens at T = 1 through the engine: their joint law is the target's (point-mass drafts). The prompt
     repeats: after "30 31" came 32, 33 and 34, so the drafter drafts the first token (all a two-token request
-    lets it: the verdict adds the second), as a chain of the most frequent one or a tree of all three."""
+    lets it: the verdict adds the second), as a chain of the most frequent one or a tree of all three. 2,000 seeds
+    as requests of one batched engine, whose first seeds the single-request engine emits alike."""
     pair = tiny_pairs["llama"]
-    drafter = SuffixDrafter(size_factor=4.0, min_score=0.0)
-    engine = SpeculativeEngine(pair.target, drafter)
+    batched = BatchedEngine(pair.target, lambda name: SuffixDrafter(size_factor=4.0, min_score=0.0), max_num_seqs=32)
     prompt = [7, 30, 31, 32, 8, 30, 31, 33, 9, 30, 31, 34, 6, 30, 31]
     params = SamplingParams(temperature=1.0, top_k=24)
     config = GenerationConfig(max_new_tokens=2, gamma=3, tree=tree, ignore_eos=True)
-
-    def generate(seed: int) -> tuple[list[int], int]:
-        result = engine.generate(prompt, SamplingParams(temperature=1.0, top_k=24, seed=seed), config)
-        return result.output_ids, result.stats.drafted_tokens
-
-    runs = draws_over_seeds(generate, 2000)
-    assert two_token_fit([output for output, _ in runs], pair.target, prompt, params) > ALPHA
-    assert sum(drafted for _, drafted in runs) == (2000 if tree is None else 3 * 2000)
+    runs = batched_runs(batched, prompt, params, config, 2000)
+    assert two_token_fit([run.output_ids for run in runs], pair.target, prompt, params) > ALPHA
+    assert sum(run.stats.drafted_tokens for run in runs) == (2000 if tree is None else 3 * 2000)
+    single = SpeculativeEngine(pair.target, SuffixDrafter(size_factor=4.0, min_score=0.0))
+    check_single_engine_agrees(single, runs, prompt, params, config)
 
 
 def simulate(text: Sequence[int], prompt_length: int, gamma: int) -> tuple[int, int, int]:

@@ -9,14 +9,14 @@ target's two-token law.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import CHARS, EOS_ID, VOCAB, TinyPair, char_tokenizer
-from stats_helpers import two_token_pvalue
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
+from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams, make_generators
@@ -77,16 +77,17 @@ def test_greedy_output_equals_transformers(
 
 
 def test_sampled_output_follows_the_target_law(tiny_pairs: dict[str, TinyPair], drafts: dict[str, CausalLM]) -> None:
+    """Two tokens at T = 1 through a draft of another vocabulary: their joint law is the target's. 1,500 seeds as
+    requests of one batched engine, whose first seeds the single-request engine emits alike."""
     pair = tiny_pairs["qwen2"]
-    engine = SpeculativeEngine(pair.target, TextDrafter(drafts["qwen2"], pair.target))
+    batched = BatchedEngine(pair.target, lambda name: TextDrafter(drafts["qwen2"], pair.target), max_num_seqs=32)
     base = SamplingParams(temperature=1.0, top_k=10)
     prompt = [40, 41, 40, 41, 40]
     config = GenerationConfig(max_new_tokens=2, gamma=3, ignore_eos=True)
-
-    def generate(seed: int) -> list[int]:
-        return engine.generate(prompt, dataclasses.replace(base, seed=seed), config).output_ids
-
-    assert two_token_pvalue(generate, pair.target, prompt, base, 1500, forked=True) > ALPHA
+    runs = batched_runs(batched, prompt, base, config, 1500)
+    assert two_token_fit([run.output_ids for run in runs], pair.target, prompt, base) > ALPHA
+    single = SpeculativeEngine(pair.target, TextDrafter(drafts["qwen2"], pair.target))
+    check_single_engine_agrees(single, runs, prompt, base, config)
 
 
 def test_text_dir_builds_it_and_a_plain_dir_says_to(
