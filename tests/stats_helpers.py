@@ -98,7 +98,9 @@ def batched_runs(
     from dataclasses import replace
 
     def run(seeds: range) -> list[Any]:
-        pending, order, results = iter(seeds), {}, {}
+        pending = iter(seeds)
+        order: dict[int, int] = {}  # request id -> seed
+        results: dict[int, Any] = {}  # seed -> result
         while True:
             while len(order) - len(results) < 2 * engine.max_num_seqs:  # a queue as deep as the batch, no deeper
                 seed = next(pending, None)
