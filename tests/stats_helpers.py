@@ -7,6 +7,7 @@ import pickle
 import signal
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import scipy.stats
@@ -42,23 +43,6 @@ def chi2_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     return float(scipy.stats.chisquare(obs_cells, exp_cells).pvalue)
 
 
-def two_token_pvalue(
-    generate: Callable[[int], list[int]],
-    target: Any,
-    prompt: list[int],
-    params: Any,
-    trials: int,
-    process: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None,
-    forked: bool = False,
-) -> float:
-    """Chi-square p-value of the first two tokens ``generate(seed)`` emits, over seeds ``0 .. trials - 1``, against
-    the target's joint law of two tokens after ``prompt`` under the warp of ``params`` (a ``SamplingParams``);
-    ``process(ids, logits)``, when given, processes each position's logits (penalties, a grammar's mask) before the
-    warp. ``forked``: the seeds are drawn by two processes at once (:func:`draws_over_seeds`)."""
-    pairs = draws_over_seeds(generate, trials) if forked else [generate(seed) for seed in range(trials)]
-    return two_token_fit(pairs, target, prompt, params, process)
-
-
 def two_token_fit(
     pairs: Sequence[Sequence[int]],
     target: Any,
@@ -86,16 +70,13 @@ def draws_over_seeds(draw: Callable[[int], T], trials: int) -> list[T]:
     return split_seeds(lambda seeds: [draw(seed) for seed in seeds], trials)
 
 
-def batched_runs(
-    engine: Any, prompt: Sequence[int], params: Any, config: Any, trials: int, forked: bool = True
-) -> list[Any]:
+def batched_runs(engine: Any, prompt: Sequence[int], params: Any, config: Any, trials: int) -> list[Any]:
     """The :class:`~specserve.core.request.GenerationResult` of one request per seed ``0 .. trials - 1`` (``params``,
     a ``SamplingParams``, with that seed; ``config`` a ``GenerationConfig``), run as requests of ``engine``, a
     :class:`~specserve.core.batch_engine.BatchedEngine`, in seed order: a statistical test's draws in batched
     forwards, ``engine.max_num_seqs`` requests at a time (a request's tokens do not depend on who shares its batch:
-    ``tests/core/test_batch_engine.py``, and each test here checks a few seeds against the single-request engine).
-    ``forked``: two processes at once (:func:`split_seeds`), each with its copy of ``engine`` as it was."""
-    from dataclasses import replace
+    ``tests/core/test_batch_engine.py``, and each test here checks a few seeds against the single-request engine),
+    in two processes at once (:func:`split_seeds`), each with its copy of ``engine`` as it was."""
 
     def run(seeds: range) -> list[Any]:
         pending = iter(seeds)
@@ -114,7 +95,7 @@ def batched_runs(
                     results[order[request_id]] = chunk.result
         return [results[seed] for seed in seeds]
 
-    return split_seeds(run, trials) if forked else run(range(trials))
+    return split_seeds(run, trials)
 
 
 def split_seeds(draw: Callable[[range], list[T]], trials: int) -> list[T]:
@@ -161,8 +142,6 @@ def check_single_engine_agrees(
 ) -> None:
     """The single-request engine ``engine`` emits, for the first ``seeds`` seeds, the tokens ``runs`` (from
     :func:`batched_runs`) hold: the law a batched test measured is the single-request engine's too."""
-    from dataclasses import replace
-
     for seed in range(seeds):
         single = engine.generate(list(prompt), replace(params, seed=seed), config).output_ids
         assert single == runs[seed].output_ids, f"seed {seed}: alone {single}, in a batch {runs[seed].output_ids}"
