@@ -38,6 +38,7 @@ STATE_DIR_ENV = "SPECSERVE_CLUSTER_DIR"
 STATE_FILE = "cluster.json"
 STATE_FORMAT = 1
 STOP_GRACE_S = 20.0  # SIGTERM -> SIGKILL
+LEADERS_FIRST_S = 3.0  # SIGTERM to the node leaders, then (after this) to every member of their sessions still up
 KILL_WAIT_S = 5.0
 
 
@@ -173,12 +174,19 @@ def _describe(pids: list[int]) -> str:
 
 
 def stop_nodes(nodes: list[NodeProcess]) -> list[int]:
-    """Stop exactly these nodes and verify they are gone; returns the pids that needed SIGKILL. Idempotent."""
-    _signal([node.pid for node in nodes if _leader_is_ours(node)], signal.SIGTERM)
-    left = _wait_gone(nodes, STOP_GRACE_S)
-    # Belt and braces: a GCS/raylet/agent of these nodes that left the session still names its temp dir.
+    """Stop exactly these nodes and verify they are gone; returns the pids that needed SIGKILL. Idempotent.
+
+    SIGTERM goes to the node leaders first; after :data:`LEADERS_FIRST_S`, to every process of theirs still up (their
+    sessions' members, and Ray processes naming their temp dirs: an agent notices its raylet is gone by polling it,
+    which under load, or while it still starts, can take longer than the grace). SIGKILL only to what outlives
+    :data:`STOP_GRACE_S`."""
     temp_dirs = [node.temp_dir for node in nodes]
-    left += [pid for pid in _ray_processes_naming(temp_dirs) if pid not in left]
+    deadline = time.monotonic() + STOP_GRACE_S
+    _signal([node.pid for node in nodes if _leader_is_ours(node)], signal.SIGTERM)
+    left = _left_over(nodes, temp_dirs, time.monotonic() + LEADERS_FIRST_S)
+    if left:
+        _signal(left, signal.SIGTERM)
+        left = _left_over(nodes, temp_dirs, deadline)
     if left:
         logger.warning("SIGKILL to processes still up %.0f s after SIGTERM: %s", STOP_GRACE_S, _describe(left))
         _signal(left, signal.SIGKILL)
@@ -187,6 +195,17 @@ def stop_nodes(nodes: list[NodeProcess]) -> list[int]:
         if survivors:
             raise ClusterStopError(f"processes of the local cluster survived SIGKILL: {sorted(set(survivors))}")
     return left
+
+
+def _left_over(nodes: list[NodeProcess], temp_dirs: list[str], deadline: float) -> list[int]:
+    """Until ``deadline``, waits for the nodes' processes to go (their sessions' members, and Ray processes naming
+    their temp dirs, which may have left the session); those still up then."""
+    while True:
+        left = _wait_gone(nodes, max(0.0, deadline - time.monotonic()))
+        left += [pid for pid in _ray_processes_naming(temp_dirs) if pid not in left]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def port_answers(host: str, port: int, timeout_s: float = 2.0) -> bool:
