@@ -143,6 +143,8 @@ def finish_all(engine: Any) -> dict[int, Any]:
     results: dict[int, Any] = {}
     while engine.has_work:
         for request_id, chunk in engine.step():
+            if isinstance(chunk, Exception):
+                raise chunk
             if chunk.result is not None:
                 results[request_id] = chunk.result
     return results

@@ -91,6 +91,8 @@ def batched_runs(engine: Any, prompt: Sequence[int], params: Any, config: Any, t
             if not engine.has_work:
                 break
             for request_id, chunk in engine.step():
+                if isinstance(chunk, Exception):
+                    raise chunk
                 if chunk.result is not None:
                     results[order[request_id]] = chunk.result
         return [results[seed] for seed in seeds]

@@ -83,7 +83,10 @@ class DraftGatherer:
         try:
             proposals = self._run(propose_batch, [a.side for a in round_], [a.batch_size for a in round_])
             for a, proposal in zip(round_, proposals, strict=True):
-                a.proposal = proposal
+                if isinstance(proposal, Exception):
+                    a.error = proposal  # that loop's own failure
+                else:
+                    a.proposal = proposal
         except BaseException as exc:  # every loop of the round fails with its cause
             for a in round_:
                 a.error = exc

@@ -517,8 +517,12 @@ class TargetShardActor:
             )
             allreduce = self._allreduce_seconds() - before
             for (request_id, _, _), outcome in zip(items, step.outcomes, strict=True):
-                results[request_id] = dataclasses.replace(
-                    outcome, allreduce_seconds=allreduce, batch_size=len(items), step_positions=step.positions
+                results[request_id] = (
+                    outcome  # that request's own failure: it alone ends
+                    if isinstance(outcome, Exception)
+                    else dataclasses.replace(
+                        outcome, allreduce_seconds=allreduce, batch_size=len(items), step_positions=step.positions
+                    )
                 )
         return results
 

@@ -240,7 +240,7 @@ class Server(Protocol):
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, config: GenerationConfig | None = None
     ) -> int: ...
 
-    def step(self) -> list[tuple[int, StreamChunk]]: ...
+    def step(self) -> list[tuple[int, StreamChunk | Exception]]: ...
 
     @property
     def has_work(self) -> bool: ...
@@ -262,7 +262,7 @@ class OneAtATime:
         self._queue.append((request_id, self.engine.stream(prompt, params, config)))  # checked now, runs lazily
         return request_id
 
-    def step(self) -> list[tuple[int, StreamChunk]]:
+    def step(self) -> list[tuple[int, StreamChunk | Exception]]:
         request_id, stream = self._queue[0]
         chunk = next(stream)
         if chunk.result is not None:
@@ -294,6 +294,8 @@ def closed_loop(
         chunks = server.step()
         now = time.perf_counter()
         for request_id, chunk in chunks:
+            if isinstance(chunk, Exception):  # a benchmark's requests never fail on their own
+                raise chunk
             record = records[request_id]
             if chunk.token_ids:
                 record.chunks.append((now, len(chunk.token_ids)))

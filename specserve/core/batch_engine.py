@@ -23,6 +23,13 @@ Requests join and leave between steps. One :meth:`BatchedEngine.step`:
    its own span of the pool;
 4. **stop checks** — EOS, length, stop strings; finished requests free their tokens.
 
+**One request's failure is its own.** Each request's part of a step — its start, its drafting, its verdict, its
+detokenisation — runs guarded: when it raises (its grammar gave up mid-text, its drafter or processors raised, the
+target's logits for its rows were not finite), that request ends alone, its KV and draft span freed, and
+:meth:`BatchedEngine.step` hands its id the error in place of a chunk; every other request's chunk is what it would
+have been without it. Only a shared forward (the step's prefill or verify forward, a draft model's round) failing
+raises from the step.
+
 Per request, the drafter, schedule and generators see exactly the calls the single-request
 :class:`~specserve.core.engine.SpeculativeEngine` makes, in the same order (but for a prompt's features,
 which arrive chunk by chunk: see below), so a request's tokens
@@ -49,10 +56,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
-from specserve.core.draft import BatchedDrafter, Drafter, check_can_draft, drafter_counters, probe_nodes
+from specserve.core.batch_step import LocalPool, StepResult, kv_tokens, verify_batch
+from specserve.core.draft import BatchedDrafter, Drafter, Proposal, check_can_draft, drafter_counters, probe_nodes
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import GenerationFrontend
+from specserve.core.errors import request_failure
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.prompts import InvalidRequest, PromptCodec
@@ -60,7 +68,7 @@ from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput,
 from specserve.core.sampling import SamplingParams
 from specserve.core.schedule import ScheduleFactory, fixed_schedules
 from specserve.core.static_options import StaticOptions
-from specserve.core.target import PooledSequence, TargetVerifier
+from specserve.core.target import CycleOutcome, PooledSequence, TargetVerifier
 
 
 @dataclass
@@ -177,43 +185,82 @@ class BatchedEngine(GenerationFrontend):
     # -----------------------------------------------------------------------------------------
     # One step
 
-    def step(self) -> list[tuple[int, StreamChunk]]:
+    def step(self) -> list[tuple[int, StreamChunk | Exception]]:
         """Admit and prefill (a chunk), then draft, verify every prefilled request in one forward, commit; each
-        request's new chunk."""
-        self._admit()
-        self._prefill()
+        request's new chunk.
+
+        A request whose own part of the step fails — its start, its drafting, its verdict (its grammar gave up, its
+        processors raised, non-finite logits in its rows), its detokenisation — ends alone: its id comes with the
+        error in place of a chunk (the caller's :class:`~specserve.core.errors.UserError`, or
+        :class:`~specserve.core.errors.RequestFailed`), its KV is freed, and every other request's chunk is what it
+        would have been without it. Only a shared forward's failure raises."""
+        failed: list[tuple[int, StreamChunk | Exception]] = []
+        self._admit(failed)
+        self._prefill(failed)
         running = [r for r in self._running.values() if r.verifier is not None and not r.verifier.unprefilled]
         if not running:
-            return []
-        parts = [request.parts() for request in running]
-        proposals = propose_batch([side for _, side, _ in parts])
-        ids = [request.seq_id for request in running]
-        step = verify_batch(self.ops, [(p[0], x, seq_id) for p, x, seq_id in zip(parts, proposals, ids, strict=True)])
-        chunks = []
-        for request, (verifier, side, out), proposal, outcome in zip(
-            running, parts, proposals, step.outcomes, strict=True
-        ):
-            chunk = out.push(outcome.new_tokens, outcome.finish, outcome.logprobs)
-            if out.finish == "stop":
-                verifier.stop_at(len(out.tokens))
-            stopped = out.finish == "stop"
-            observation = side.on_verdict(
-                proposal, outcome, stopped=stopped, batch_size=len(running), step_positions=step.positions
-            )
-            out.stats.record(observation)
-            chunks.append((request.request_id, chunk))
-            if out.finish is not None:
-                out.stats.drafter_counters.update(drafter_counters(side.drafter))
-                self.cancel(request.request_id)
-        return chunks
+            return failed
+        proposals = propose_batch([request.parts()[1] for request in running])
+        drafted = []
+        for request, proposal in zip(running, proposals, strict=True):
+            if isinstance(proposal, Exception):
+                self._fail(request, proposal, failed)
+            else:
+                drafted.append((request, proposal))
+        if not drafted:
+            return failed
+        step = verify_batch(self.ops, [(r.parts()[0], proposal, r.seq_id) for r, proposal in drafted])
+        chunks: list[tuple[int, StreamChunk | Exception]] = []
+        for (request, proposal), outcome in zip(drafted, step.outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                self._fail(request, outcome, chunks)
+                continue
+            try:
+                chunks.append((request.request_id, self._commit(request, proposal, outcome, len(drafted), step)))
+            except Exception as exc:
+                self._fail(request, request_failure(exc, "committing the verdict"), chunks)
+        return failed + chunks
 
-    def _admit(self) -> None:
+    def _commit(
+        self, request: _Request, proposal: Proposal, outcome: CycleOutcome, batch_size: int, step: StepResult
+    ) -> StreamChunk:
+        """One request's verdict turned into its chunk: stop checks, the draft side's observation, and its end."""
+        verifier, side, out = request.parts()
+        chunk = out.push(outcome.new_tokens, outcome.finish, outcome.logprobs)
+        if out.finish == "stop":
+            verifier.stop_at(len(out.tokens))
+        stopped = out.finish == "stop"
+        observation = side.on_verdict(
+            proposal, outcome, stopped=stopped, batch_size=batch_size, step_positions=step.positions
+        )
+        out.stats.record(observation)
+        if out.finish is not None:
+            out.stats.drafter_counters.update(drafter_counters(side.drafter))
+            self.cancel(request.request_id)
+        return chunk
+
+    def _fail(self, request: _Request, error: Exception, into: list[tuple[int, StreamChunk | Exception]]) -> None:
+        """End ``request`` alone with ``error`` (already what its caller should hear): its KV and drafter freed."""
+        if request.request_id in self._running:
+            self.cancel(request.request_id)
+        else:  # failed while starting: it holds what _start gave it so far
+            if request.sequence is not None:
+                self.pool.free(request.seq_id)
+            if isinstance(request.drafter, BatchedDrafter):
+                request.drafter.release()
+        into.append((request.request_id, error))
+
+    def _admit(self, failed: list[tuple[int, StreamChunk | Exception]]) -> None:
         while (
             self._waiting
             and len(self._running) < self.max_num_seqs
             and self.pool.fits(self._request_kv_tokens(self._waiting[0]))
         ):
-            self._start(self._waiting.popleft())
+            request = self._waiting.popleft()
+            try:
+                self._start(request)
+            except Exception as exc:
+                self._fail(request, request_failure(exc, "starting the request"), failed)
 
     @staticmethod
     def _kv_tokens(prompt_tokens: int, config: GenerationConfig, drafter: Drafter) -> int:
@@ -224,7 +271,7 @@ class BatchedEngine(GenerationFrontend):
     def _request_kv_tokens(self, request: _Request) -> int:
         return self._kv_tokens(len(request.prompt_ids), request.config, request.drafter)
 
-    def _prefill(self) -> None:
+    def _prefill(self, failed: list[tuple[int, StreamChunk | Exception]]) -> None:
         """One forward over the next prompt chunks of the requests still prefilling, oldest first, within
         ``prefill_tokens`` positions *computed*: the forward pads every row to its widest chunk, so rows × widest
         chunk stays within the budget (a later chunk never widens the step; one that would not fit waits for the
@@ -253,7 +300,11 @@ class BatchedEngine(GenerationFrontend):
         for request, start, capture in filling:
             verifier, side, out = request.parts()
             if capture is not None:  # the chunks come in order: the drafter knows every position before ``start``
-                side.add_features(start, capture.take())
+                try:
+                    side.add_features(start, capture.take())
+                except Exception as exc:
+                    self._fail(request, request_failure(exc, "drafting"), failed)
+                    continue
             if not verifier.unprefilled:
                 out.stats.prefill_seconds = now - request.submitted
 
@@ -291,6 +342,9 @@ class BatchedEngine(GenerationFrontend):
             while not done:
                 for rid, chunk in self.step():
                     if rid == request_id:
+                        if isinstance(chunk, Exception):
+                            done = True  # the engine already forgot it
+                            raise chunk
                         done = chunk.result is not None
                         yield chunk
         finally:

@@ -26,6 +26,7 @@ import torch
 
 from specserve.core.buckets import VerifyBuckets
 from specserve.core.draft import Proposal
+from specserve.core.errors import RequestFailed, request_failure
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.target import CycleOutcome, PoolOps, TargetVerifier
@@ -66,23 +67,43 @@ def kv_tokens(sequence_tokens: int, tree_nodes: int = 0) -> int:
 
 @dataclass(frozen=True)
 class StepResult:
-    outcomes: list[CycleOutcome]  # per item, in order
+    outcomes: list[CycleOutcome | Exception]  # per item, in order: its outcome, or what ended it alone
     seconds: float  # the forward and every verdict
     positions: int  # positions the forward computed: rows × the widest block
 
 
 def verify_batch(ops: PoolOps, items: Sequence[tuple[TargetVerifier, Proposal, int]]) -> StepResult:
-    """Verify ``(verifier, proposal, seq_id)`` items in one forward over ``ops`` (see the module docstring)."""
+    """Verify ``(verifier, proposal, seq_id)`` items in one forward over ``ops`` (see the module docstring).
+
+    One request's own failure — its block or its verdict raising (its grammar gave up, a processor raised), or the
+    target's logits for its rows not finite — is that item's outcome (:func:`~specserve.core.errors.request_failure`),
+    and every other item is decided as if it had not been there (its rows are its own). Only the shared forward's
+    failure raises. A failed request's KV holds its block, rolled back or not: its caller ends it, which frees it."""
     if not items:
         raise ValueError("a batched step needs at least one request")
     start = time.perf_counter()
-    blocks = [verifier.block(proposal, seq_id) for verifier, proposal, seq_id in items]
-    captures = [verifier.new_capture() for verifier, _, _ in items]  # None for requests that read no features
-    logits = ops.forward_batch(blocks, capture=captures)
-    outcomes = [
-        verifier.decide(proposal, rows, start, capture.take() if capture is not None else None)
-        for (verifier, proposal, _), rows, capture in zip(items, logits, captures, strict=True)
-    ]
+    outcomes: list[CycleOutcome | Exception | None] = [None] * len(items)
+    live, blocks = [], []
+    for i, (verifier, proposal, seq_id) in enumerate(items):
+        try:
+            blocks.append(verifier.block(proposal, seq_id))
+            live.append(i)
+        except Exception as exc:
+            outcomes[i] = request_failure(exc, "verification")
+    positions = len(blocks) * max((block.size for block in blocks), default=0)
+    if live:
+        captures = [items[i][0].new_capture() for i in live]  # None for requests that read no features
+        logits = ops.forward_batch(blocks, capture=captures)
+        finite = torch.stack([torch.isfinite(rows).all() for rows in logits]).tolist()  # one host sync for the step
+        for i, rows, capture, ok in zip(live, logits, captures, finite, strict=True):
+            verifier, proposal, _ = items[i]
+            try:
+                if not ok:
+                    raise RequestFailed("the target's logits for this request were not finite (NaN or infinity)")
+                outcomes[i] = verifier.decide(proposal, rows, start, capture.take() if capture is not None else None)
+            except Exception as exc:
+                outcomes[i] = request_failure(exc, "verification")
     seconds = time.perf_counter() - start
-    positions = len(blocks) * max(block.size for block in blocks)
-    return StepResult([dataclasses.replace(o, verify_seconds=seconds) for o in outcomes], seconds, positions)
+    done = [o if isinstance(o, Exception) else dataclasses.replace(o, verify_seconds=seconds) for o in outcomes if o]
+    assert len(done) == len(items), "every item has its outcome or its failure"
+    return StepResult(done, seconds, positions)

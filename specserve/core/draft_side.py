@@ -37,6 +37,7 @@ from specserve.core.draft import (
     check_can_draft,
     propose,
 )
+from specserve.core.errors import request_failure
 from specserve.core.model import KVCache
 from specserve.core.sampling import SamplingParams
 from specserve.core.schedule import BatchPlanned, Budget, CycleObservation, Schedule
@@ -266,7 +267,7 @@ def _fit_to_width(sides: Sequence[DraftSide]) -> None:
             side.budget = Budget(chain)
 
 
-def propose_batch(sides: Sequence[DraftSide], batch_sizes: Sequence[int] | None = None) -> list[Proposal]:
+def propose_batch(sides: Sequence[DraftSide], batch_sizes: Sequence[int] | None = None) -> list[Proposal | Exception]:
     """Every side's next proposal for one batched step of ``len(sides)`` requests.
 
     Each schedule first plans its budget knowing the batch size; the chains of schedules that allow it
@@ -277,6 +278,10 @@ def propose_batch(sides: Sequence[DraftSide], batch_sizes: Sequence[int] | None 
     n-gram, none) is drafted on its own. Every request's drafter sees the calls it would see alone, so the proposals
     are the same.
 
+    A side whose own planning or drafting raises gets its error in its place
+    (:func:`~specserve.core.errors.request_failure`), and the others their proposals; only a shared forward's failure
+    (a draft model's, for its whole group) raises.
+
     ``batch_sizes``, when given, is each side's own batch size (the distributed drafter's requests, drafted
     together but verified in steps rank 0 forms, each plan with the size of its request's last step): each side
     plans as its :meth:`DraftSide.propose` would, and no width is chosen for them together.
@@ -284,27 +289,39 @@ def propose_batch(sides: Sequence[DraftSide], batch_sizes: Sequence[int] | None 
     batch = len(sides)
     if batch_sizes is not None and len(batch_sizes) != batch:
         raise ValueError(f"{len(batch_sizes)} batch sizes for {batch} draft sides")
-    for side, size in zip(sides, batch_sizes or [batch] * batch, strict=True):
-        side.plan(size)
-    if batch > 1 and batch_sizes is None:
-        _fit_to_width(sides)
-    proposals: list[Proposal | None] = [None] * batch
+    proposals: list[Proposal | Exception | None] = [None] * batch
+    for i, (side, size) in enumerate(zip(sides, batch_sizes or [batch] * batch, strict=True)):
+        try:
+            side.plan(size)
+        except Exception as exc:
+            proposals[i] = request_failure(exc, "drafting")
+    planned = [side for side, p in zip(sides, proposals, strict=True) if p is None]
+    if len(planned) > 1 and batch_sizes is None:
+        _fit_to_width(planned)
     groups: dict[int, tuple[ChainBatcher, list[int]]] = {}
     for i, side in enumerate(sides):
+        if proposals[i] is not None:
+            continue
         limit = side.chain_limit
         if limit and isinstance(side.drafter, BatchedDrafter):
             groups.setdefault(id(side.drafter.batcher), (side.drafter.batcher, []))[1].append(i)
         else:
-            proposals[i] = side.draft()
+            try:
+                proposals[i] = side.draft()
+            except Exception as exc:
+                proposals[i] = request_failure(exc, "drafting")
     for batcher, members in groups.values():
         drafters = [sides[i].drafter for i in members]
         limits = [sides[i].chain_limit or 0 for i in members]
         start = time.perf_counter()
-        drafts = batcher.propose_chains(drafters, limits)
+        drafts = batcher.propose_chains(drafters, limits)  # one forward per round for the group: its failure is theirs
         seconds = time.perf_counter() - start
         own = list(getattr(batcher, "catch_up_seconds", None) or [0.0] * len(members))  # long catch-ups, by drafter
         share = max(0.0, seconds - sum(own)) / len(members)  # the shared rounds, split evenly
         for i, draft, alone in zip(members, drafts, own, strict=True):
-            proposals[i] = sides[i].take(draft, share + alone)
+            try:
+                proposals[i] = sides[i].take(draft, share + alone)
+            except Exception as exc:
+                proposals[i] = request_failure(exc, "drafting")
     assert all(p is not None for p in proposals)
-    return cast(list[Proposal], proposals)
+    return cast(list[Proposal | Exception], proposals)

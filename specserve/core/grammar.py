@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - llguidance is installed wherever the t
     llguidance = None  # type: ignore[assignment]
 
 from specserve.core.draft import Draft, Proposal
-from specserve.core.errors import InvalidRequest
+from specserve.core.errors import GrammarFailed, InvalidRequest
 from specserve.core.model import ModelInfo
 from specserve.core.sampling_params import GrammarSpec, SamplingParams
 from specserve.core.tree import ROOT
@@ -52,6 +52,11 @@ from specserve.core.tree import ROOT
 # How JSON is laid out: json.dumps' separators and no other whitespace, so that a model cannot pad its output with
 # spaces and newlines forever; a schema may choose otherwise with llguidance's "x-guidance" options.
 JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# A compiled grammar is run this many tokens ahead before any request uses it (:func:`probe`): llguidance builds its
+# lexer lazily, so a grammar whose lexer explodes (the regex ``a{1000000}``: "too many expressions constructed")
+# compiles and then fails at its first or second token. Probed at the edge, it is a 400 before it reaches a batch.
+PROBE_TOKENS = 4
 
 
 class _DecodedVocabulary:
@@ -107,7 +112,7 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec) -> RequestGrammar:
         """A fresh matcher for ``spec``; :class:`InvalidRequest` saying what is wrong with a bad grammar."""
-        return RequestGrammar(self._compiled(spec).deep_copy(), self.vocab, self.eos)
+        return RequestGrammar(self._compiled(spec).deep_copy(), self.vocab, self.eos, spec.kind)
 
     def check(self, spec: GrammarSpec) -> None:
         """Raises :class:`InvalidRequest` for a grammar that does not compile (and keeps one that does)."""
@@ -119,7 +124,9 @@ class GrammarCompiler:
         with _GRAMMARS_LOCK:
             matcher = _GRAMMARS.get(key)
             if matcher is None:
-                matcher = _GRAMMARS[key] = compile_grammar(self.tokenizer, spec)
+                matcher = compile_grammar(self.tokenizer, spec)
+                probe(matcher, spec.kind, self.eos)
+                _GRAMMARS[key] = matcher
                 if len(_GRAMMARS) > GRAMMAR_CACHE_SIZE:
                     _GRAMMARS.popitem(last=False)
             else:
@@ -140,13 +147,41 @@ def compile_grammar(tokenizer: Any, spec: GrammarSpec) -> Any:
             text = llguidance.LLMatcher.grammar_from_lark(spec.source)
     except ValueError as exc:
         raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(str(exc))}") from exc
-    error = llguidance.LLMatcher.validate_grammar(text)
+    limits = parser_limits()
+    error = llguidance.LLMatcher.validate_grammar(text, limits=limits)
     if error:
         raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(error)}")
-    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
     if matcher.is_error():
         raise InvalidRequest(f"the {spec.kind} grammar is not valid: {one_line(matcher.get_error())}")
     return matcher
+
+
+def parser_limits() -> Any:
+    """llguidance's own lexer and parser budgets (its defaults: lexer fuel, lexer states, Earley items per step, grammar
+    size), stated so they are the same for every matcher, with errors that quote no grammar state."""
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def probe(matcher: Any, kind: str, eos: frozenset[int]) -> None:
+    """Run a copy of a freshly compiled ``matcher`` :data:`PROBE_TOKENS` tokens ahead (each time the first token it
+    allows that is not an end of text), computing every mask on the way; :class:`InvalidRequest` when llguidance gives
+    up on the grammar there. A grammar that fails only later still fails alone at run time
+    (:class:`~specserve.core.errors.GrammarFailed`: the request ends, its batch goes on)."""
+    ahead = matcher.deep_copy()
+    for _ in range(PROBE_TOKENS):
+        bias = ahead.compute_logit_bias()
+        if ahead.is_error():
+            break
+        allowed = torch.frombuffer(bytearray(bias), dtype=torch.uint8).nonzero().flatten().tolist()
+        token = next((t for t in allowed if t not in eos), None)
+        if token is None or not ahead.consume_tokens([token]) or ahead.is_stopped():
+            break
+    if ahead.is_error():
+        raise InvalidRequest(
+            f"the {kind} grammar cannot run: {one_line(ahead.get_error())} (llguidance gave up on it within "
+            f"{PROBE_TOKENS} tokens); simplify it, e.g. smaller repetition counts"
+        )
 
 
 def _backend_digest(tokenizer: Any) -> Hashable:
@@ -204,10 +239,18 @@ def request_grammar(params: SamplingParams, tokenizer: Any, info: ModelInfo) -> 
 class RequestGrammar:
     """One request's matcher, kept at the end of its committed text (:meth:`advance`)."""
 
-    def __init__(self, matcher: Any, vocab: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: Any, vocab: int, eos_token_ids: frozenset[int], kind: str = "grammar") -> None:
         self.matcher = matcher
         self.vocab = vocab
         self.eos = eos_token_ids
+        self.kind = kind
+
+    def _check(self) -> None:
+        """:class:`GrammarFailed` once llguidance has given up on the grammar (a budget it ran out of, mid-text)."""
+        if self.matcher.is_error():
+            raise GrammarFailed(
+                f"the {self.kind} grammar failed while generating: {one_line(self.matcher.get_error())}; simplify it"
+            )
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The committed text grew by ``tokens`` (each allowed where it stands: the masks made sure). An end of
@@ -215,18 +258,25 @@ class RequestGrammar:
         the matcher (a finished matcher refuses it)."""
         text = [int(t) for t in tokens if int(t) not in self.eos]
         if text and not self.matcher.consume_tokens(text):
+            self._check()
             raise RuntimeError(f"the grammar refused committed tokens: {self.matcher.get_error()}")
 
     def allowed(self) -> torch.Tensor:  # [vocab] bool
         """The tokens the grammar allows next."""
-        mask = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)
+        bias = self.matcher.compute_logit_bias()
+        self._check()
+        mask = torch.frombuffer(bytearray(bias), dtype=torch.uint8)
         allowed = torch.zeros(self.vocab, dtype=torch.bool)
         allowed[: mask.numel()] = mask[: self.vocab] > 0
         return allowed
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar allows after the committed text."""
-        return int(self.matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
+        if not tokens:
+            return 0
+        valid = int(self.matcher.validate_tokens([int(t) for t in tokens]))
+        self._check()
+        return valid
 
     def prune(self, proposal: Proposal, keep_refused: bool) -> tuple[Proposal, list[int]]:
         """``proposal`` without the nodes below a token the grammar refuses (and without that token unless
@@ -264,7 +314,8 @@ class RequestGrammar:
             if self.valid_prefix(path) < len(path):
                 rows.append(torch.ones(self.vocab, dtype=torch.bool))
                 continue
-            self.matcher.consume_tokens(path)
+            if not self.matcher.consume_tokens(path):
+                self._check()
             rows.append(self.allowed())
             self.matcher.rollback(len(path))
         return torch.stack(rows)

@@ -31,9 +31,11 @@ not verify, schedule, or decide which requests draft together.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -46,6 +48,8 @@ from specserve.core.sampling import SamplingParams, sample, warp_probs
 from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.tree import TreeModelDrafter
 from specserve.drafters.vocabulary import check_same_vocabulary
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CATCH_UP_TOKENS = 128  # tokens per row and forward of a long catch-up
 SHORT_CATCH_UP = 4  # a catch-up of at most this many tokens shares the first drafting round with the others
@@ -127,11 +131,12 @@ class BatchedDraftModel:
     def _draft(self, rows: Sequence[_Row]) -> None:
         """Catch every row up and draft its budget: after any long catch-ups, one forward per round over the rows
         still drafting (the first round feeds each row's short catch-up, then one token per row)."""
+        for row in rows:
+            if row.budget > 0 and row.drafter.grammar is not None:  # the matcher at the end of the committed text
+                row.guarded(row.sync_grammar)
         active = [row for row in rows if row.budget > 0]
         for row in active:
             row.pending = self._catch_up(row)
-            if row.drafter.grammar is not None:  # the matcher at the end of the committed text
-                row.drafter.grammar.sync(row.drafter.context)
         long = [row for row in active if row.pending.numel() > SHORT_CATCH_UP]
         while long:  # all but the last token of each long catch-up, in rows of their own
             start = time.perf_counter()
@@ -146,7 +151,7 @@ class BatchedDraftModel:
             blocks = [BatchBlock.chain(row.seq_id, row.take(SHORT_CATCH_UP)) for row in active]
             logits = self.model.forward_batch(self.pool, blocks, last_only=True)
             for row, row_logits in zip(active, logits, strict=True):  # [1, vocab] each
-                row.choose(row_logits[-1])  # draws in the order given
+                row.guarded(partial(row.choose, row_logits[-1]))  # draws in the order given
             active = [row for row in active if row.pending.numel() > 0]
 
     def _catch_up(self, row: _Row) -> torch.Tensor:  # [k] int64, the committed tokens the span lacks (k >= 1)
@@ -179,6 +184,21 @@ class _Row:
         """Tokens are drawn from the request's generator (not greedy, not drafter-invariant)."""
         params = self.drafter.params
         return self.budget > 0 and not params.greedy and not params.invariant_sampling
+
+    def guarded(self, step: Callable[[], None]) -> None:
+        """Run one of this row's own steps (its grammar's sync, a token's choice); if it raises (the request's grammar
+        gave up mid-text, say), the row's chain ends with what it has, and the other rows draft on. Drafting less is
+        always exact; the request's verifier, whose matcher is at the same text, reports a grammar that cannot run."""
+        try:
+            step()
+        except Exception:
+            logger.warning("drafting one request's chain failed; it ends here, the others draft on", exc_info=True)
+            self.budget = len(self.tokens)
+            self.pending = self.pending[:0]
+
+    def sync_grammar(self) -> None:
+        assert self.drafter.grammar is not None
+        self.drafter.grammar.sync(self.drafter.context)
 
     def take(self, limit: int) -> torch.Tensor:  # [min(k, limit)] int64
         chunk, self.pending = self.pending[:limit], self.pending[limit:]

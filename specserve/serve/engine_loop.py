@@ -16,8 +16,12 @@ merged (:func:`merge_chunks`), so a slow consumer costs one message, not many.
   step boundary: the engine drops it and frees its KV slot.
 * **Idle.** With nothing to do the thread sleeps on a condition variable until a request arrives
   (no busy spin).
-* **Failures.** An exception from ``engine.step()`` affects every request in that step. Requests
-  that had already streamed tokens fail with :class:`EngineFailure` (the message names the cause);
+* **One request's failure.** A request the engine ended alone in a step (its id came with an exception: its
+  grammar gave up, its drafter or processors raised, its logits were not finite) fails with that exception, a
+  :class:`~specserve.core.errors.UserError` the caller can fix or a
+  :class:`~specserve.core.errors.RequestFailed`; the others' chunks of that step are delivered as usual.
+* **Failures.** An exception from ``engine.step()`` (a shared forward failed) affects every request in that step.
+  Requests that had already streamed tokens fail with :class:`EngineFailure` (the message names the cause);
   requests that had streamed nothing yet (waiting for a slot, or prefilling) are resubmitted once,
   which is exact since nothing of theirs was seen. The loop keeps serving; :meth:`check_health`
   raises after :data:`UNHEALTHY_AFTER` failed steps in a row, or when the thread died, so Serve can
@@ -63,7 +67,7 @@ class BatchEngine(Protocol):
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, config: GenerationConfig | None = None
     ) -> int: ...
 
-    def step(self) -> list[tuple[int, StreamChunk]]: ...
+    def step(self) -> list[tuple[int, StreamChunk | Exception]]: ...
 
     def cancel(self, request_id: int) -> None: ...
 
@@ -153,6 +157,7 @@ class LoopStatus:
     kv_tokens_free: int | None = None  # not reserved by a running request
     steps: int = 0  # steps that verified at least one request
     failed_steps: int = 0
+    failed_requests: int = 0  # ended alone by their own failure (grammar, drafter, processors, non-finite logits)
     batch_sizes: dict[int, int] = field(default_factory=dict)  # requests verified together -> steps
     active_requests: tuple[int, ...] = ()  # the engine's ids of the requests in flight
 
@@ -163,6 +168,7 @@ class LoopStatus:
             "kv": {"tokens": self.kv_tokens, "free": self.kv_tokens_free},
             "steps": self.steps,
             "failed_steps": self.failed_steps,
+            "failed_requests": self.failed_requests,
             "batch_sizes": dict(self.batch_sizes),
             "active_requests": list(self.active_requests),
         }
@@ -193,6 +199,7 @@ class EngineLoop:
         self._by_engine_id: dict[int, _Request] = {}
         self._steps = 0
         self._failed_steps = 0
+        self._failed_requests = 0  # ended alone by their own failure in a step
         self._failures_in_a_row = 0
         self._last_failure: BaseException | None = None
         self._batch_sizes: Counter[int] = Counter()
@@ -351,9 +358,18 @@ class EngineLoop:
             return
         self._failures_in_a_row = 0
         tokens = 0
-        deliveries = []
+        deliveries: list[tuple[_Request, Item]] = []
+        verified = 0
         for engine_id, chunk in results:
             request = self._by_engine_id.get(engine_id)
+            if isinstance(chunk, Exception):  # that request's own failure; the engine freed its slot
+                self._failed_requests += 1
+                if request is not None:
+                    self._by_engine_id.pop(engine_id, None)
+                    self._by_key.pop(request.key, None)
+                    deliveries.append((request, _Failed(chunk)))
+                continue
+            verified += 1
             tokens += len(chunk.token_ids)
             if request is None:
                 continue
@@ -363,15 +379,15 @@ class EngineLoop:
                 self._by_engine_id.pop(engine_id, None)
                 self._by_key.pop(request.key, None)
             deliveries.append((request, chunk))
-        if results:
+        if verified:
             self._steps += 1
-            self._batch_sizes[len(results)] += 1
+            self._batch_sizes[verified] += 1
         self._publish()  # before the callers hear: a finished request is no longer counted when its result arrives
-        for request, chunk in deliveries:
-            self._deliver(request, chunk)
-        if results and self.on_step is not None:
+        for request, item in deliveries:
+            self._deliver(request, item)
+        if verified and self.on_step is not None:
             try:
-                self.on_step(len(results), tokens)
+                self.on_step(verified, tokens)
             except Exception:  # metrics must never stop generation
                 logger.exception("the step hook failed")
 
@@ -422,6 +438,7 @@ class EngineLoop:
             kv_tokens_free=getattr(pool, "free_tokens", None),
             steps=self._steps,
             failed_steps=self._failed_steps,
+            failed_requests=self._failed_requests,
             batch_sizes=dict(self._batch_sizes),
             active_requests=tuple(sorted(self._by_engine_id)),
         )

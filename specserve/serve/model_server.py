@@ -240,8 +240,8 @@ class ModelServer:
         }
         if self.loop is not None:
             loop = self.loop.status()
-            out.update(kv=loop["kv"], steps=loop["steps"], failed_steps=loop["failed_steps"])
-            out.update(batch_sizes=loop["batch_sizes"], active_requests=loop["active_requests"])
+            for key in ("kv", "steps", "failed_steps", "failed_requests", "batch_sizes", "active_requests"):
+                out[key] = loop[key]
         else:
             active = getattr(self.runner, "active_requests", None)
             if active is not None:

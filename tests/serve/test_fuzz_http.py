@@ -148,6 +148,8 @@ def test_probe_temperatures_below_the_floor_answer_greedily(url: str) -> None:
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),  # compiles, then cannot run
+        ({"structured_outputs": {"grammar": "start: /a{1000000}/"}}, "structured_outputs"),
     ],
 )
 def test_probe_refusals_are_400s_naming_the_field(url: str, change: dict[str, Any], param: str) -> None:

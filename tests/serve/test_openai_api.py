@@ -302,3 +302,27 @@ def test_structured_outputs_choice_and_regex(handler: Api) -> None:
     with pytest.raises(RequestError) as info:
         handler.completion(CompletionRequest(**request, **regex, ignore_eos=True))
     assert info.value.param == "structured_outputs" and "ignore_eos" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "grammar", [{"regex": "a{1000000}"}, {"grammar": "start: /a{1000000}/"}], ids=["regex", "lark"]
+)
+def test_a_grammar_that_compiles_but_cannot_run_is_a_400_before_it_reaches_a_batch(
+    handler: Api, grammar: dict[str, str]
+) -> None:
+    """llguidance compiles these and then gives up at their first tokens ("too many expressions constructed"): the
+    edge runs every new grammar a few tokens ahead, so the client hears it at once, naming the field."""
+    kind = "regex" if "regex" in grammar else "lark"
+    completion = CompletionRequest(model="tiny", prompt="ab", max_tokens=8, structured_outputs=grammar)  # type: ignore[arg-type]
+    chat = ChatCompletionRequest(
+        model="tiny",
+        messages=[ChatMessage(role="user", content="a")],
+        max_tokens=8,
+        structured_outputs=grammar,  # type: ignore[arg-type]
+    )
+    for call, body in ((handler.completion, completion), (handler.chat, chat)):
+        with pytest.raises(RequestError) as info:
+            call(body)  # type: ignore[operator]
+        assert info.value.status == 400 and info.value.param == "structured_outputs"
+        assert f"the {kind} grammar cannot run" in info.value.message
+        assert "too many expressions constructed" in info.value.message and "simplify" in info.value.message
