@@ -8,7 +8,8 @@ single-process engine's on that request alone (greedy: also transformers'; seede
 the same tokens), the requests really shared steps, and the whole pool is free afterwards on every rank.
 Prompts are prefilled 8 tokens at a time, between steps. Without overlap, the drafter actor drafts the
 running requests' chains together (its request loops meet in a round), and seeded requests still emit exactly
-what they emit alone.
+what they emit alone. A request whose grammar gives up mid-text on rank 0 fails alone (its GrammarFailed), and the
+requests verified in the same steps stay exact.
 Float64 tiny models on a real local Ray cluster; the cases' replicas are spawned at once as the module starts.
 """
 
@@ -27,7 +28,9 @@ from replicas import Case, config_for, greedy_reference, spawned_at_once
 
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.errors import GrammarFailed
 from specserve.core.sampling import SamplingParams
+from specserve.core.sampling_params import GrammarSpec
 from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter_set
 
@@ -163,3 +166,85 @@ def test_an_abandoned_stream_leaves_the_batch_and_frees_its_kv(running: Running)
         time.sleep(0.1)
     assert ray.get(rank0.active_requests.remote()) == []
     assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
+
+
+DOOMED = GrammarSpec("regex", "[a-k]{30,40}")  # longer than the request runs: it cannot end before it fails
+
+
+def give_up_after(masks: int) -> Callable[[Any], None]:
+    """A call for rank 0's process: the matchers it compiles for :data:`DOOMED` from now on give up after ``masks``
+    masks, as llguidance's lexer does when a grammar exhausts its budget mid-text (``masks`` < 0: undo)."""
+
+    def patch(_shard: Any) -> None:
+        from specserve.core.grammar import GrammarCompiler
+
+        original = getattr(GrammarCompiler, "_unpatched_compile", GrammarCompiler.compile)
+        if masks < 0:
+            GrammarCompiler.compile = original  # type: ignore[method-assign]
+            return
+
+        class GivesUp:
+            def __init__(self, matcher: Any) -> None:
+                self._matcher, self._left = matcher, masks
+
+            def compute_logit_bias(self) -> Any:
+                self._left -= 1
+                return self._matcher.compute_logit_bias()
+
+            def is_error(self) -> bool:
+                return self._left < 0 or bool(self._matcher.is_error())
+
+            def get_error(self) -> str:
+                return "lexer error: too many expressions constructed" if self._left < 0 else self._matcher.get_error()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._matcher, name)
+
+        def compile(self: Any, spec: Any) -> Any:
+            grammar = original(self, spec)
+            if spec == DOOMED:
+                grammar.matcher = GivesUp(grammar.matcher)
+            return grammar
+
+        GrammarCompiler._unpatched_compile = original  # type: ignore[attr-defined]
+        GrammarCompiler.compile = compile  # type: ignore[method-assign]
+
+    return patch
+
+
+def test_a_request_whose_grammar_gives_up_fails_alone_and_the_others_stay_exact(running: Running) -> None:
+    """Rank 0 verifies the doomed request in the same steps as three others; when its grammar gives up mid-text
+    (its verifier's matcher, patched on rank 0) it fails alone with its GrammarFailed — the caller's, a 400 at
+    the edge — and the others emit exactly what they emit alone; the pool is free afterwards on every rank."""
+    import ray
+
+    rank0 = running.coordinator.replica.rank0
+    ray.get(rank0.__ray_call__.remote(give_up_after(8)))
+    try:
+        prompts = [running.pair.prompts[i] for i in range(SLOTS)]
+        configs = [GenerationConfig(max_new_tokens=n, gamma=3) for n in (20, 16, 12)]
+        calls: list[Callable[[], Any]] = [
+            lambda p=p, c=c: running.coordinator.generate(p, SamplingParams(), c)
+            for p, c in zip(prompts, configs, strict=False)
+        ]
+
+        def doomed() -> Any:
+            try:
+                return running.coordinator.generate(
+                    prompts[3], SamplingParams(grammar=DOOMED), GenerationConfig(max_new_tokens=24, gamma=3)
+                )
+            except Exception as exc:
+                return exc
+
+        *results, failure = concurrently([*calls, doomed])
+        assert isinstance(failure, GrammarFailed), repr(failure)
+        assert "too many expressions constructed" in str(failure)
+        for prompt, config, got in zip(prompts, configs, results, strict=False):
+            assert got.output_ids == greedy_reference(running.pair, prompt, config.max_new_tokens)
+        for _ in range(50):
+            if not ray.get(rank0.active_requests.remote()):
+                break
+            time.sleep(0.1)
+        assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
+    finally:
+        ray.get(rank0.__ray_call__.remote(give_up_after(-1)))
