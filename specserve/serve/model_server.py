@@ -464,9 +464,11 @@ class ModelServer:
     def _queue_full(self) -> QueueFull:
         c = self.config
         retry = self.retry_after_s()
+        bound = f"max_num_seqs {self.at_once}" if self.loop is not None else f"{self.at_once} at once"
         return QueueFull(
-            f"this replica is full: {self.running} requests generating and {self.waiting} waiting, the most it holds "
-            f"({self.at_once} generating at once + max_queue {c.max_queue}); retry after {retry} s",
+            f"this replica is full: it holds {self.running + self.waiting} requests, the most it may ({bound} + "
+            f"max_queue {c.max_queue}): {self.running} generating, {self.waiting} waiting for their turn; retry after "
+            f"{retry} s",
             retry,
         )
 

@@ -146,7 +146,7 @@ def test_a_full_replica_answers_429_and_serves_on(client: openai.OpenAI) -> None
         error = answer.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert (error["type"], error["code"], error["param"]) == ("rate_limit_error", "queue_full", None)
-        assert f"{AT_ONCE} generating at once + max_queue {QUEUE}" in error["message"]
+        assert f"(max_num_seqs {AT_ONCE} + max_queue {QUEUE})" in error["message"]
     finally:
         for stream in streams:
             stream.close()  # the clients leave: their requests are cancelled and their KV freed

@@ -137,7 +137,7 @@ def test_one_at_a_time_the_queue_is_bounded(engine: SpeculativeEngine) -> None:
         waiting = server.generate(prompt, GREEDY, LONG)
         await anext(waiting)  # taken, waiting for the one generation slot
         assert (server.status()["running"], server.status()["waiting"]) == (1, 1)
-        with pytest.raises(QueueFull, match=r"1 generating at once \+ max_queue 1") as refused:
+        with pytest.raises(QueueFull, match=r"\(1 at once \+ max_queue 1\)") as refused:
             await anext(server.generate(prompt, GREEDY, LONG))
         assert refused.value.retry_after_s >= 1
         await running.aclose()
@@ -180,7 +180,7 @@ def test_a_runner_that_takes_several_requests_gets_that_many_at_once(pair: TinyP
             await generating(stream)  # both generate at once
         await anext(streams[2])  # taken, waiting
         assert (server.status()["running"], server.status()["waiting"]) == (2, 1)
-        with pytest.raises(QueueFull, match=r"2 generating at once \+ max_queue 1"):
+        with pytest.raises(QueueFull, match=r"\(2 at once \+ max_queue 1\)"):
             await anext(server.generate(prompts[0], GREEDY, LONG))
         for stream in streams:
             await stream.aclose()
@@ -222,7 +222,7 @@ def test_batched_requests_equal_themselves_alone_and_the_queue_is_bounded(
         reserved = sum(len(p) + LONG.max_new_tokens for p in prompts[:2])  # the two generating: prompt + output
         assert (status["running"], status["waiting"]) == (2, 1)
         assert status["kv"] == {"tokens": 240, "free": 240 - reserved}
-        full = r"2 requests generating and 1 waiting.*2 generating at once \+ max_queue 1"
+        full = r"it holds 3 requests.*\(max_num_seqs 2 \+ max_queue 1\): 2 generating, 1 waiting"
         with pytest.raises(QueueFull, match=full):
             await anext(server.generate(prompts[0], GREEDY, LONG))
         for stream in long:
