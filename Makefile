@@ -36,21 +36,26 @@ export TOKENIZERS_PARALLELISM := false
 TORCH_KEY := $(shell printf '%s %s' '$(TORCH_SPEC)' '$(TORCH_INDEX)' | cksum | cut -d' ' -f1)
 TORCH_STAMP := $(VENV)/.torch-$(TORCH_KEY)
 
+# One line per step: pip runs at -qq (errors still shown; its package lists and the mirror's warnings are not).
+# VERBOSE=1 shows pip's own output and the commands.
+PIP_QUIET := $(if $(VERBOSE),--progress-bar on,-qq)
+Q := $(if $(VERBOSE),,@)
+
 $(TORCH_STAMP):
 	@echo "==> [1/2] torch ($(TORCH_SPEC)$(if $(TORCH_INDEX), from $(TORCH_INDEX), CPU build)) into $(VENV)/: about 1 minute"
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(PIP_SPEC)"
-	$(BIN)/python -m pip install --progress-bar on --force-reinstall "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	rm -f $(VENV)/.torch-* $(VENV)/.installed
-	touch $@
+	$(Q)test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(Q)$(BIN)/python -m pip install -qq "$(PIP_SPEC)"
+	$(Q)$(BIN)/python -m pip install $(PIP_QUIET) --force-reinstall "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(Q)rm -f $(VENV)/.torch-* $(VENV)/.installed
+	$(Q)touch $@
 
 $(VENV)/.installed: pyproject.toml $(LOCK) $(TORCH_STAMP)
 	@echo "==> [2/2] the locked dependencies ($(LOCK): transformers, Ray Serve, gRPC, test tools), then specserve: about 2 minutes"
-	$(BIN)/python -m pip install --progress-bar on --require-hashes --no-deps -r $(LOCK) | { grep -v "^Requirement already satisfied" || true; }
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(BIN)/python -m pip check
-	$(BIN)/python -c "import specserve, torch, transformers, ray; print('==> installed: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
-	touch $@
+	$(Q)$(BIN)/python -m pip install $(PIP_QUIET) --require-hashes --no-deps -r $(LOCK)
+	$(Q)$(BIN)/python -m pip install -qq --no-deps --no-build-isolation -e .
+	$(Q)$(BIN)/python -m pip check > /dev/null || $(BIN)/python -m pip check
+	$(Q)$(BIN)/python -c "import specserve, torch, transformers, ray; print('==> installed: torch', torch.__version__, '| transformers', transformers.__version__, '| ray', ray.__version__)"
+	$(Q)touch $@
 
 install: $(VENV)/.installed
 
