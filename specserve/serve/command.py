@@ -95,7 +95,7 @@ def serve_until_interrupted(file: ServeFile, ray_address: str | None) -> int:
 
     config = file.config
     print(f"starting {config.model_name!r} (target {config.target}, draft {config.draft}) ...", file=sys.stderr)
-    with serving(file, ray_address) as where:
+    with serving(file, ray_address, say=lambda line: print(line, file=sys.stderr, flush=True)) as where:
         print(f"specserve: serving {where['model']!r} at {where['url']}  ({where['ray']})", flush=True)
         print(f"  health: {where['health']}", flush=True)
         if where["metrics"]:

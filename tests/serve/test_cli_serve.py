@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -225,9 +226,39 @@ def test_serve_a_checkpoint_without_yaml_then_stop_on_ctrl_c(tmp_path: Path, sav
         assert "stopped" in stderr
         output = printed + stdout + stderr
         assert not [line for line in output.splitlines() if any(noise in line for noise in NOISE)], output
+        # the start said what it did, with its seconds: Ray, Serve's proxy, the deployment, ready
+        steps = [line for line in stderr.splitlines() if re.match(r"\[ *\d+\.\d s\] ", line)]
+        assert [re.sub(r"^\[ *\d+\.\d s\] ", "", line).split(":")[0] for line in steps][:3] == [
+            "Ray",
+            "Serve's HTTP proxy on 127.0.0.1",
+            "deploying",
+        ], steps
+        assert steps[-1].endswith("] ready"), steps
         with pytest.raises(requests.ConnectionError):
             requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def test_the_start_says_each_step_with_its_seconds_and_reminds_while_one_runs() -> None:
+    from specserve.serve.launch import Progress
+
+    lines: list[str] = []
+    progress = Progress(lines.append, every_s=0.05)
+    progress.step("Ray: here")
+    with progress.waiting("deploying: the replica loads ..."):
+        deadline = time.monotonic() + 30
+        while not any("still" in line for line in lines):  # a reminder comes while the step runs
+            assert time.monotonic() < deadline, lines
+            time.sleep(0.01)
+    reminders = len(lines)
+    time.sleep(0.2)
+    assert len(lines) == reminders  # and stops with it
+    progress.step("ready")
+    stamp = r"\[ *\d+\.\d s\] "
+    assert re.fullmatch(stamp + "Ray: here", lines[0])
+    assert re.fullmatch(stamp + r"deploying: the replica loads \.\.\.", lines[1])
+    assert all(re.fullmatch(stamp + "still deploying: the replica loads", line) for line in lines[2:-1]), lines
+    assert re.fullmatch(stamp + "ready", lines[-1])
