@@ -137,6 +137,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
                     batch_wait_s=config.batch_wait_ms / 1000,
                     prefill_tokens=config.max_batch_tokens,
                     kv_pool_tokens=config.kv_pool_tokens,
+                    kv_memory_fraction=config.kv_cache_memory,
                 )
             )
         actors.extend(shards)

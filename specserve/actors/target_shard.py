@@ -59,7 +59,7 @@ from specserve.actors.rank_commands import (
 )
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft import Proposal
-from specserve.core.kv_pool import KVPool
+from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, pool_tokens
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.request import new_verifier
@@ -238,10 +238,12 @@ class TargetShardActor:
         batch_wait_s: float = 0.02,
         prefill_tokens: int = 256,
         kv_pool_tokens: int = 0,
+        kv_memory_fraction: float = DEFAULT_MEMORY_FRACTION,
     ) -> None:
         """``max_num_seqs`` > 0 makes a batched replica: every rank keeps its KV in a pool of ``kv_pool_tokens``
-        positions (0: room for ``max_num_seqs`` requests of ``max_seq_len``, itself 0 for the target's context; a
-        newcomer waits for the tokens it reserves), and rank 0 verifies the drafts of its running requests together,
+        positions (0: room for ``max_num_seqs`` requests of ``max_seq_len``, itself 0 for the target's context, or
+        what ``kv_memory_fraction`` of the device's free memory holds if that is less; a newcomer waits for the
+        tokens it reserves), and rank 0 verifies the drafts of its running requests together,
         one forward per step, waiting at most ``batch_wait_s`` for a step to fill, and prefills newcomers
         ``prefill_tokens`` tokens at a time between steps."""
         self.compute = ComputeThread(num_threads)
@@ -261,7 +263,9 @@ class TargetShardActor:
         self._heartbeat_s = 20.0
         self._max_num_seqs = max_num_seqs
         max_seq_len = max_seq_len or self.target.info.max_positions
-        self._pool_tokens = (kv_pool_tokens or max_num_seqs * kv_tokens(max_seq_len)) if max_num_seqs else 0
+        self._pool_tokens = kv_pool_tokens  # 0: sized once the model is sharded (init_tensor_parallel)
+        self._max_seq_len = max_seq_len
+        self._kv_memory_fraction = kv_memory_fraction
         self._room = threading.Condition()  # notified when a batched replica's request frees its KV
         self._batch_wait_s = batch_wait_s
         self._pool: ShardedPool | None = None  # batched replicas, once the model is sharded
@@ -304,8 +308,8 @@ class TargetShardActor:
             )
             self.all_reduce = DeterministicAllReduce()
             self.compute.run(shard_model, self.target.model, self.rank, self.world_size, self.all_reduce)
-        if self._pool_tokens:
-            pool = self.compute.run(KVPool, self.target.model, self._pool_tokens)
+        if self._max_num_seqs:
+            pool = self.compute.run(lambda: KVPool(self.target.model, self._pool_size()))
             self._pool = ShardedPool(self.target, pool, self._commands)
             if self.rank == 0:
                 self._batcher = _VerifyBatcher(self, self._batch_wait_s)
@@ -313,6 +317,22 @@ class TargetShardActor:
             self._loop = self.compute.start(self._follow)  # the compute thread follows rank 0 from now on
         elif self.world_size > 1:
             threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
+
+    def _pool_size(self) -> int:
+        """``kv_pool_tokens``, or :func:`~specserve.core.kv_pool.pool_tokens` of this rank's share of the heads: the
+        fewest over the ranks (each reads its own device's free memory; the pools mirror each other's spans)."""
+        if self._pool_tokens:
+            return self._pool_tokens
+        tokens = pool_tokens(
+            self.target.model, self._max_num_seqs, kv_tokens(self._max_seq_len), self._kv_memory_fraction
+        )
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            fewest = torch.tensor([tokens], dtype=torch.int64)
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+            tokens = int(fewest.item())
+        return tokens
 
     def _heartbeat(self) -> None:
         """Rank 0: a follower waits for the next command inside a collective, which times out: while the replica

@@ -259,9 +259,9 @@ def soak(
 
 def serve_config(cfg: ChaosConfig) -> ServeConfig:
     """The application's configuration: the replica settings, and queues that refuse nothing for capacity."""
-    from specserve.serve.config import ServeConfig
+    from specserve.serve.config import SERVE_MAX_NUM_SEQS, ServeConfig
 
-    seqs = int(cfg.settings.get("max_num_seqs", 1))
+    seqs = int(cfg.settings.get("max_num_seqs", SERVE_MAX_NUM_SEQS))
     return ServeConfig(
         model_name=MODEL_NAME,
         default_max_tokens=cfg.max_tokens,

@@ -9,9 +9,11 @@ request through the ``speculation`` object — so the comparison is like for lik
 shared machine the speed drifts by tens of percent over minutes, so the levels run in
 ``rounds`` (short blocks) with the order of the modes reversed every other round, each mode's
 numbers pool its rounds, and measuring starts after a warm-up. A run may measure several deployments
-one after another (:class:`ReplicaSetup`; ``--batched N``: the one-at-a-time replica with speculation off,
-then a replica batching N requests with speculation off, each fixed γ and the adaptive policy), each
-with its own modes; the first mode of the first deployment is the baseline of the comparison.
+one after another (:class:`ReplicaSetup`; ``--batched N``: the one-at-a-time replica with speculation off
+and at ``--gamma`` (the old default server), then a replica batching N requests with speculation off, each
+fixed γ and the adaptive policy), each with its own modes; the first mode of the first deployment is the
+baseline of the comparison, and each mode's greedy completions are compared with the baseline's for the same
+requests (prompt and seed), at any level.
 
 Per request: **TTFT** = send → first event carrying text; **ITL** = (last token time − first
 token time) / (completion tokens − 1), i.e. the mean gap per token after the first (what
@@ -31,6 +33,7 @@ goes to stderr. Does not assert anything: BENCHMARKS.md records what it measured
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import threading
@@ -97,6 +100,8 @@ class RequestTiming:
     mean_budget: float | None = None  # mean γ (or tree nodes) the request drafted with, per cycle
     mean_batch_size: float | None = None  # mean requests verified with it, per cycle
     error: str | None = None
+    key: str = ""  # the request's prompt and seed (digest): the same request in another mode or level
+    text: str = ""  # the streamed completion
 
     @property
     def ttft(self) -> float | None:
@@ -114,7 +119,7 @@ def stream_completion(
 ) -> RequestTiming:
     """One streaming completion, timed event by event."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    timing = RequestTiming(sent=time.perf_counter())
+    timing = RequestTiming(sent=time.perf_counter(), key=_digest(f"{body.get('seed')}\0{body.get('prompt')}"))
     try:
         with requests.post(
             f"{url}/v1/completions", json={**body, "stream": True}, headers=headers, stream=True, timeout=timeout_s
@@ -133,6 +138,7 @@ def stream_completion(
                 if event["choices"][0].get("text"):
                     timing.first = timing.first if timing.first is not None else now
                     timing.last = now
+                    timing.text += event["choices"][0]["text"]
                 if "usage" in event:
                     timing.tokens = int(event["usage"]["completion_tokens"])
                     speculation = event.get("speculation", {})
@@ -170,7 +176,12 @@ def summarise_level(timings: list[RequestTiming], wall_s: float) -> dict[str, An
         "mean_accepted_length": float(np.mean(accepted)) if accepted else None,
         "mean_gamma": float(np.mean(budgets)) if budgets else None,
         "mean_batch_size": float(np.mean(batches)) if batches else None,
+        "texts": {t.key: _digest(t.text) for t in ok},  # request -> digest of its completion
     }
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def run_level(
@@ -255,12 +266,18 @@ def run_load(
 
 
 def compare(rows: list[dict[str, Any]], baseline: str = "off") -> list[dict[str, Any]]:
-    """Per level and mode: the mode over the baseline (throughput up, latencies down => ratios > 1 are better)."""
+    """Per level and mode: the mode over the baseline (throughput up, latencies down => ratios > 1 are better), and
+    how many of its completions equal the baseline's for the same request (prompt and seed) at any level."""
+    base_texts: dict[str, str] = {}
+    for row in rows:
+        if row["mode"] == baseline:
+            base_texts.update(row.get("texts", {}))
     out = []
     for row in rows:
         if row["mode"] == baseline:
             continue
         base = next(r for r in rows if r["concurrency"] == row["concurrency"] and r["mode"] == baseline)
+        shared = [key for key in row.get("texts", {}) if key in base_texts]
         out.append(
             {
                 "concurrency": row["concurrency"],
@@ -268,6 +285,8 @@ def compare(rows: list[dict[str, Any]], baseline: str = "off") -> list[dict[str,
                 "throughput_x": _ratio(row["throughput_tok_s"], base["throughput_tok_s"]),
                 "itl_p50_x": _ratio(base["itl_p50_s"], row["itl_p50_s"]),
                 "ttft_p50_x": _ratio(base["ttft_p50_s"], row["ttft_p50_s"]),
+                "same_texts": sum(row["texts"][key] == base_texts[key] for key in shared),
+                "compared_texts": len(shared),
             }
         )
     return out
@@ -301,7 +320,7 @@ def run(cfg: LoadConfig) -> dict[str, Any]:
 
 def _run_deployment(cfg: LoadConfig, settings: dict[str, Any], prompts: list[str]) -> list[dict[str, Any]]:
     """Deploy the application with ``settings``, warm it up, and run every level of ``cfg.modes`` against it."""
-    from specserve.serve.config import ServeConfig
+    from specserve.serve.config import SERVE_MAX_NUM_SEQS, ServeConfig
     from specserve.serve.deploy_file import ServeFile
     from specserve.serve.launch import serving
 
@@ -311,7 +330,7 @@ def _run_deployment(cfg: LoadConfig, settings: dict[str, Any], prompts: list[str
         target=cfg.target,
         draft=cfg.draft,
         default_max_tokens=cfg.max_tokens,
-        max_ongoing_requests=max(clients, settings.get("max_num_seqs", 1)),
+        max_ongoing_requests=max(clients, settings.get("max_num_seqs", SERVE_MAX_NUM_SEQS)),
         max_queue=clients,  # a closed loop never has more requests than clients: nothing is refused
         **settings,
     )
@@ -353,13 +372,14 @@ def markdown(report: dict[str, Any]) -> str:
     base = report["rows"][0]["mode"] if report["rows"] else "off"
     lines += [
         "",
-        f"| concurrency | mode | throughput ÷ {base} | ITL p50: {base} ÷ mode | TTFT p50: {base} ÷ mode |",
-        "|---|---|---|---|---|",
+        f"| concurrency | mode | throughput ÷ {base} | ITL p50: {base} ÷ mode | TTFT p50: {base} ÷ mode "
+        f"| texts = {base}'s |",
+        "|---|---|---|---|---|---|",
     ]
     for c in report["comparison"]:
         lines.append(
             f"| {c['concurrency']} | {c['mode']} | {_x(c['throughput_x'])} | {_x(c['itl_p50_x'])} "
-            f"| {_x(c['ttft_p50_x'])} |"
+            f"| {_x(c['ttft_p50_x'])} | {c.get('same_texts', 0)}/{c.get('compared_texts', 0)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -414,7 +434,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batched",
         type=int,
         default=0,
-        help="N > 0: measure two deployments, the one-at-a-time replica (speculation off) and a batched one with "
+        help="N > 0: measure two deployments, the one-at-a-time replica (speculation off, and at --gamma) and a "
+        "batched one with "
         "max_num_seqs N (off, each of --gammas, and the adaptive policy); 0: one deployment, the modes above",
     )
     parser.add_argument("--gammas", default="1,2,3,4", help="with --batched: the fixed γ modes of the batched replica")
@@ -452,7 +473,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
             ("adaptive", {"drafter": "default", "gamma": args.gamma, "policy": "adaptive"}),
         )
         replicas = (
-            ReplicaSetup("one-at-a-time", {"max_num_seqs": 1}, (off,)),
+            ReplicaSetup("one-at-a-time", {"max_num_seqs": 1}, (off, (f"γ{args.gamma}", {"gamma": args.gamma}))),
             ReplicaSetup("batched", {"max_num_seqs": args.batched}, batched_modes),
         )
     return LoadConfig(

@@ -38,6 +38,8 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"stopped the local Ray cluster at {report.address} ({report.nodes} nodes)")
         else:
             print(f"the local Ray cluster at {report.address} had already stopped; cleaned up its state")
+        if report.killed:
+            print(f"needed SIGKILL after the grace: {', '.join(report.killed)}")
     else:
         status = cluster_status.status()
         print(json.dumps(status.to_dict()) if args.json else cluster_status.format_status(status))

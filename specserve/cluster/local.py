@@ -299,7 +299,7 @@ class StopReport:
     address: str
     nodes: int  # nodes recorded in the state file
     was_running: bool  # False: the head had already died; only leftovers were cleaned up
-    killed: tuple[int, ...]  # pids that ignored SIGTERM and needed SIGKILL
+    killed: tuple[str, ...]  # "PID (title)" of each process that outlived SIGTERM's grace and needed SIGKILL
 
 
 def down(state_dir: Path | None = None) -> StopReport:

@@ -162,24 +162,25 @@ def _ray_processes_naming(paths: list[str]) -> list[int]:
     return found
 
 
-def _describe(pids: list[int]) -> str:
-    described = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            cmdline = "?"
-        described.append(f"{pid} ({cmdline[:80].strip()})")
-    return ", ".join(described)
+def describe(pid: int) -> str:
+    """``"PID (command line)"``, the command line cut to 80 characters (a Ray process's is its title, e.g.
+    ``ray::DashboardAgent``); ``"PID (?)"`` once it is gone."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        cmdline = "?"
+    return f"{pid} ({cmdline[:80].strip()})"
 
 
-def stop_nodes(nodes: list[NodeProcess]) -> list[int]:
-    """Stop exactly these nodes and verify they are gone; returns the pids that needed SIGKILL. Idempotent.
+def stop_nodes(nodes: list[NodeProcess]) -> list[str]:
+    """Stop exactly these nodes and verify they are gone; returns what needed SIGKILL (:func:`describe`). Idempotent.
 
     SIGTERM goes to the node leaders first; after :data:`LEADERS_FIRST_S`, to every process of theirs still up (their
     sessions' members, and Ray processes naming their temp dirs: an agent notices its raylet is gone by polling it,
     which under load, or while it still starts, can take longer than the grace). SIGKILL only to what outlives
-    :data:`STOP_GRACE_S`."""
+    :data:`STOP_GRACE_S`: under heavy load that can be one of Ray's agents (DashboardAgent, RuntimeEnvAgent), whose
+    SIGTERM handler runs on its event loop (and then only calls ``os._exit``: an agent has nothing to shut down
+    gracefully), so a busy or blocked loop delays it past any grace."""
     temp_dirs = [node.temp_dir for node in nodes]
     deadline = time.monotonic() + STOP_GRACE_S
     _signal([node.pid for node in nodes if _leader_is_ours(node)], signal.SIGTERM)
@@ -187,14 +188,15 @@ def stop_nodes(nodes: list[NodeProcess]) -> list[int]:
     if left:
         _signal(left, signal.SIGTERM)
         left = _left_over(nodes, temp_dirs, deadline)
+    killed = [describe(pid) for pid in left]
     if left:
-        logger.warning("SIGKILL to processes still up %.0f s after SIGTERM: %s", STOP_GRACE_S, _describe(left))
+        logger.warning("SIGKILL to processes still up %.0f s after SIGTERM: %s", STOP_GRACE_S, ", ".join(killed))
         _signal(left, signal.SIGKILL)
         time.sleep(0.2)
         survivors = _wait_gone(nodes, KILL_WAIT_S) + _ray_processes_naming(temp_dirs)
         if survivors:
             raise ClusterStopError(f"processes of the local cluster survived SIGKILL: {sorted(set(survivors))}")
-    return left
+    return killed
 
 
 def _left_over(nodes: list[NodeProcess], temp_dirs: list[str], deadline: float) -> list[int]:

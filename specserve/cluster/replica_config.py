@@ -169,7 +169,16 @@ class ReplicaConfig(BaseModel):
         description="batched replicas: token positions of the KV pool preallocated (on every shard, for its share of "
         "the heads). A request reserves its prompt + max_tokens + the widest draft block when it starts and waits "
         "while the pool lacks them; one that could never fit is refused. 0 = room for max_num_seqs requests of "
-        "max_seq_len",
+        "max_seq_len, within kv_cache_memory",
+    )
+    kv_cache_memory: float = Field(
+        0.5,  # specserve.core.kv_pool.DEFAULT_MEMORY_FRACTION (a test checks they agree)
+        gt=0,
+        le=1,
+        description="batched replicas with kv_pool_tokens 0: the KV pool takes at most this share of the memory free "
+        "on each shard's device once the weights are loaded (the host's available memory on the CPU), and holds "
+        "fewer than max_num_seqs requests of max_seq_len where that share is smaller; one that cannot hold a single "
+        "such request is refused at start",
     )
     batch_wait_ms: float = Field(
         20.0,

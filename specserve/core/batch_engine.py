@@ -61,7 +61,7 @@ from specserve.core.draft import BatchedDrafter, Drafter, Proposal, check_can_dr
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import request_failure
-from specserve.core.kv_pool import KVPool
+from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, pool_tokens
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, StreamChunk, start_request
@@ -102,7 +102,8 @@ class BatchedEngine(GenerationFrontend):
     :attr:`~specserve.core.engine.GenerationConfig.drafter`: ``default``, ``ngram`` or ``none``).
     Up to ``max_num_seqs`` requests run at once, each within ``max_seq_len`` tokens of prompt and output
     (default: the target's context length), their KV in a pool of ``kv_pool_tokens`` positions (default:
-    room for ``max_num_seqs`` requests of ``max_seq_len``); the rest wait. Newcomers' prompts are prefilled
+    room for ``max_num_seqs`` requests of ``max_seq_len``, or what ``kv_memory_fraction`` of the free memory holds if
+    that is less); the rest wait. Newcomers' prompts are prefilled
     at most ``prefill_tokens`` positions per step (rows × widest chunk).
     """
 
@@ -116,9 +117,11 @@ class BatchedEngine(GenerationFrontend):
         prefill_tokens: int = 256,
         kv_pool_tokens: int | None = None,
         static: StaticOptions | None = None,
+        kv_memory_fraction: float = DEFAULT_MEMORY_FRACTION,
     ) -> None:
         """``static``: run every step at the bucket of its widest block (:mod:`specserve.core.buckets`; the KV pool
-        is preallocated either way)."""
+        is preallocated either way). ``kv_memory_fraction``: without ``kv_pool_tokens``, the pool takes at most that
+        share of the memory free on the target's device (:func:`~specserve.core.kv_pool.pool_tokens`)."""
         if prefill_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"prefill_tokens and max_num_seqs must be >= 1, got {prefill_tokens}, {max_num_seqs}")
         self.prefill_tokens = prefill_tokens
@@ -128,7 +131,10 @@ class BatchedEngine(GenerationFrontend):
         self.new_drafter = new_drafter
         self.schedules = schedules
         self.prompts = PromptCodec(target.info, target.tokenizer)
-        self.pool = KVPool(target.model, kv_pool_tokens or max_num_seqs * kv_tokens(self.max_seq_len))
+        self.pool = KVPool(
+            target.model,
+            kv_pool_tokens or pool_tokens(target.model, max_num_seqs, kv_tokens(self.max_seq_len), kv_memory_fraction),
+        )
         self.buckets = None if static is None else static.buckets_for(target.device.type)
         self.ops = LocalPool(target, self.pool, self.buckets)
         self._ids = itertools.count()

@@ -6,7 +6,9 @@ reserves a contiguous span of them when it is allocated — as many as it may ev
 and the widest block it may verify) — so a running request never waits for room and is never cut
 short; the positions it has cached are the first ``length`` of its span. Admission is by tokens: a
 request waits while the pool's free tokens are fewer than it needs, and one that needs more than the
-whole pool is refused, saying why. When the free tokens are enough but scattered between spans, the
+whole pool is refused, saying why. Its size (:func:`pool_tokens`): room for ``max_num_seqs`` requests of
+``max_seq_len``, or fewer where that would take more than a fraction (:data:`DEFAULT_MEMORY_FRACTION`) of the memory
+free on the device once the weights are loaded. When the free tokens are enough but scattered between spans, the
 spans are moved down together (a copy of the cached positions, deterministic, so every tensor-parallel
 rank that mirrors the allocations moves alike).
 
@@ -27,9 +29,12 @@ verification or scheduling.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +43,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specserve.core.attention import RaggedRow
 from specserve.core.errors import UserError
+
+# The share of the device's free memory (after the weights are loaded) a pool may take by default (kv_cache_memory)
+DEFAULT_MEMORY_FRACTION = 0.5
 
 
 class PoolFull(UserError):
@@ -51,23 +59,64 @@ class _Span:
     length: int = 0  # cached positions: columns start .. start + length - 1
 
 
+def _layout(model: PreTrainedModel) -> tuple[int, int, int, torch.dtype, torch.device]:
+    """Layers, KV heads (a tensor-parallel rank's share), head dim, dtype and device of ``model``'s KV."""
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    shard = getattr(model, "tensor_parallel", None)  # a tensor-parallel rank holds its share of the KV heads
+    if shard is not None:
+        heads = shard.num_kv_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    parameter = next(model.parameters())
+    return config.num_hidden_layers, heads, head_dim, parameter.dtype, parameter.device
+
+
+def token_bytes(model: PreTrainedModel) -> int:
+    """Bytes one token position takes in a pool of ``model``'s keys and values (this rank's share of the heads)."""
+    layers, heads, head_dim, dtype, _ = _layout(model)
+    return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on ``device``: the GPU's free memory, or the host's available memory (Linux's
+    ``MemAvailable``; elsewhere the free physical pages)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_tokens(model: PreTrainedModel, max_num_seqs: int, max_seq_len: int, memory_fraction: float) -> int:
+    """The positions of a pool with room for ``max_num_seqs`` requests of ``max_seq_len`` tokens, or as many as fit
+    in ``memory_fraction`` of the memory free now on the model's device, whichever is fewer. Raises :class:`PoolFull`
+    when that cannot hold one request of ``max_seq_len``."""
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    device = _layout(model)[4]
+    free = free_memory(device)
+    per_token = token_bytes(model)
+    fitting = int(memory_fraction * free) // per_token
+    if fitting < max_seq_len:
+        raise PoolFull(
+            f"the KV pool may take {memory_fraction:g} of the {free / 2**30:.1f} GiB free on {device} "
+            f"(kv_cache_memory): {fitting} token positions of {per_token} bytes, fewer than one request of "
+            f"max_seq_len {max_seq_len}; raise kv_cache_memory, lower max_seq_len, or set kv_pool_tokens"
+        )
+    return min(max_num_seqs * max_seq_len, fitting)
+
+
 class KVPool:
     """Keys and values of many sequences in ``capacity`` token positions, one contiguous span per sequence."""
 
     def __init__(self, model: PreTrainedModel, capacity: int, scratch: int = 1) -> None:
         if capacity < 1 or scratch < 1:
             raise ValueError(f"capacity and scratch must be >= 1, got {capacity}, {scratch}")
-        config = model.config
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        shard = getattr(model, "tensor_parallel", None)  # a tensor-parallel rank holds its share of the KV heads
-        if shard is not None:
-            heads = shard.num_kv_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        parameter = next(model.parameters())
+        layers, heads, head_dim, dtype, device = _layout(model)
         shape = (heads, capacity + scratch, head_dim)
-        self.keys = [
-            torch.zeros(shape, dtype=parameter.dtype, device=parameter.device) for _ in range(config.num_hidden_layers)
-        ]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros_like(keys) for keys in self.keys]
         self.capacity = capacity
         self.scratch = scratch

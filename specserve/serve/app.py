@@ -53,7 +53,7 @@ def application(config: ServeConfig, deployment_options: Mapping[str, Mapping[st
     model = serve.deployment(
         name=MODEL,
         ray_actor_options=model_actor_options(config),
-        max_ongoing_requests=config.max_ongoing_requests,
+        max_ongoing_requests=config.ongoing_requests,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=60,
         graceful_shutdown_timeout_s=30,

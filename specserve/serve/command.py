@@ -5,8 +5,8 @@ Every serving setting has a flag, derived from :class:`~specserve.serve.config.S
 <specserve.cluster.replica_config.ReplicaConfig.add_arguments>`: ``--target``, ``--draft``,
 ``--tp``, ``--max-num-seqs``, ``--gamma``, ...), except ``api_key``: a secret does not belong on
 a command line, so it comes from ``$SPECSERVE_API_KEY`` or the YAML. Precedence: a flag given,
-else the ``--config`` YAML's value, else the field's default; ``--max-num-seqs`` also raises
-``max_ongoing_requests`` to fit unless that is given too. The serving itself is
+else the ``--config`` YAML's value, else the field's default; ``--max-num-seqs`` also raises a
+``max_ongoing_requests`` the file sets to fit, unless that is given too. The serving itself is
 :mod:`specserve.serve.launch`. Prints where the API answers and blocks until Ctrl-C. Does not
 daemonise.
 """
@@ -75,11 +75,12 @@ def serve_file(args: argparse.Namespace) -> ServeFile:
 
 
 def fitted_settings(config: ServeConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """``config``'s settings, with ``max_ongoing_requests`` raised to a ``--max-num-seqs`` given without it: Serve
-    must be allowed to send a replica as many requests as it generates at once."""
+    """``config``'s settings, with a ``max_ongoing_requests`` the file sets raised to a ``--max-num-seqs`` given
+    without it: Serve must be allowed to send a replica as many requests as it generates at once (0, the default,
+    is derived from ``max_num_seqs`` anyway)."""
     settings = config.model_dump()
     wanted = getattr(args, "max_num_seqs", None)
-    if isinstance(wanted, int) and not hasattr(args, "max_ongoing_requests"):
+    if isinstance(wanted, int) and settings["max_ongoing_requests"] and not hasattr(args, "max_ongoing_requests"):
         settings["max_ongoing_requests"] = max(settings["max_ongoing_requests"], wanted)
     return settings
 

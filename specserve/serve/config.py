@@ -21,6 +21,12 @@ from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig, with
 from specserve.core.schedule import MAX_GAMMA
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
+# A served replica batches by default (the library's ReplicaConfig keeps 1: one request at a time; BENCHMARKS.md §9
+# measures the two).
+SERVE_MAX_NUM_SEQS = 8
+# Requests beyond a replica's bound (max_num_seqs + max_queue) that Serve may send it at once by default: each is
+# refused with 429 in about a millisecond, so a few slots turn any overload into prompt refusals.
+REFUSING = 8
 
 
 class ServeConfig(ReplicaConfig):
@@ -33,15 +39,31 @@ class ServeConfig(ReplicaConfig):
     gamma: int = Field(
         defaults.DEFAULT_GAMMA, ge=1, le=MAX_GAMMA, description="draft tokens per cycle of a request that sets none"
     )
+    policy: Literal["fixed", "heuristic", "adaptive"] = Field(
+        "fixed",
+        description="how much a request that names no policy drafts each cycle: gamma every cycle (fixed), "
+        "transformers' +2/-1 schedule from gamma (heuristic), or the gamma that maximises predicted tokens/s from "
+        "online estimates, 0 = plain decoding (adaptive). fixed stays the default: adaptive measured 0.88-1.02x the "
+        "best fixed gamma on the shipped pair (BENCHMARKS.md §8 and §9)",
+    )
     default_max_tokens: int = Field(
         defaults.DEFAULT_MAX_NEW_TOKENS, ge=1, description="max_tokens of a request that does not set it"
     )
-    max_ongoing_requests: int = Field(
-        8,
+    max_num_seqs: int = Field(
+        SERVE_MAX_NUM_SEQS,
         ge=1,
+        description="requests one replica generates at once: batched (one target forward per step for all its "
+        "running requests) by default; 1 = one at a time, the baseline every setting supports. A batched replica runs "
+        "the in-process batched engine in its own process when it needs nothing only the distributed runtime does "
+        "(tp_degree 1, no overlap, drafter colocated, gpus_per_drafter 0), the distributed runtime otherwise",
+    )
+    max_ongoing_requests: int = Field(
+        0,
+        ge=0,
         description="requests Serve sends one model replica at once (max_num_seqs generate, the rest wait there; "
         "more wait in Serve's router); at least max_num_seqs; above max_num_seqs + max_queue the replica answers "
-        "the excess with 429",
+        f"the excess with 429. 0 (the default) = max_num_seqs + max_queue + {REFUSING}, so that a request past the "
+        "replica's bound reaches it and is refused at once instead of waiting unseen in Serve's router",
     )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies are refused with 413")
     body_timeout_s: float = Field(
@@ -71,9 +93,15 @@ class ServeConfig(ReplicaConfig):
         "or `auto`: only when no API key is set",
     )
 
+    @property
+    def ongoing_requests(self) -> int:
+        """Serve's ``max_ongoing_requests`` for the model deployment: the setting, or (0) derived from the replica's
+        bound so that its 429 applies."""
+        return self.max_ongoing_requests or self.max_num_seqs + self.max_queue + REFUSING
+
     @model_validator(mode="after")
     def _fills_its_batch(self) -> Self:
-        if self.max_ongoing_requests < self.max_num_seqs:
+        if self.max_ongoing_requests and self.max_ongoing_requests < self.max_num_seqs:
             raise InvalidSetting(
                 f"max_ongoing_requests {self.max_ongoing_requests} < max_num_seqs {self.max_num_seqs}: Serve would "
                 "never send a replica enough requests to fill its batch; raise max_ongoing_requests"

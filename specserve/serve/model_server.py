@@ -148,6 +148,7 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
         prefill_tokens=config.max_batch_tokens,
         kv_pool_tokens=config.kv_pool_tokens or None,
         static=static,
+        kv_memory_fraction=config.kv_cache_memory,
     )
 
 

@@ -271,7 +271,7 @@ class OpenAIHandler:
         prompt = self.chat_prompt(request.messages) if isinstance(request, ChatCompletionRequest) else request.prompt
         try:  # the schema's bounds imply the engine's checks; should one still fail, it is the client's 400
             params = request.sampling()
-            generation = request.generation(self.config.default_max_tokens, self.config.gamma)
+            generation = request.generation(self.config.default_max_tokens, self.config.gamma, self.config.policy)
         except UserError as exc:
             raise RequestError.from_user_error(exc) from exc
         try:

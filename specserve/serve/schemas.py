@@ -366,9 +366,13 @@ class _Request(BaseModel):
         """How many completions to generate (``best_of`` for completions, else ``n``)."""
         return self.n
 
-    def generation(self, default_max_tokens: int, default_gamma: int) -> GenerationConfig:
+    def generation(
+        self, default_max_tokens: int, default_gamma: int, default_policy: str = "fixed"
+    ) -> GenerationConfig:
+        """The request's generation settings, with the deployment's defaults where it sets none."""
         speculation = self.speculation
         gamma = (speculation.gamma or default_gamma) if speculation.enabled else 0
+        policy = default_policy if speculation.policy == "default" else speculation.policy
         return GenerationConfig(
             max_new_tokens=self.max_tokens or default_max_tokens,
             gamma=gamma,
@@ -376,7 +380,7 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             drafter=speculation.drafter,
             tree=speculation.tree.spec() if speculation.enabled else None,
-            policy=speculation.policy if speculation.enabled else "fixed",
+            policy=policy if speculation.enabled else "fixed",
         )
 
 

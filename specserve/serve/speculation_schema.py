@@ -119,12 +119,13 @@ class SpeculationOptions(BaseModel):
             f" {MAX_TREE_NODES} nodes; output is the same, only speed differs"
         ),
     )
-    policy: Literal["fixed", "heuristic", "adaptive"] = Field(
-        "fixed",
+    policy: Literal["default", "fixed", "heuristic", "adaptive"] = Field(
+        "default",
         description=(
-            "how much to draft each cycle: gamma (or the tree) every cycle (fixed), transformers' +2/-1 schedule"
-            " from gamma (heuristic), or the gamma that maximises predicted tokens/s from online estimates of"
-            " acceptance and cost, 0 = plain decoding (adaptive); output is the same, only speed differs"
+            "how much to draft each cycle: the deployment's configured policy (default), gamma (or the tree) every"
+            " cycle (fixed), transformers' +2/-1 schedule from gamma (heuristic), or the gamma that maximises"
+            " predicted tokens/s from online estimates of acceptance and cost, 0 = plain decoding (adaptive);"
+            " output is the same, only speed differs"
         ),
     )
     drafter_invariant: bool = Field(

@@ -205,3 +205,19 @@ def test_bench_trees_quick_json(
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads((tmp_path / "runs" / "bench-trees" / "trees.json").read_text())
     assert {r["temperature"] for r in printed["rows"]} == {0.0} and {r["k"] for r in printed["rows"]} == {0, 2}
+
+
+def test_bench_serve_compares_each_modes_texts_with_the_baselines_for_the_same_requests() -> None:
+    from specserve.benchmarks.serve_load import compare
+
+    def row(concurrency: int, mode: str, texts: dict[str, str]) -> dict[str, Any]:
+        return {"concurrency": concurrency, "mode": mode, "throughput_tok_s": 10.0, "itl_p50_s": 0.1,
+                "ttft_p50_s": 0.2, "texts": texts}  # fmt: skip
+
+    rows = [
+        row(1, "off", {"a": "x", "b": "y"}),
+        row(1, "fast", {"a": "x", "b": "z"}),  # b differs
+        row(2, "off", {"c": "w"}),
+        row(2, "fast", {"a": "x", "c": "w", "d": "v"}),  # a: the baseline's at level 1; d: never sent plainly
+    ]
+    assert [(c["same_texts"], c["compared_texts"]) for c in compare(rows)] == [(1, 2), (2, 2)]

@@ -149,6 +149,9 @@ def test_cli_without_a_cluster_exits_2(state_dir: Path, capsys: pytest.CaptureFi
 # ---------------------------------------------------------------------------------------------
 # End to end
 
+# Ray's per-node agents, as processes.describe names them
+AGENT_TITLES = ("(ray::DashboardAgent)", "(ray::RuntimeEnvAgent)")
+
 # Joins the way `generate --distributed` does (specserve.cluster.connect).
 PROBE = """
 import ray
@@ -214,7 +217,11 @@ def test_up_status_place_down_leaves_other_ray_alive(state_dir: Path, ray_cluste
         stopping = time.monotonic()
         report = local.down()
         down_s = time.monotonic() - stopping
-        assert report.was_running and report.nodes == 3 and report.killed == ()
+        assert report.was_running and report.nodes == 3
+        # Every node leader, GCS, raylet and worker went on SIGTERM. Only one of Ray's agents may have needed SIGKILL:
+        # its SIGTERM handler (os._exit, it has nothing to save) runs on its event loop, which a loaded machine can
+        # keep from running for longer than the grace (seen: at 90 % load of both cores, 2 agents of 9 processes).
+        assert all(title.endswith(AGENT_TITLES) for title in report.killed), report.killed
         # Our cluster is gone: no state, no process of its sessions or naming its temp dirs, GCS port closed.
         assert processes.connect_address() is None and not (state_dir / processes.STATE_FILE).exists()
         assert processes._session_members(list(cluster.nodes)) == []

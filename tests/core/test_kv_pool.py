@@ -16,9 +16,12 @@ import pytest
 import torch
 from conftest import VOCAB, TinyPair, hf_greedy_ids
 
-from specserve.core.kv_pool import KVPool, PoolFull
+from specserve.core import kv_pool
+from specserve.core.batch_engine import BatchedEngine
+from specserve.core.kv_pool import KVPool, PoolFull, pool_tokens, token_bytes
 from specserve.core.model import BatchBlock, CausalLM, KVCache
 from specserve.core.tree import DraftTree
+from specserve.drafters.ngram import NgramDrafter
 
 ATOL = 1e-10  # float64: a row differs from its sequence alone only by the batch's summation order
 
@@ -218,3 +221,24 @@ def test_scattered_free_tokens_are_gathered_for_a_newcomer(pair: TinyPair) -> No
     torch.testing.assert_close(got[0], target.forward(target.new_cache(), later), rtol=0, atol=ATOL)
     assert_same_kv(pool, newcomer, target, later)
     assert_same_kv(pool, ids[2], target, torch.cat([texts[2], later[:2]]))
+
+
+def test_the_pool_is_sized_from_the_memory_it_may_take(pair: TinyPair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for max_num_seqs requests of max_seq_len, unless a share of the free memory holds fewer positions; one
+    that cannot hold a single request is refused, naming what to change. Bytes per position are checked against
+    the tensors a pool allocates."""
+    model = pair.target.model
+    pool = KVPool(model, 10)
+    allocated = sum(t.numel() * t.element_size() for t in pool.keys + pool.values)
+    assert token_bytes(model) * (pool.capacity + pool.scratch) == allocated
+    per_token = token_bytes(model)
+    monkeypatch.setattr(kv_pool, "free_memory", lambda device: 1000 * per_token)
+    assert pool_tokens(model, max_num_seqs=4, max_seq_len=100, memory_fraction=0.5) == 400  # all 4 fit in 500
+    assert pool_tokens(model, max_num_seqs=8, max_seq_len=100, memory_fraction=0.5) == 500  # 8 x 100 do not
+    with pytest.raises(PoolFull, match=r"0\.05 of .*50 token positions.*max_seq_len 100.*raise kv_cache_memory"):
+        pool_tokens(model, max_num_seqs=8, max_seq_len=100, memory_fraction=0.05)
+    engine = BatchedEngine(pair.target, lambda name: NgramDrafter(), max_num_seqs=8, max_seq_len=100,
+                           kv_memory_fraction=0.5)  # fmt: skip
+    assert engine.pool.capacity == 500
+    assert BatchedEngine(pair.target, lambda name: NgramDrafter(), max_num_seqs=8, max_seq_len=100,
+                         kv_pool_tokens=900).pool.capacity == 900  # fmt: skip

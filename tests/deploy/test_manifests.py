@@ -178,8 +178,8 @@ def test_model_server_queue_bound_agrees_with_args(path: Path, tmp_path: Path) -
     """A ``max_ongoing_requests`` override in ``deployments`` equals the args' (the queue the model server expects)."""
     config_path = path if path == SERVE_YAML else write_rayservice_serve_config(tmp_path)
     file = load_serve_file(config_path)
-    bound = file.deployment_options[MODEL].get("max_ongoing_requests", file.config.max_ongoing_requests)
-    assert bound == file.config.max_ongoing_requests
+    bound = file.deployment_options[MODEL].get("max_ongoing_requests", file.config.ongoing_requests)
+    assert bound == file.config.ongoing_requests
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +199,8 @@ ROUND_TRIP_CONFIGS = [
         overlap=True,
         gamma=7,
         default_max_tokens=300,
-        max_ongoing_requests=2,
+        max_num_seqs=2,
+        max_ongoing_requests=3,
         max_body_bytes=4096,
         api_key="sk-test",
         verifier_host="0.0.0.0",

@@ -71,6 +71,7 @@ def url(serve_url: str, saved_pairs: dict[str, Path]) -> Iterator[str]:
         draft=str(models / "draft"),
         dtype="float64",
         default_max_tokens=100,
+        max_num_seqs=1,  # one request at a time per replica: each client's request is one replica's whole load
         max_ongoing_requests=4,
     )
     options = quick_shutdown({MODEL: {"autoscaling_config": AUTOSCALING}})

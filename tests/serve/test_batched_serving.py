@@ -53,7 +53,8 @@ def url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
         max_queue=QUEUE,
         max_seq_len=MAX_SEQ_LEN,
         max_batch_tokens=32,
-        max_ongoing_requests=8,  # above max_num_seqs + max_queue: the replica itself refuses the excess
+        # max_ongoing_requests left at its default: derived above max_num_seqs + max_queue, so that the replica
+        # itself refuses the excess (the 429 test below)
     )
     serve.run(application(config, quick_shutdown()), name=APP, route_prefix="/")
     yield serve_url

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.timeout(600)
 SERVE_SAMPLES: dict[str, Any] = {
     "model_name": "tiny",
     "gamma": 5,
+    "policy": "adaptive",
     "default_max_tokens": 64,
     "max_ongoing_requests": 32,
     "max_body_bytes": 4096,

@@ -29,8 +29,9 @@ from specserve.cluster.replica_config import (
     ReplicaConfig,
     resolve_model_path,
 )
+from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION
 from specserve.core.schedule import MAX_GAMMA
-from specserve.serve.config import ServeConfig
+from specserve.serve.config import SERVE_MAX_NUM_SEQS, ServeConfig
 from specserve.serve.deploy_file import DeployFileError, load_serve_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +69,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "max_batch_tokens": (64, {}),
     "max_seq_len": (512, {}),
     "kv_pool_tokens": (4096, {}),
+    "kv_cache_memory": (0.25, {}),
     "batch_wait_ms": (50.0, {}),
     "max_queue": (2, {}),
 }
@@ -109,7 +111,8 @@ def test_every_setting_has_a_sample() -> None:
 @pytest.mark.parametrize("name", list(SAMPLES))
 def test_every_setting_is_reachable_from_cli_yaml_and_python(name: str, tmp_path: Path) -> None:
     value, needs = SAMPLES[name]
-    settings = {"target": TARGET, "draft": "ngram", **needs, name: value}  # the edges' other defaults as Python's
+    # the edges' other defaults as Python's (but serve's max_num_seqs: it batches by default, the library does not)
+    settings = {"target": TARGET, "draft": "ngram", "max_num_seqs": 1, **needs, name: value}
     python = ReplicaConfig(**settings)
     cli_config = from_cli(settings)
     yaml_config = from_serve_yaml(settings, tmp_path)
@@ -308,9 +311,20 @@ def test_a_batched_replica_on_one_process_runs_the_in_process_engine(draft: str)
 
 def test_serve_sends_a_batched_replica_enough_requests_to_fill_its_batch() -> None:
     with pytest.raises(InvalidSetting, match=r"max_ongoing_requests 8 < max_num_seqs 16.*raise max_ongoing_requests"):
-        ServeConfig(max_num_seqs=16)
-    assert ServeConfig(max_num_seqs=16, max_ongoing_requests=32).max_num_seqs == 16
-    assert not ServeConfig().batched  # one at a time, on the distributed runtime, unless asked
+        ServeConfig(max_num_seqs=16, max_ongoing_requests=8)
+    assert ServeConfig(max_num_seqs=16, max_ongoing_requests=32).ongoing_requests == 32
+
+
+def test_a_default_server_batches_and_lets_overload_reach_its_bound() -> None:
+    """Serve batches by default (in process, with the shipped pair), and Serve sends a replica more requests than its
+    bound (max_num_seqs + max_queue) allows, so that the excess is refused with 429 rather than held in the router."""
+    config = ServeConfig()
+    assert config.batched and config.batches_in_process and config.max_num_seqs == SERVE_MAX_NUM_SEQS > 1
+    assert config.ongoing_requests > config.max_num_seqs + config.max_queue
+    small = ServeConfig(max_num_seqs=2, max_queue=0)
+    assert small.ongoing_requests > 2 and ServeConfig(max_num_seqs=2, max_ongoing_requests=2).ongoing_requests == 2
+    assert not ReplicaConfig(target=TARGET).batched  # the library (generate, Coordinator.spawn): one at a time
+    assert ReplicaConfig.model_fields["kv_cache_memory"].default == DEFAULT_MEMORY_FRACTION
 
 
 def test_the_sample_files_serve_with_the_command_lines_defaults() -> None:

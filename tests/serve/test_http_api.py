@@ -17,6 +17,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -29,7 +30,7 @@ from specserve import cli, defaults
 from specserve.benchmarks.serve_load import LoadConfig, compare, markdown, run_load
 from specserve.core.model import CausalLM
 from specserve.serve.app import MODEL, application
-from specserve.serve.config import ServeConfig
+from specserve.serve.config import SERVE_MAX_NUM_SEQS, ServeConfig
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -76,6 +77,21 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(0.2)
+
+
+def test_a_default_server_batches_its_concurrent_requests(client: openai.OpenAI) -> None:
+    """The module's server is a default one (the shipped pair; no batching setting): it batches in its own process,
+    and concurrent requests share target forwards. (That a batch changes no request's tokens is asserted in float64
+    by test_batched_serving.py; this float32 pair may flip near ties between batch shapes.)"""
+    status = model_status()
+    assert (status["path"], status["at_once"]) == ("batched", SERVE_MAX_NUM_SEQS)
+    before = sum(n for size, n in model_status()["batch_sizes"].items() if int(size) > 1)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=32,
+                                                                  temperature=0, extra_body={"ignore_eos": True}),
+                                PROMPTS))  # fmt: skip
+    assert [a.usage.completion_tokens for a in answers if a.usage] == [32] * len(PROMPTS)
+    assert sum(n for size, n in model_status()["batch_sizes"].items() if int(size) > 1) > before
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,6 +506,8 @@ def test_load_generator_counts_what_the_server_generated(url: str) -> None:
         assert row["mean_accepted_length"] == 1 if row["mode"] == "off" else row["mean_accepted_length"] >= 1
     report = {"rows": rows, "comparison": compare(rows)}
     assert [(c["concurrency"], c["mode"]) for c in report["comparison"]] == [(1, "ngram"), (2, "ngram")]
+    # every ngram request (prompt and seed) was also sent without speculation, at one level or the other
+    assert [c["compared_texts"] for c in report["comparison"]] == [4, 6]
     assert markdown(report).count("\n| 1 |") == 3  # two rows and one comparison at concurrency 1
     unauthorised = run_load(url, MODEL_NAME, PROMPTS, LoadConfig(concurrency=(1,), requests_per_level=(1,), rounds=1))
     assert all(r["errors"] == 1 and "401" in r["errors_seen"][0] for r in unauthorised)

@@ -37,7 +37,7 @@ from specserve.serve.ingress import OpenAIIngress
 from specserve.serve.model_server import ModelServer
 
 KEY = "sk-safety"
-CONFIG = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=8)
+CONFIG = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=8, max_num_seqs=1)  # the runner path
 GOOD: dict[str, Any] = {"model": "tiny", "prompt": "abcab", "max_tokens": 6, "temperature": 0}
 JSON = {"Content-Type": "application/json"}
 # What a real failure's text carries (a colored Ray traceback names files, processes and addresses): none of it may

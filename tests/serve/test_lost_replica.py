@@ -28,7 +28,7 @@ from specserve.serve.config import ServeConfig
 from specserve.serve.ingress import OpenAIIngress
 from specserve.serve.model_server import ModelServer
 
-CONFIG = ServeConfig(model_name="tiny", gamma=3, resume_timeout_s=1.0)
+CONFIG = ServeConfig(model_name="tiny", gamma=3, resume_timeout_s=1.0, max_num_seqs=1)  # the runner path
 JSON = {"Content-Type": "application/json"}
 
 

@@ -25,7 +25,7 @@ from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.serve.config import ServeConfig
 from specserve.serve.model_server import ModelServer, QueueFull, merge_chunks
 
-CONFIG = ServeConfig(model_name="tiny", gamma=3)
+CONFIG = ServeConfig(model_name="tiny", gamma=3, max_num_seqs=1)  # the runner path (engines below)
 GREEDY = SamplingParams()
 
 
@@ -128,7 +128,7 @@ async def generating(stream: AsyncIterator[StreamChunk]) -> StreamChunk:
 
 
 def test_one_at_a_time_the_queue_is_bounded(engine: SpeculativeEngine) -> None:
-    server = server_for(engine, ServeConfig(model_name="tiny", gamma=3, max_queue=1))
+    server = server_for(engine, ServeConfig(model_name="tiny", gamma=3, max_queue=1, max_num_seqs=1))
     prompt = engine.encode("abcab")
 
     async def main() -> None:
@@ -169,7 +169,7 @@ class EnginePool(GenerationFrontend):
 
 def test_a_runner_that_takes_several_requests_gets_that_many_at_once(pair: TinyPair) -> None:
     engines = [SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target)) for _ in range(2)]
-    server = server_for(EnginePool(engines), ServeConfig(model_name="tiny", gamma=3, max_queue=1))
+    server = server_for(EnginePool(engines), ServeConfig(model_name="tiny", gamma=3, max_queue=1, max_num_seqs=1))
     assert (server.path, server.at_once, server.capacity) == ("concurrent", 2, 3)
     prompts = [engines[0].encode(text) for text in ("abcab", "hello", "xyzxyz")]
     config = GenerationConfig(max_new_tokens=14, gamma=3)

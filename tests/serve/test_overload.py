@@ -138,7 +138,7 @@ def test_a_client_gone_mid_body_is_a_400_not_a_failure() -> None:
 # The ingress in process: tokenisation off the event loop, the request timeout
 
 
-TINY = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=8)
+TINY = ServeConfig(model_name="tiny", gamma=3, default_max_tokens=8, max_num_seqs=1)  # the runner path
 GOOD: dict[str, Any] = {"model": "tiny", "prompt": "abcab", "max_tokens": 6, "temperature": 0}
 
 

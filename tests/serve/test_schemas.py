@@ -122,6 +122,17 @@ def test_defaults_and_translation() -> None:
     assert isinstance(on, CompletionRequest) and on.generation(64, 3).gamma == 7
 
 
+def test_a_request_without_a_policy_takes_the_deployments() -> None:
+    default = parse(GOOD)
+    assert isinstance(default, CompletionRequest)
+    assert default.generation(64, 3).policy == "fixed"  # the library's default
+    assert default.generation(64, 3, default_policy="adaptive").policy == "adaptive"
+    own = parse({**GOOD, "speculation": {"policy": "heuristic"}})
+    assert isinstance(own, CompletionRequest) and own.generation(64, 3, default_policy="adaptive").policy == "heuristic"
+    off = parse({**GOOD, "speculation": {"enabled": False}})
+    assert isinstance(off, CompletionRequest) and off.generation(64, 3, default_policy="adaptive").policy == "fixed"
+
+
 def test_drafter_choice_maps_to_the_generation_config() -> None:
     field = SpeculationOptions.model_fields["drafter"]
     assert typing.get_args(field.annotation) == REQUEST_DRAFTERS and field.description
