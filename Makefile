@@ -85,17 +85,16 @@ typecheck: install
 # Bytecode first: with PYTHONDONTWRITEBYTECODE set, each of the run's ~100 Python processes (Ray workers, CLI runs)
 # would compile specserve again, about a second each.
 #
-# One pytest by default (what CI runs). PARALLEL=1 runs two tiers at once instead (tests/conftest.py marks them): in
-# front, the tests that need Ray (marker `ray`), one after the other against one cluster, which alone keep about 60 %
-# of the two cores busy, the rest spent waiting on actor starts, restarts and timeouts; beside them, at nice 19, the
-# in-process tests on two xdist workers (whole files each, one torch thread each), which take what the Ray tier leaves
-# idle. Ray's own workers keep Ray's default niceness (15). Measured from fresh clones: 26:18 and 29:21 against 39:52
-# for one pytest; but at 90 % load a third run failed one timing-bound Ray test, so it is not the default yet (issue
-# 32's note). The in-process report follows the Ray tier's. JUNIT=PREFIX writes PREFIX.xml (one pytest), or
+# Two tiers at once by default (what CI runs; tests/conftest.py marks them): in front, the tests that need Ray (marker
+# `ray`), one after the other against one cluster, which alone keep about 60 % of the two cores busy, the rest spent
+# waiting on actor starts, restarts and timeouts; beside them, at nice 19, the in-process tests on two xdist workers
+# (whole files each, one torch thread each), which take what the Ray tier leaves idle. Ray's own workers keep Ray's
+# default niceness (15). Measured from fresh clones: 26:18 and 29:21 against 39:52 for one pytest. SERIAL=1 runs one
+# pytest instead. The in-process report follows the Ray tier's. JUNIT=PREFIX writes PREFIX.xml (one pytest), or
 # PREFIX-ray.xml and PREFIX-in-process.xml (every test's time).
 pytest: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
-ifndef PARALLEL
+ifdef SERIAL
 	$(BIN)/python -m pytest -q --durations=60 $(if $(JUNIT),--junitxml=$(JUNIT).xml)
 else
 	@echo "==> two tiers at once: the Ray tier here, the in-process tier (nice 19, 2 workers) into $(IN_PROCESS_LOG)"

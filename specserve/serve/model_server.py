@@ -5,7 +5,7 @@ Serve replica builds its runner through the injected ``runner_factory`` (by defa
 :func:`build_runner`). Tests inject an in-process engine instead. A replica takes one of two paths,
 chosen by its configuration, logged when it starts and reported by :meth:`ModelServer.status`:
 
-* **batched in process** (``max_num_seqs > 1`` and nothing only the distributed runtime does:
+* **batched in process** (``max_num_seqs > 1``, serve's default, and nothing only the distributed runtime does:
   ``tp_degree`` 1, no overlap, drafter colocated —
   :attr:`~specserve.cluster.replica_config.ReplicaConfig.batches_in_process`): the runner is a
   :class:`~specserve.core.batch_engine.BatchedEngine` built in this process
@@ -15,7 +15,7 @@ chosen by its configuration, logged when it starts and reported by :meth:`ModelS
   each request streams as its tokens are committed. A request whose prompt and output cannot fit
   the KV slot is refused (the ingress refuses it first, with the loop's codec). Closing a stream
   cancels the request at the next step and frees its KV slot.
-* **a runner** (otherwise; with ``max_num_seqs`` 1, the default, this is the baseline): by default a
+* **a runner** (otherwise; with ``max_num_seqs`` 1 this is the one-at-a-time baseline): by default a
   :class:`~specserve.actors.coordinator.Coordinator` (:func:`spawn_coordinator`) over the replica's
   target shards and drafter placed as Ray actors, so drafters scale with their replicas. The runner
   is synchronous; it generates one request at a time unless it says it takes more

@@ -28,7 +28,7 @@ from replicas import Case, config_for, greedy_reference, spawned_at_once
 
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
-from specserve.core.errors import GrammarFailed
+from specserve.core.errors import GrammarFailed, RequestFailed
 from specserve.core.sampling import SamplingParams
 from specserve.core.sampling_params import GrammarSpec
 from specserve.core.tree import TreeBudget, TreeSpec
@@ -248,3 +248,78 @@ def test_a_request_whose_grammar_gives_up_fails_alone_and_the_others_stay_exact(
         assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
     finally:
         ray.get(rank0.__ray_call__.remote(give_up_after(-1)))
+
+
+DOOMED_TEMPERATURE = 0.9  # the one request of the NaN test sampled at this temperature
+
+
+def poison_after(steps: int) -> Callable[[Any], None]:
+    """A call for rank 0's process: after ``steps`` verify steps with a request sampled at
+    :data:`DOOMED_TEMPERATURE`, the target's logits of that request's rows are NaN (as a row that overflowed would
+    be), on rank 0, which decides; the other rows are the forward's own (``steps`` < 0: undo)."""
+
+    def patch(shard: Any) -> None:
+        import torch
+
+        pool = shard._pool
+        if steps < 0:
+            pool.__dict__.pop("forward_batch", None)  # the class's method again
+            return
+        forward = type(pool).forward_batch.__get__(pool)
+        seen = [0]
+
+        def poisoned(blocks: Any, last_only: bool = False, capture: Any = None) -> Any:
+            logits = forward(blocks, last_only=last_only, capture=capture)
+            doomed = {r.seq_id for r in shard._requests.values() if r.verifier.params.temperature == DOOMED_TEMPERATURE}
+            if last_only or not doomed & {block.seq_id for block in blocks}:
+                return logits
+            seen[0] += 1
+            if seen[0] <= steps:
+                return logits
+            return [
+                torch.full_like(rows, float("nan")) if block.seq_id in doomed else rows
+                for block, rows in zip(blocks, logits, strict=True)
+            ]
+
+        pool.forward_batch = poisoned
+
+    return patch
+
+
+def test_a_request_whose_logits_turn_nan_fails_alone_and_the_others_stay_exact(running: Running) -> None:
+    """Rank 0 verifies a sampled request in the same steps as three greedy ones; when the target's logits of its rows
+    turn NaN (patched on rank 0) it fails alone with a RequestFailed naming nothing internal, and the others emit
+    exactly what they emit alone; the pool is free afterwards on every rank."""
+    import ray
+
+    rank0 = running.coordinator.replica.rank0
+    ray.get(rank0.__ray_call__.remote(poison_after(2)))
+    try:
+        prompts = [running.pair.prompts[i] for i in range(SLOTS)]
+        configs = [GenerationConfig(max_new_tokens=n, gamma=3) for n in (20, 16, 12)]
+        calls: list[Callable[[], Any]] = [
+            lambda p=p, c=c: running.coordinator.generate(p, SamplingParams(), c)
+            for p, c in zip(prompts, configs, strict=False)
+        ]
+
+        def doomed() -> Any:
+            try:
+                return running.coordinator.generate(
+                    prompts[3],
+                    SamplingParams(temperature=DOOMED_TEMPERATURE, seed=5),
+                    GenerationConfig(max_new_tokens=30, gamma=3, ignore_eos=True),  # runs into the poisoned steps
+                )
+            except Exception as exc:
+                return exc
+
+        *results, failure = concurrently([*calls, doomed])
+        assert isinstance(failure, RequestFailed), repr(failure)
+        for prompt, config, got in zip(prompts, configs, results, strict=False):
+            assert got.output_ids == greedy_reference(running.pair, prompt, config.max_new_tokens)
+        for _ in range(50):
+            if not ray.get(rank0.active_requests.remote()):
+                break
+            time.sleep(0.1)
+        assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
+    finally:
+        ray.get(rank0.__ray_call__.remote(poison_after(-1)))
