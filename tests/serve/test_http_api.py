@@ -451,6 +451,7 @@ def test_disconnect_cancels_the_generation_and_frees_kv(url: str, client: openai
         events = answer.iter_lines()
         received = [line for line, _ in zip(events, range(6), strict=False) if line]
         assert received and all(line.startswith(b"data: {") for line in received)
+
     # the connection is closed after a few events of a ~900-token generation; a batched replica cancels it at its
     # next step
     def cancelled() -> bool:
