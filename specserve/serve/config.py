@@ -21,7 +21,7 @@ from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig, with
 from specserve.core.schedule import MAX_GAMMA
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
-# A served replica batches by default (the library's ReplicaConfig keeps 1: one request at a time; BENCHMARKS.md §9
+# A served replica batches by default (the library's ReplicaConfig keeps 1: one request at a time; BENCHMARKS.md §15
 # measures the two).
 SERVE_MAX_NUM_SEQS = 8
 # Requests beyond a replica's bound (max_num_seqs + max_queue) that Serve may send it at once by default: each is
@@ -43,8 +43,8 @@ class ServeConfig(ReplicaConfig):
         "fixed",
         description="how much a request that names no policy drafts each cycle: gamma every cycle (fixed), "
         "transformers' +2/-1 schedule from gamma (heuristic), or the gamma that maximises predicted tokens/s from "
-        "online estimates, 0 = plain decoding (adaptive). fixed stays the default: adaptive measured 0.88-1.02x the "
-        "best fixed gamma on the shipped pair (BENCHMARKS.md §8 and §9)",
+        "online estimates, 0 = plain decoding (adaptive). fixed stays the default: adaptive measured 0.82-1.10x the "
+        "best fixed gamma on the shipped pair (BENCHMARKS.md §8 and §15)",
     )
     default_max_tokens: int = Field(
         defaults.DEFAULT_MAX_NEW_TOKENS, ge=1, description="max_tokens of a request that does not set it"
