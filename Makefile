@@ -92,6 +92,7 @@ typecheck: install
 # default niceness (15). Measured from fresh clones: 26:18 and 29:21 against 39:52 for one pytest. SERIAL=1 runs one
 # pytest instead. The in-process report follows the Ray tier's. JUNIT=PREFIX writes PREFIX.xml (one pytest), or
 # PREFIX-ray.xml and PREFIX-in-process.xml (every test's time).
+IN_PROCESS_LOG := $(VENV)/pytest-in-process.log
 pytest: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
 ifdef SERIAL

@@ -18,9 +18,9 @@ FROM_THE_LOCK = "--require-hashes --no-deps -r requirements/lock.txt"
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 
-def dry_run(venv: Path, *variables: str) -> str:
+def dry_run(venv: Path, *variables: str, target: str = "install") -> str:
     proc = subprocess.run(
-        ["make", "-n", "-C", str(ROOT), "install", f"VENV={venv}", *variables],
+        ["make", "-n", "-C", str(ROOT), target, f"VENV={venv}", *variables],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return proc.stdout
@@ -67,3 +67,14 @@ def test_a_new_lock_reinstalls_the_rest_but_not_torch(tmp_path: Path) -> None:
     os.utime(stamp, (LOCK.stat().st_mtime - 10, LOCK.stat().st_mtime - 10))  # the lock changed after the install
     steps = dry_run(venv)
     assert FROM_THE_LOCK in steps and "torch==" not in steps
+
+
+def test_make_test_runs_the_two_tiers_at_once_unless_serial(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    install_for_real(venv)
+    tiers = dry_run(venv, target="pytest")
+    assert "nice -n 19" in tiers and '-m "not ray" -n 2 --dist loadfile' in tiers
+    assert f"> {venv}/pytest-in-process.log 2>&1 & in_process=" in tiers  # the in-process tier's log, in the venv
+    assert "pytest -q -m ray" in tiers
+    serial = dry_run(venv, "SERIAL=1", target="pytest")
+    assert "pytest -q --durations=60" in serial and "-m ray" not in serial and "not ray" not in serial

@@ -94,6 +94,39 @@ def test_a_default_server_batches_its_concurrent_requests(client: openai.OpenAI)
     assert sum(n for size, n in model_status()["batch_sizes"].items() if int(size) > 1) > before
 
 
+def test_an_overloaded_default_server_answers_429_and_serves_on(client: openai.OpenAI) -> None:
+    """A bounded load test of the defaults: Serve sends every request on to the model replica (its
+    max_ongoing_requests is derived above the replica's bound), which holds max_num_seqs generating and max_queue
+    waiting, and refuses the next one at once with 429, Retry-After and the bound in its settings' names."""
+    defaults_ = ServeConfig()
+    at_once, queue = defaults_.max_num_seqs, defaults_.max_queue
+    endless = {"max_tokens": 900, "extra_body": {"ignore_eos": True}}
+    refused_before = model_status()["finished"].get("queue_full", 0)
+    streams = []
+    try:
+        for i in range(at_once + queue):  # each stream's status line means the replica took it
+            streams.append(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[i % 3], stream=True, **endless))
+        wait_for(lambda: model_status()["running"] == at_once, 60, f"{at_once} requests generating")
+        assert model_status()["waiting"] == queue
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], **endless)
+        answer = refused.value.response
+        assert answer.headers["retry-after"].isdigit() and int(answer.headers["retry-after"]) >= 1
+        assert f"(max_num_seqs {at_once} + max_queue {queue})" in answer.json()["error"]["message"]
+    finally:
+        for stream in streams:
+            stream.close()  # the clients leave: their requests are cancelled, their KV freed
+
+    def idle() -> bool:
+        status = model_status()
+        return (status["running"], status["waiting"], status["active_requests"]) == (0, 0, [])
+
+    wait_for(idle, 120, "the cancelled requests gone")
+    assert model_status()["finished"]["queue_full"] == refused_before + 1
+    again = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    assert again.usage is not None and again.usage.completion_tokens == 8
+
+
 # ---------------------------------------------------------------------------------------------
 # Answers
 
