@@ -212,6 +212,37 @@ def give_up_after(masks: int) -> Callable[[Any], None]:
     return patch
 
 
+def fails_alone_beside_three_greedy(running: Running, doomed_params: SamplingParams, doomed: GenerationConfig) -> Any:
+    """Runs the doomed request concurrently with three greedy ones on rank 0's batch; asserts the three emit exactly
+    what transformers emits alone and that every rank's pool is whole afterwards; returns what the doomed request
+    raised (or its result, for the caller's assertion to reject)."""
+    import ray
+
+    prompts = [running.pair.prompts[i] for i in range(SLOTS)]
+    configs = [GenerationConfig(max_new_tokens=n, gamma=3) for n in (20, 16, 12)]
+    calls: list[Callable[[], Any]] = [
+        lambda p=p, c=c: running.coordinator.generate(p, SamplingParams(), c)
+        for p, c in zip(prompts, configs, strict=False)
+    ]
+
+    def doomed_call() -> Any:
+        try:
+            return running.coordinator.generate(prompts[3], doomed_params, doomed)
+        except Exception as exc:
+            return exc
+
+    *results, failure = concurrently([*calls, doomed_call])
+    for prompt, config, got in zip(prompts, configs, results, strict=False):
+        assert got.output_ids == greedy_reference(running.pair, prompt, config.max_new_tokens)
+    rank0 = running.coordinator.replica.rank0
+    for _ in range(50):
+        if not ray.get(rank0.active_requests.remote()):
+            break
+        time.sleep(0.1)
+    assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
+    return failure
+
+
 def test_a_request_whose_grammar_gives_up_fails_alone_and_the_others_stay_exact(running: Running) -> None:
     """Rank 0 verifies the doomed request in the same steps as three others; when its grammar gives up mid-text
     (its verifier's matcher, patched on rank 0) it fails alone with its GrammarFailed — the caller's, a 400 at
@@ -221,31 +252,11 @@ def test_a_request_whose_grammar_gives_up_fails_alone_and_the_others_stay_exact(
     rank0 = running.coordinator.replica.rank0
     ray.get(rank0.__ray_call__.remote(give_up_after(8)))
     try:
-        prompts = [running.pair.prompts[i] for i in range(SLOTS)]
-        configs = [GenerationConfig(max_new_tokens=n, gamma=3) for n in (20, 16, 12)]
-        calls: list[Callable[[], Any]] = [
-            lambda p=p, c=c: running.coordinator.generate(p, SamplingParams(), c)
-            for p, c in zip(prompts, configs, strict=False)
-        ]
-
-        def doomed() -> Any:
-            try:
-                return running.coordinator.generate(
-                    prompts[3], SamplingParams(grammar=DOOMED), GenerationConfig(max_new_tokens=24, gamma=3)
-                )
-            except Exception as exc:
-                return exc
-
-        *results, failure = concurrently([*calls, doomed])
+        failure = fails_alone_beside_three_greedy(
+            running, SamplingParams(grammar=DOOMED), GenerationConfig(max_new_tokens=24, gamma=3)
+        )
         assert isinstance(failure, GrammarFailed), repr(failure)
         assert "too many expressions constructed" in str(failure)
-        for prompt, config, got in zip(prompts, configs, results, strict=False):
-            assert got.output_ids == greedy_reference(running.pair, prompt, config.max_new_tokens)
-        for _ in range(50):
-            if not ray.get(rank0.active_requests.remote()):
-                break
-            time.sleep(0.1)
-        assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
     finally:
         ray.get(rank0.__ray_call__.remote(give_up_after(-1)))
 
@@ -295,31 +306,11 @@ def test_a_request_whose_logits_turn_nan_fails_alone_and_the_others_stay_exact(r
     rank0 = running.coordinator.replica.rank0
     ray.get(rank0.__ray_call__.remote(poison_after(2)))
     try:
-        prompts = [running.pair.prompts[i] for i in range(SLOTS)]
-        configs = [GenerationConfig(max_new_tokens=n, gamma=3) for n in (20, 16, 12)]
-        calls: list[Callable[[], Any]] = [
-            lambda p=p, c=c: running.coordinator.generate(p, SamplingParams(), c)
-            for p, c in zip(prompts, configs, strict=False)
-        ]
-
-        def doomed() -> Any:
-            try:
-                return running.coordinator.generate(
-                    prompts[3],
-                    SamplingParams(temperature=DOOMED_TEMPERATURE, seed=5),
-                    GenerationConfig(max_new_tokens=30, gamma=3, ignore_eos=True),  # runs into the poisoned steps
-                )
-            except Exception as exc:
-                return exc
-
-        *results, failure = concurrently([*calls, doomed])
+        failure = fails_alone_beside_three_greedy(
+            running,
+            SamplingParams(temperature=DOOMED_TEMPERATURE, seed=5),
+            GenerationConfig(max_new_tokens=30, gamma=3, ignore_eos=True),  # runs into the poisoned steps
+        )
         assert isinstance(failure, RequestFailed), repr(failure)
-        for prompt, config, got in zip(prompts, configs, results, strict=False):
-            assert got.output_ids == greedy_reference(running.pair, prompt, config.max_new_tokens)
-        for _ in range(50):
-            if not ray.get(rank0.active_requests.remote()):
-                break
-            time.sleep(0.1)
-        assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
     finally:
         ray.get(rank0.__ray_call__.remote(poison_after(-1)))
