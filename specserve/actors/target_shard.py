@@ -59,7 +59,7 @@ from specserve.actors.rank_commands import (
 )
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft import Proposal
-from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, pool_tokens
+from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, memory_tokens, pool_tokens
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.request import new_verifier
@@ -323,16 +323,20 @@ class TargetShardActor:
         fewest over the ranks (each reads its own device's free memory; the pools mirror each other's spans)."""
         if self._pool_tokens:
             return self._pool_tokens
-        tokens = pool_tokens(
-            self.target.model, self._max_num_seqs, kv_tokens(self._max_seq_len), self._kv_memory_fraction
-        )
-        if self.world_size > 1:
+        fitting = memory_tokens(self.target.model, self._kv_memory_fraction)
+        if self.world_size > 1:  # agree before any rank may refuse: a rank that raised alone would hang the others
             import torch.distributed as dist
 
-            fewest = torch.tensor([tokens], dtype=torch.int64)
+            fewest = torch.tensor([fitting], dtype=torch.int64)
             dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
-            tokens = int(fewest.item())
-        return tokens
+            fitting = int(fewest.item())
+        return pool_tokens(
+            self.target.model,
+            self._max_num_seqs,
+            kv_tokens(self._max_seq_len),
+            self._kv_memory_fraction,
+            fitting=fitting,
+        )
 
     def _heartbeat(self) -> None:
         """Rank 0: a follower waits for the next command inside a collective, which times out: while the replica

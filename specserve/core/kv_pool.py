@@ -89,20 +89,27 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def pool_tokens(model: PreTrainedModel, max_num_seqs: int, max_seq_len: int, memory_fraction: float) -> int:
-    """The positions of a pool with room for ``max_num_seqs`` requests of ``max_seq_len`` tokens, or as many as fit
-    in ``memory_fraction`` of the memory free now on the model's device, whichever is fewer. Raises :class:`PoolFull`
-    when that cannot hold one request of ``max_seq_len``."""
+def memory_tokens(model: PreTrainedModel, memory_fraction: float) -> int:
+    """The token positions of ``model``'s KV that fit in ``memory_fraction`` of the memory free now on its device."""
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    device = _layout(model)[4]
-    free = free_memory(device)
-    per_token = token_bytes(model)
-    fitting = int(memory_fraction * free) // per_token
+    return int(memory_fraction * free_memory(_layout(model)[4])) // token_bytes(model)
+
+
+def pool_tokens(
+    model: PreTrainedModel, max_num_seqs: int, max_seq_len: int, memory_fraction: float, fitting: int | None = None
+) -> int:
+    """The positions of a pool with room for ``max_num_seqs`` requests of ``max_seq_len`` tokens, or as many as fit
+    in ``memory_fraction`` of the memory free now on the model's device (``fitting``, when the caller agreed on it
+    with other ranks: :func:`memory_tokens`), whichever is fewer. Raises :class:`PoolFull` when that cannot hold one
+    request of ``max_seq_len``."""
+    if fitting is None:
+        fitting = memory_tokens(model, memory_fraction)
     if fitting < max_seq_len:
+        device = _layout(model)[4]
         raise PoolFull(
-            f"the KV pool may take {memory_fraction:g} of the {free / 2**30:.1f} GiB free on {device} "
-            f"(kv_cache_memory): {fitting} token positions of {per_token} bytes, fewer than one request of "
+            f"the KV pool may take {memory_fraction:g} of the {free_memory(device) / 2**30:.1f} GiB free on {device} "
+            f"(kv_cache_memory): {fitting} token positions of {token_bytes(model)} bytes, fewer than one request of "
             f"max_seq_len {max_seq_len}; raise kv_cache_memory, lower max_seq_len, or set kv_pool_tokens"
         )
     return min(max_num_seqs * max_seq_len, fitting)
