@@ -91,7 +91,9 @@ typecheck: install
 # (whole files each, one torch thread each), which take what the Ray tier leaves idle. Ray's own workers keep Ray's
 # default niceness (15). Measured from fresh clones: 26:18 and 29:21 against 39:52 for one pytest. SERIAL=1 runs one
 # pytest instead. The in-process report follows the Ray tier's. JUNIT=PREFIX writes PREFIX.xml (one pytest), or
-# PREFIX-ray.xml and PREFIX-in-process.xml (every test's time).
+# PREFIX-ray.xml and PREFIX-in-process.xml (every test's time). The tiers and their workers share one scratch
+# directory (SPECSERVE_TEST_CACHE, removed after): what one process trains for the tests (an EAGLE head per tiny
+# target) the others load instead of training it again.
 IN_PROCESS_LOG := $(VENV)/pytest-in-process.log
 pytest: install
 	$(BIN)/python -m compileall -q -j 0 specserve tests
@@ -99,7 +101,7 @@ ifdef SERIAL
 	$(BIN)/python -m pytest -q --durations=60 $(if $(JUNIT),--junitxml=$(JUNIT).xml)
 else
 	@echo "==> two tiers at once: the Ray tier here, the in-process tier (nice 19, 2 workers) into $(IN_PROCESS_LOG)"
-	@start=$$(date +%s); \
+	@start=$$(date +%s); export SPECSERVE_TEST_CACHE=$$(mktemp -d -t specserve-tests.XXXXXX); \
 	nice -n 19 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" -n 2 --dist loadfile --durations=30 \
 		$(if $(JUNIT),--junitxml=$(JUNIT)-in-process.xml) > $(IN_PROCESS_LOG) 2>&1 & in_process=$$!; \
 	$(BIN)/python -m pytest -q -m ray --durations=30 $(if $(JUNIT),--junitxml=$(JUNIT)-ray.xml); ray=$$?; \
@@ -107,7 +109,7 @@ else
 	wait $$in_process; in_process_status=$$?; \
 	echo "==> the in-process tier (not ray), ended after $$(( $$(date +%s) - start )) s:"; cat $(IN_PROCESS_LOG); \
 	echo "==> both tiers: $$(( $$(date +%s) - start )) s; exit status: Ray tier $$ray, in-process tier $$in_process_status"; \
-	exit $$(( ray || in_process_status ))
+	rm -rf "$$SPECSERVE_TEST_CACHE"; exit $$(( ray || in_process_status ))
 endif
 
 # The edit-test loop (about 5 minutes): the exactness core in process, marker `quick` (tests/conftest.py's QUICK_LOOP):

@@ -1,10 +1,15 @@
 """Heads for the tiny targets, shared by the drafter, batched-engine and distributed tests: a trained EAGLE head
-per target (trained once per session) and Medusa heads with random weights."""
+per target (trained once per test run) and Medusa heads with random weights."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import torch
 from conftest import TinyPair
+from filelock import FileLock
 
 from specserve.core.model import CausalLM
 from specserve.drafters.eagle import EagleConfig, EagleHead
@@ -30,15 +35,46 @@ def target_stream(target: CausalLM, tokens: int = 3000, seed: int = 0) -> torch.
 
 _HEADS: dict[str, EagleHead] = {}
 
+SHARED_DIR = "SPECSERVE_TEST_CACHE"
+"""A directory the processes of one test run share (``make pytest`` makes one for both tiers and their xdist
+workers): a trained head is saved there by the first process that needs it, and loaded by the others."""
+
+TRAINING_CODE = ("specserve/training/eagle.py", "specserve/drafters/eagle.py")
+
 
 def trained_head(pair: TinyPair) -> EagleHead:
-    """One head per family, trained once per session (a few seconds)."""
+    """One head per family, trained once per test run: by this process, or loaded from the run's shared directory
+    (:data:`SHARED_DIR`) where another process of the run saved it, under a key of everything it depends on."""
     if pair.family not in _HEADS:
-        torch.manual_seed(0)
-        head = EagleHead(EagleConfig.for_target(pair.target.model)).double()
-        train_head(head, pair.target.model, target_stream(pair.target), RECIPE, None)
-        _HEADS[pair.family] = head
+        shared = os.environ.get(SHARED_DIR)
+        if not shared:
+            _HEADS[pair.family] = _train(pair)
+        else:
+            directory = Path(shared) / f"eagle-{pair.family}-{_fingerprint(pair)}"
+            with FileLock(f"{directory}.lock"):
+                if not directory.is_dir():
+                    _train(pair).save(directory)
+                _HEADS[pair.family] = EagleHead.load(directory)
     return _HEADS[pair.family]
+
+
+def _train(pair: TinyPair) -> EagleHead:
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(pair.target.model)).double()
+    train_head(head, pair.target.model, target_stream(pair.target), RECIPE, None)
+    return head.eval()
+
+
+def _fingerprint(pair: TinyPair) -> str:
+    """What a trained head depends on: the target's weights, the recipe and the training and head code."""
+    digest = hashlib.sha256(repr(RECIPE).encode())
+    for name, tensor in sorted(pair.target.model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    root = Path(__file__).resolve().parents[1]
+    for path in TRAINING_CODE:
+        digest.update((root / path).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def random_heads(target: CausalLM, seed: int = 0, num_heads: int = 3, std: float = 0.05) -> MedusaHeads:
