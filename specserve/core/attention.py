@@ -37,12 +37,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ATTENTION = "specserve_grouped_sdpa"
 
@@ -59,6 +60,8 @@ def grouped_sdpa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract; see the module docstring."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     ragged = _RAGGED.get()
     if ragged is not None:
         return ragged.attend(query, key, value, scaling), None
@@ -164,14 +167,24 @@ def ragged_batch(batch: RaggedBatch) -> Iterator[RaggedBatch]:
         _RAGGED.reset(token)
 
 
-AttentionInterface.register(ATTENTION, grouped_sdpa_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+@cache
+def register_attention() -> None:
+    """Register :func:`grouped_sdpa_attention` with transformers as :data:`ATTENTION` (with transformers' ``sdpa``
+    mask builder); once per process. Done on first use, not at import: transformers' modelling code costs a few
+    seconds of CPU to import, and a process that serves no model (an HTTP edge, a model-free drafter) never needs
+    it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, grouped_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
 
 
 def use_grouped_attention(model: PreTrainedModel) -> None:
     """Switch ``model`` to :func:`grouped_sdpa_attention` when it runs transformers' ``sdpa`` (other
     implementations are left as they are)."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        register_attention()
         model.set_attn_implementation(ATTENTION)
 
 

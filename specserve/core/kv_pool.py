@@ -35,14 +35,16 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specserve.core.attention import RaggedRow
 from specserve.core.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # The share of the device's free memory (after the weights are loaded) a pool may take by default (kv_cache_memory)
 DEFAULT_MEMORY_FRACTION = 0.5

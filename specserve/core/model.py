@@ -21,17 +21,20 @@ import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicCache
 
-from specserve.core.attention import RaggedBatch, ragged_batch, use_grouped_attention
+from specserve.core.attention import RaggedBatch, ragged_batch, register_attention, use_grouped_attention
 from specserve.core.buckets import VerifyBuckets
 from specserve.core.checkpoint_dir import ModelLoadError, check_checkpoint_dir
 from specserve.core.kv_pool import KVPool
 from specserve.core.tree import DraftTree
+
+if TYPE_CHECKING:  # transformers' modelling code is imported where a model is loaded, not by every importer
+    from transformers import PreTrainedModel
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -195,6 +198,12 @@ class CausalLM:
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled in another process (an argument of a Ray actor): that process registers the grouped attention
+        its model runs, which :mod:`specserve.core.attention` does on first use rather than at import."""
+        register_attention()
+        self.__dict__.update(state)
+
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -210,6 +219,8 @@ class CausalLM:
         torch_dtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
         torch_device = resolve_device(device)
         check_checkpoint_dir(directory)
+        from transformers import AutoModelForCausalLM
+
         try:
             model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch_dtype)
         # SafetensorError / UnpicklingError: a truncated or corrupt weights file (neither is an OSError).
@@ -421,6 +432,8 @@ def load_tokenizer(directory: str | Path) -> Any | None:
     directory = Path(directory)
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         return None
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # any failure means the tokenizer files are unusable

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_drafter_name
 from specserve.core.drafter_spec import (
@@ -24,7 +25,6 @@ from specserve.core.drafter_spec import (
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.drafters.batched_model import BatchedDraftModel
-from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.layerskip import LayerSkipDrafter
 from specserve.drafters.lookahead import LookaheadDrafter
 from specserve.drafters.medusa import MedusaDrafter
@@ -34,6 +34,14 @@ from specserve.drafters.none import NoDrafter
 from specserve.drafters.rest import RestDrafter
 from specserve.drafters.suffix import SuffixCache, SuffixDrafter
 from specserve.drafters.text import TextDrafter
+
+
+@runtime_checkable
+class Prototype(Protocol):
+    """A drafter built once per server (EAGLE, Medusa, layer-skip heads, a REST datastore) whose ``fresh()`` gives
+    each request its own drafter sharing the loaded weights or data."""
+
+    def fresh(self) -> Drafter: ...
 
 
 def build_drafter(
@@ -72,6 +80,10 @@ def build_drafter(
         directory = spec[len(EAGLE_PREFIX) :]
         if not directory:
             raise UserError(f"EAGLE drafting is 'eagle:DIR' with DIR a trained head directory, got {spec!r}")
+        # imported here: the EAGLE head is built on transformers' Llama modelling code, which a process that serves
+        # no EAGLE head (an n-gram or suffix drafter actor) need not import
+        from specserve.drafters.eagle import EagleDrafter
+
         return EagleDrafter.load(directory, target, dtype=dtype, device=device)
     if spec.startswith(MEDUSA_PREFIX):
         directory = spec[len(MEDUSA_PREFIX) :]
@@ -167,10 +179,10 @@ def request_drafters(
         batcher = BatchedDraftModel(configured, target, max_num_seqs, length)
     if suffix_cache is None:
         suffix_cache = SuffixCache()  # the global store every request's suffix drafter shares
-    prototype: EagleDrafter | MedusaDrafter | LayerSkipDrafter | RestDrafter | None = None
+    prototype: Prototype | None = None
     if isinstance(spec, str) and spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX)):
         built = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
-        assert isinstance(built, EagleDrafter | MedusaDrafter | LayerSkipDrafter | RestDrafter)
+        assert isinstance(built, Prototype)
         prototype = built  # never drafts itself: each request gets prototype.fresh()
 
     def new_drafter(name: str) -> Drafter:
