@@ -60,8 +60,6 @@ def grouped_sdpa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract; see the module docstring."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     ragged = _RAGGED.get()
     if ragged is not None:
         return ragged.attend(query, key, value, scaling), None
@@ -76,6 +74,8 @@ def grouped_sdpa_attention(
         or attention_mask.shape[1] != 1
         or kwargs.get("output_attentions", False)
     ):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # loaded with the model
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
