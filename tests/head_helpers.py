@@ -12,7 +12,7 @@ from conftest import TinyPair
 from filelock import FileLock
 
 from specserve.core.model import CausalLM
-from specserve.drafters.eagle import EagleConfig, EagleHead
+from specserve.drafters.eagle_head import EagleConfig, EagleHead
 from specserve.drafters.medusa import MedusaHeads
 from specserve.training.eagle import EagleRecipe, train_head
 from specserve.training.medusa import heads_for
@@ -39,7 +39,7 @@ SHARED_DIR = "SPECSERVE_TEST_CACHE"
 """A directory the processes of one test run share (``make pytest`` makes one for both tiers and their xdist
 workers): a trained head is saved there by the first process that needs it, and loaded by the others."""
 
-TRAINING_CODE = ("specserve/training/eagle.py", "specserve/drafters/eagle.py")
+TRAINING_CODE = ("specserve/training/eagle.py", "specserve/drafters/eagle.py", "specserve/drafters/eagle_head.py")
 
 
 def trained_head(pair: TinyPair) -> EagleHead:

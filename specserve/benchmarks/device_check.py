@@ -468,7 +468,7 @@ def tiny_models(root: Path, models: Path) -> Path:
     a random EAGLE head."""
     from transformers import AutoTokenizer
 
-    from specserve.drafters.eagle import EagleConfig, EagleHead
+    from specserve.drafters.eagle_head import EagleConfig, EagleHead
     from specserve.training.medusa import heads_for
 
     tokenizer = None

@@ -1,14 +1,13 @@
-"""EAGLE drafting: a one-layer head that drafts from the target's own hidden states, through its own LM head.
+"""EAGLE drafting: a small head drafts from the target's own hidden states.
 
-The head (:class:`EagleHead`) works at the level of features. At head position t its input is the
-target's feature of token t — EAGLE-3's fusion of a low, a middle and a high layer
-(``feature_layers``, concatenated and projected by ``fuse``), or EAGLE-1's single top feature —
-together with the embedding of token t + 1 (the target's own, frozen); one Llama decoder layer
-turns them into a hidden state h_t that stands for the target's feature of token t + 1, and the
-target's frozen LM head reads h_t as the distribution of token t + 2. Past the committed text the
-target's features are unknown, so the head drafts on its own outputs: a draft node's input is
-its parent's h together with the node's token. Training unrolls the head on its own outputs the
-same way (``specserve.training.eagle``, "training-time test"), so it learns to draft from them.
+A head (:class:`~specserve.drafters.eagle_head.FeatureHead`) works at the level of features. At head position t its
+input is the target's feature of token t (EAGLE-1's single top feature, or EAGLE-3's fusion of a low, a middle and a
+high layer) together with the embedding of token t + 1; its decoder layer turns them into a hidden state h_t that
+stands for the target's feature of token t + 1, and an output head (the target's LM head, or EAGLE-3's own over a
+reduced vocabulary) reads h_t as the distribution of token t + 2. Past the committed text the target's features are
+unknown, so the head drafts on its own outputs: a draft node's input is its parent's h together with the node's
+token. Training unrolls the head on its own outputs the same way (``specserve.training.eagle``, "training-time
+test"), so it learns to draft from them.
 
 :class:`EagleDrafter` is a :class:`~specserve.drafters.tree.TreeModelDrafter` whose model access
 is an :class:`_EagleSession`: chains, static trees and EAGLE-2's dynamic trees (confidence
@@ -24,204 +23,39 @@ every request's drafter over the same head: by default eager and unpadded, exact
 run; on the static-shape engine (:meth:`EagleDrafter.use_static_shapes`) each block pads to its bucket — a tree
 level's reach back over the nodes forwarded before it too — and on a GPU replays as a CUDA graph.
 
-A trained head is an HF-style directory (``config.json`` naming ``"specserve_drafter": "eagle"``,
-``model.safetensors`` with the head's weights only, a ``README.md`` card); :meth:`EagleDrafter.load`
-checks it against the target. Does not train (``specserve.training.eagle``) or verify.
+:meth:`EagleDrafter.load` takes a head directory in any layout :mod:`specserve.drafters.eagle_layouts` reads
+(specserve's own, or a published EAGLE-1/2/3 head) and checks it against the target. Does not train
+(``specserve.training.eagle``) or verify.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaModel, PreTrainedModel
 from transformers.cache_utils import Cache
 
 from specserve.core.buckets import NO_BUCKETS
 from specserve.core.draft import Draft
-from specserve.core.errors import UserError
 from specserve.core.graphs import GraphBackend
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_cache import SlotBlock, StaticKVCache, StaticOptions, StaticSlots
 from specserve.core.tree import ROOT, DraftTree, TreeSpec
-from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
+from specserve.drafters.eagle_head import FeatureHead, check_head_fits
+from specserve.drafters.eagle_layouts import load_head
 from specserve.drafters.tree import DraftSession, TreeModelDrafter
-
-KIND = "eagle"
-TRAIN_HINT = "train one with `specserve train eagle --target DIR`"
-
-
-class EagleLoadError(UserError):
-    """An EAGLE head directory is missing, malformed, or was trained for another target."""
-
-
-@dataclass(frozen=True)
-class EagleConfig:
-    feature_layers: tuple[int, ...]  # indices into the target's hidden_states (select_features)
-    hidden_size: int
-    vocab_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    target_num_layers: int = 0
-    target_architecture: str = ""
-
-    @staticmethod
-    def for_target(target: PreTrainedModel, feature_layers: Sequence[int] | None = None) -> EagleConfig:
-        """A head shaped like one of ``target``'s layers; default features: EAGLE-3's low, middle and high layer."""
-        config = target.config
-        layers = int(config.num_hidden_layers)
-        chosen = tuple(feature_layers) if feature_layers is not None else default_feature_layers(layers)
-        if not chosen or any(not 0 < layer <= layers for layer in chosen):
-            raise UserError(f"EAGLE feature layers must be in 1..{layers} (the target's layers), got {list(chosen)}")
-        rope = getattr(config, "rope_parameters", None) or {}
-        return EagleConfig(
-            feature_layers=chosen,
-            hidden_size=int(config.hidden_size),
-            vocab_size=int(target.get_output_embeddings().weight.shape[0]),
-            intermediate_size=int(config.intermediate_size),
-            num_attention_heads=int(config.num_attention_heads),
-            num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-            max_position_embeddings=int(config.max_position_embeddings),
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            target_num_layers=layers,
-            target_architecture=type(target).__name__,
-        )
-
-    def body_config(self) -> LlamaConfig:
-        """The one decoder layer (with rotary embeddings and a final norm) as a 1-layer Llama model; it never
-        sees token ids (inputs_embeds only), so its own vocabulary is a single row."""
-        return LlamaConfig(
-            vocab_size=1,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=1,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            pad_token_id=None,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-
-
-def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's fused features: a low, a middle and the top layer (the top one is after the final norm)."""
-    if num_layers < 3:
-        return (num_layers,)
-    return (2, num_layers // 2, num_layers)
-
-
-class EagleHead(torch.nn.Module):
-    """The trainable part: feature fusion, the input projection and one decoder layer (nothing of the target's)."""
-
-    def __init__(self, config: EagleConfig) -> None:
-        super().__init__()
-        self.config = config
-        width = config.hidden_size
-        fused = len(config.feature_layers) * width
-        self.fuse: torch.nn.Module = (
-            torch.nn.Linear(fused, width, bias=False) if fused != width else torch.nn.Identity()
-        )
-        self.fc = torch.nn.Linear(2 * width, width, bias=False)
-        self.body = LlamaModel(config.body_config())
-
-    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's raw features ``[..., len(layers) * hidden]`` -> the head's input features ``[..., hidden]``."""
-        return self.fuse(features.to(self.fc.weight.dtype))
-
-    def forward(
-        self,
-        features: torch.Tensor,  # [batch, k, hidden]: fused target features, or the head's own outputs
-        token_embeds: torch.Tensor,  # [batch, k, hidden]: the target's embeddings of the next tokens
-        cache: Cache | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # [batch, k, hidden]: h, standing for the next token's feature; LM head -> the token after
-        inputs = self.fc(torch.cat([token_embeds.to(self.fc.weight.dtype), features], dim=-1))
-        out = self.body(
-            inputs_embeds=inputs,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-        )
-        return out.last_hidden_state
-
-    # -----------------------------------------------------------------------------------------
-
-    def save(self, directory: str | Path, extra: dict[str, Any] | None = None) -> None:
-        """``config.json`` + ``model.safetensors`` (the head's weights only)."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        config = {"specserve_drafter": KIND, **asdict(self.config), **(extra or {})}
-        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        state = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
-        save_file(state, str(out / WEIGHTS_FILE))
-
-    @staticmethod
-    def read_config(directory: str | Path) -> dict[str, Any]:
-        return read_head_config(directory, KIND, "an EAGLE head", EagleLoadError, TRAIN_HINT)
-
-    @classmethod
-    def load(cls, directory: str | Path) -> EagleHead:
-        """The head saved in ``directory``, in the dtype it was saved in."""
-        data = cls.read_config(directory)
-        fields = {name: data[name] for name in EagleConfig.__dataclass_fields__ if name in data}
-        try:
-            config = EagleConfig(**{**fields, "feature_layers": tuple(fields["feature_layers"])})
-        except (KeyError, TypeError) as exc:
-            raise EagleLoadError(f"{directory}/{CONFIG_FILE} is incomplete: {exc}") from exc
-        head = cls(config)
-        weights = Path(directory) / WEIGHTS_FILE
-        if not weights.is_file():
-            raise EagleLoadError(f"{directory} has no {WEIGHTS_FILE}")
-        try:
-            state = load_file(str(weights))
-            head = head.to(next(iter(state.values())).dtype)
-            head.load_state_dict(state)
-        except (RuntimeError, OSError, StopIteration) as exc:
-            raise EagleLoadError(f"could not load the EAGLE head weights in {weights}: {exc}") from exc
-        return head.eval()
-
-
-def check_head_fits(head: EagleHead, target: CausalLM | TargetDescription, hidden_size: int, num_layers: int) -> None:
-    """Raise :class:`EagleLoadError` unless ``head`` reads this target's features and scores its vocabulary."""
-    config = head.config
-    problems = []
-    if config.vocab_size != target.info.vocab_size:
-        problems.append(f"vocabulary {config.vocab_size} vs the target's {target.info.vocab_size}")
-    if config.hidden_size != hidden_size:
-        problems.append(f"hidden size {config.hidden_size} vs the target's {hidden_size}")
-    if max(config.feature_layers) > num_layers or (config.target_num_layers and config.target_num_layers != num_layers):
-        problems.append(f"features of a {config.target_num_layers}-layer target vs this {num_layers}-layer one")
-    if problems:
-        raise EagleLoadError(
-            f"this EAGLE head was trained for another target ({'; '.join(problems)}); "
-            f"train one for {target.info.path} with `specserve train eagle --target {target.info.path}`"
-        )
 
 
 class EagleDrafter(TreeModelDrafter):
-    """Drafts chains and trees with an :class:`EagleHead` over the target's features, embeddings and LM head."""
+    """Drafts chains and trees with a head over the target's features, embeddings and LM head."""
 
     name = "eagle"
 
     def __init__(
         self,
-        head: EagleHead,
+        head: FeatureHead,
         embeddings: torch.nn.Module,  # the target's input embeddings (frozen)
         lm_head: torch.nn.Module,  # the target's output embeddings (frozen)
         output_device: torch.device | str = "cpu",
@@ -230,8 +64,9 @@ class EagleDrafter(TreeModelDrafter):
         """``slots``: where the head's keys and values live (shared with :meth:`fresh` drafters); by default eager
         and unpadded."""
         self.head = head.eval()
-        self.embeddings = embeddings
-        self.lm_head = lm_head
+        self.target_embeddings, self.target_lm_head = embeddings, lm_head
+        self.embeddings = head.input_embeddings(embeddings)  # what embeds the tokens the head reads
+        self.lm_head = head.output_head(lm_head)  # what scores h over the target's vocabulary
         self.feature_layers = head.config.feature_layers
         self.vocab_size = head.config.vocab_size
         self._output_device = torch.device(output_device)
@@ -239,14 +74,16 @@ class EagleDrafter(TreeModelDrafter):
         self.context: list[int] = []
         self.params = SamplingParams()
         self._generator: torch.Generator | None = None
-        self.slots = slots or HeadSlots(self.head, embeddings, lm_head, StaticOptions(NO_BUCKETS, cuda_graphs=False))
+        self.slots = slots or HeadSlots(
+            self.head, self.embeddings, self.lm_head, StaticOptions(NO_BUCKETS, cuda_graphs=False)
+        )
         self._head_cache: StaticKVCache | None = None
         self._features: list[torch.Tensor] = []  # the head's input feature of each committed position, fused
         self._head_cached = 0  # head positions whose keys/values are in the cache (real inputs)
 
     @classmethod
     def for_target(
-        cls, head: EagleHead, target: CausalLM, output_device: torch.device | str | None = None
+        cls, head: FeatureHead, target: CausalLM, output_device: torch.device | str | None = None
     ) -> EagleDrafter:
         model = target.model
         check_head_fits(head, target, int(model.config.hidden_size), int(model.config.num_hidden_layers))
@@ -259,18 +96,17 @@ class EagleDrafter(TreeModelDrafter):
     def load(
         cls, directory: str | Path, target: CausalLM | TargetDescription, dtype: str = "float32", device: str = "cpu"
     ) -> EagleDrafter:
-        """A trained head for ``target``; given only its description (a drafter in another process), the target
-        is loaded here for its embeddings and LM head."""
-        head = EagleHead.load(directory)
-        if isinstance(target, TargetDescription):
-            loaded = CausalLM.load(target.info.path, dtype=dtype, device=device)
-            return cls.for_target(head, loaded, output_device=target.device)
-        return cls.for_target(head, target)
+        """The head in ``directory`` (any layout :func:`~specserve.drafters.eagle_layouts.load_head` reads) for
+        ``target``; given only its description (a drafter in another process), the target is loaded here for its
+        embeddings and LM head."""
+        model = target if isinstance(target, CausalLM) else CausalLM.load(target.info.path, dtype=dtype, device=device)
+        head = load_head(directory, model)
+        return cls.for_target(head, model, output_device=target.device)
 
     def fresh(self) -> EagleDrafter:
         """A drafter for another request over the same head, embeddings and LM head (shared, not copied), with
         none of this one's per-request state."""
-        return type(self)(self.head, self.embeddings, self.lm_head, self._output_device, self.slots)
+        return type(self)(self.head, self.target_embeddings, self.target_lm_head, self._output_device, self.slots)
 
     def use_static_shapes(self, options: StaticOptions, backend: GraphBackend | None = None) -> None:
         """Draft on the static-shape engine: the head's blocks padded to the buckets and, on a GPU (or with
@@ -336,7 +172,7 @@ class HeadSlots(StaticSlots):
 
     def __init__(
         self,
-        head: EagleHead,
+        head: FeatureHead,
         embeddings: torch.nn.Module,
         lm_head: torch.nn.Module,
         options: StaticOptions,

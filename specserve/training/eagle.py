@@ -32,7 +32,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, load_tokenizer, select_features
 from specserve.core.tree import TreeBudget, TreeSpec
-from specserve.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, check_head_fits
+from specserve.drafters.eagle import EagleDrafter
+from specserve.drafters.eagle_head import EagleConfig, EagleHead, check_head_fits
 from specserve.training import heads, loop
 from specserve.training.loop import LossFn
 

@@ -25,7 +25,7 @@ from conftest import REF_TOKENS, TinyPair, finish_all
 from head_helpers import random_heads, trained_head
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.fx.experimental.proxy_tensor import make_fx
+from static_helpers import BUCKETS, RecordingGraphs
 
 from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig
 from specserve.core import static_cache
@@ -45,35 +45,7 @@ from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.medusa import MedusaDrafter
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
-BUCKETS = VerifyBuckets((1, 2, 4, 8, 16))
 TOKENS = 20
-
-
-class RecordingGraphs:
-    """A graph backend for the CPU with a CUDA graph's contract: a capture records the step's tensor operations once
-    (``make_fx``: every Python value the step reads is baked in, every tensor it reads or writes — the inputs, the KV
-    slots — is held by reference), and a replay runs that recording, writing the outputs fixed at capture. A step
-    that read Python state a replay cannot see (a length, a width) would go wrong here as on a GPU. Counts captures
-    and replays."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.captures = 0
-        self.replays = 0
-
-    def capture(self, run: Callable[[], Sequence[torch.Tensor]]) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
-        self.captures += 1
-        recording = make_fx(lambda: tuple(run()), tracing_mode="real")()
-        outputs = tuple(t.clone() for t in recording())
-
-        def replay() -> None:
-            self.replays += 1
-            for static, new in zip(outputs, recording(), strict=True):
-                static.copy_(new)
-
-        return replay, outputs
 
 
 def static_engine(pair: TinyPair, drafter: object, graphs: RecordingGraphs | None) -> SpeculativeEngine:

@@ -25,7 +25,8 @@ from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, select_features
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
-from specserve.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from specserve.drafters.eagle import EagleDrafter
+from specserve.drafters.eagle_head import EagleConfig, EagleHead
 from specserve.training import heads, loop
 from specserve.training.eagle import eagle_loss, unroll_mask
 

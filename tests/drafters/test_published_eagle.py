@@ -1,0 +1,465 @@
+"""Published EAGLE heads load unchanged and draft exactly what their reference describes.
+
+EAGLE-1/2 (SafeAILab ``cnets1.py``) and EAGLE-3 (SafeAILab ``cnets.py``, SGLang's ``llama_eagle3``), as
+docs/published-heads.md describes them: a random-weight head is written here in the exact published file layout
+(``config.json`` fields, ``model.safetensors`` or ``pytorch_model.bin``, tensor names, shapes, bfloat16) beside a random
+tiny 8-layer target. Then:
+
+* the head's logits at the root and at every node of a tree (depths 0 to 3) equal a reference forward written in this
+  file from the published description — its own RMSNorm, rotary embedding, grouped attention and MLP over the weights
+  read back from the files, recomputed from scratch for every path — at 1e-9 in float64, eager and on static shapes
+  (padded, and replayed as graphs);
+* greedy output with the loaded head equals transformers' ``generate`` (chains and trees);
+* an EAGLE-3 head with a reduced draft vocabulary emits the target's joint law of two tokens at T = 1, through chains
+  and trees (chi-square, significance 1e-3, fixed seeds);
+* malformed heads (a missing tensor, a wrong shape, another target, a deeper target, a pickle carrying code) are
+  refused in one line, and nothing in a pickle runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MAX_POSITIONS, REF_TOKENS, VOCAB, build_model
+from safetensors.torch import save_file
+from static_helpers import BUCKETS, RecordingGraphs
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
+
+from specserve.core.batch_engine import BatchedEngine
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.errors import UserError
+from specserve.core.model import CausalLM, select_features
+from specserve.core.sampling import SamplingParams
+from specserve.core.static_cache import StaticOptions
+from specserve.core.tree import ROOT, TreeBudget, TreeSpec
+from specserve.drafters.eagle import EagleDrafter
+from specserve.drafters.registry import build_drafter
+
+HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
+ALPHA = 1e-3
+LAYERS = 8  # the target's: EAGLE-3 reads the inputs of layers 2, 4 and 5
+H, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 32, 4, 2, 8, 64  # the tiny target's shapes (conftest.build_model)
+THETA, EPS = 10000.0, 1e-5
+DRAFT_VOCAB = 40
+# a tree grown level by level: node ids, their tokens and parents (depths 0, 0 | 1, 1, 1 | 2 | 3)
+LEVELS = [[0, 1], [2, 3, 4], [5], [6]]
+TREE_TOKENS = [11, 40, 13, 70, 15, 16, 90]
+TREE_PARENTS = [ROOT, ROOT, 0, 0, 1, 2, 5]
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    eagle3: bool
+    file: str  # "model.safetensors" or "pytorch_model.bin"
+    config: dict[str, object]  # the config.json fields beyond the common Llama ones
+    fc_bias: bool = False
+    midlayer: str = "midlayer."  # EAGLE-3's layer prefix: SafeAILab's, or vLLM's "layers.0."
+    reduced: bool = False  # EAGLE-3 with a draft vocabulary of DRAFT_VOCAB tokens
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False  # input_norm over the concatenated aux states
+    fc_norm: bool = False  # fc_norm.{k} per aux state
+    norm_output: bool = False  # norm(h) fed back
+    speculators: bool = False  # vLLM's speculators format: the decoder fields in transformer_layer_config
+
+
+LAYOUTS = {
+    # Vicuna / LLaMA-2-chat EAGLE heads: no "bias" key (fc has one), a pickle
+    "eagle1-vicuna": Layout("eagle1-vicuna", False, "pytorch_model.bin", {}, fc_bias=True),
+    # LLaMA-3 EAGLE heads: "bias": false
+    "eagle1-llama3": Layout("eagle1-llama3", False, "model.safetensors", {"bias": False}),
+    "eagle3": Layout(
+        "eagle3",
+        True,
+        "model.safetensors",
+        {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": DRAFT_VOCAB},
+        reduced=True,
+    ),
+    # the midlayer under vLLM's name, the residual taken after hidden_norm, the full vocabulary
+    "eagle3-vllm": Layout(
+        "eagle3-vllm",
+        True,
+        "model.safetensors",
+        {"architectures": ["Eagle3LlamaForCausalLM"], "norm_before_residual": True},
+        midlayer="layers.0.",
+        norm_before_residual=True,
+    ),
+    # EAGLE-3.1: a norm per aux state, norm(h) fed back (one flag where vLLM also reads it, in eagle_config)
+    "eagle3.1": Layout(
+        "eagle3.1",
+        True,
+        "model.safetensors",
+        {"draft_vocab_size": DRAFT_VOCAB, "fc_norm": True, "eagle_config": {"norm_output": True}},
+        reduced=True,
+        fc_norm=True,
+        norm_output=True,
+    ),
+    # speculators: no norm_before_residual key (true in that format), a norm before fc, a suggested γ of 5
+    "speculators": Layout(
+        "speculators",
+        True,
+        "model.safetensors",
+        {
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.2.0",
+            "architectures": ["Eagle3Speculator"],
+            "draft_vocab_size": DRAFT_VOCAB,
+            "norm_before_fc": True,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1}],
+                "verifier": {"name_or_path": "org/tiny-llama", "architectures": ["LlamaForCausalLM"]},
+            },
+        },
+        midlayer="layers.0.",
+        reduced=True,
+        norm_before_residual=True,
+        norm_before_fc=True,
+        speculators=True,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing heads in the published layouts
+
+
+def published_tensors(layout: Layout, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights under the published names and shapes, in bfloat16 (d2t/t2d as the reference builds them)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.25) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+    def norm() -> torch.Tensor:
+        return (1 + 0.2 * torch.randn(H, generator=gen)).to(torch.bfloat16)
+
+    width = 2 * H if layout.eagle3 else H  # EAGLE-3's attention reads cat(embedding, hidden)
+    prefix = layout.midlayer if layout.eagle3 else "layers.0."
+    tensors = {
+        f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, width),
+        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, width),
+        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, width),
+        f"{prefix}self_attn.o_proj.weight": rand(H, HEADS * HEAD_DIM),
+        f"{prefix}mlp.gate_proj.weight": rand(INTERMEDIATE, H),
+        f"{prefix}mlp.up_proj.weight": rand(INTERMEDIATE, H),
+        f"{prefix}mlp.down_proj.weight": rand(H, INTERMEDIATE),
+        f"{prefix}post_attention_layernorm.weight": norm(),
+        "embed_tokens.weight": rand(VOCAB, H),  # published files may carry the target's table; it goes unused
+    }
+    if not layout.eagle3:
+        tensors["fc.weight"] = rand(H, 2 * H)
+        if layout.fc_bias:
+            tensors["fc.bias"] = rand(H)
+        return tensors
+    vocab = DRAFT_VOCAB if layout.reduced else VOCAB
+    used = torch.randperm(VOCAB, generator=gen)[:vocab].sort().values  # the reference: ascending target ids
+    tensors |= {
+        "fc.weight": rand(H, 3 * H),
+        f"{prefix}input_layernorm.weight": norm(),
+        f"{prefix}hidden_norm.weight": norm(),
+        "norm.weight": norm(),
+        "lm_head.weight": rand(vocab, H, scale=0.5),
+        "d2t": used - torch.arange(vocab),
+        "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, used, True),
+    }
+    if layout.norm_before_fc:
+        tensors["input_norm.weight"] = (1 + 0.2 * torch.randn(3 * H, generator=gen)).to(torch.bfloat16)
+    if layout.fc_norm:
+        tensors |= {f"fc_norm.{k}.weight": norm() for k in range(3)}
+    return tensors
+
+
+def write_head(directory: Path, layout: Layout, seed: int = 7) -> dict[str, torch.Tensor]:
+    directory.mkdir(parents=True, exist_ok=True)
+    decoder = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": EPS,
+        "rope_theta": THETA,
+        "rope_scaling": None,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+    if layout.speculators:  # the decoder's fields nested, the head's at the top level
+        decoder.pop("architectures")
+        config = {"transformer_layer_config": {**decoder, "head_dim": HEAD_DIM}, **layout.config}
+    else:
+        config = {**decoder, **layout.config}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = published_tensors(layout, seed)
+    if layout.file == "model.safetensors":
+        save_file(tensors, str(directory / layout.file))
+    else:
+        torch.save(tensors, directory / layout.file)
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference, from the published description
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm computed in float32, as the references' ``LlamaRMSNorm`` computes it whatever the input dtype."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """Llama's half-split rotary embedding of ``x`` ``[heads, T, d]``; its angles in float32, as the references
+    (SafeAILab's ``LlamaRotaryEmbedding``, transformers') compute them."""
+    t = x.shape[1]
+    inverse = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * inverse[None]
+    cos = torch.cat([angles.cos()] * 2, -1).double()
+    sin = torch.cat([angles.sin()] * 2, -1).double()
+    first, second = x[..., : HEAD_DIM // 2], x[..., HEAD_DIM // 2 :]
+    return x * cos + torch.cat([-second, first], -1) * sin
+
+
+def attention(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """Causal grouped-query attention over positions 0 .. T - 1."""
+    t = x.shape[0]
+    q = rotate((x @ w[f"{prefix}self_attn.q_proj.weight"].T).view(t, HEADS, HEAD_DIM).transpose(0, 1))
+    k = rotate((x @ w[f"{prefix}self_attn.k_proj.weight"].T).view(t, KV_HEADS, HEAD_DIM).transpose(0, 1))
+    v = (x @ w[f"{prefix}self_attn.v_proj.weight"].T).view(t, KV_HEADS, HEAD_DIM).transpose(0, 1)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
+    scores = (q @ k.transpose(1, 2)) / math.sqrt(HEAD_DIM)
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, HEADS * HEAD_DIM)
+    return out @ w[f"{prefix}self_attn.o_proj.weight"].T
+
+
+def mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    gate, up = x @ w[f"{prefix}mlp.gate_proj.weight"].T, x @ w[f"{prefix}mlp.up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ w[f"{prefix}mlp.down_proj.weight"].T
+
+
+def eagle1_layer(w: dict[str, torch.Tensor], embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """cnets1.py: x = fc(cat(e, f)); layer 0 without an input norm; no final norm."""
+    x = torch.cat([embeds, features], -1) @ w["fc.weight"].T + w.get("fc.bias", torch.zeros(H, dtype=torch.float64))
+    h = x + attention(x, w, "layers.0.")
+    return h + mlp(rms(h, w["layers.0.post_attention_layernorm.weight"]), w, "layers.0.")
+
+
+def eagle3_layer(layout: Layout, w: dict[str, torch.Tensor], embeds: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """cnets.py's midlayer: attention over cat(input_layernorm(e), hidden_norm(g)); residual g (or its norm)."""
+    p = layout.midlayer
+    normed = rms(g, w[f"{p}hidden_norm.weight"])
+    h = (normed if layout.norm_before_residual else g) + attention(
+        torch.cat([rms(embeds, w[f"{p}input_layernorm.weight"]), normed], -1), w, p
+    )
+    return h + mlp(rms(h, w[f"{p}post_attention_layernorm.weight"]), w, p)
+
+
+def reference_logits(
+    layout: Layout, w: dict[str, torch.Tensor], target: CausalLM, context: Sequence[int], path: Sequence[int]
+) -> list[torch.Tensor]:
+    """The head's logits over the target vocabulary after ``context`` (committed) and after each prefix of the
+    drafted ``path``: position t pairs (the feature of token t, token t + 1); drafted positions take the previous
+    position's output as their feature; every step recomputes the whole sequence from scratch."""
+    model = target.model
+    embeddings, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    with torch.no_grad():
+        hidden_states = model(torch.tensor([list(context)]), output_hidden_states=True).hidden_states
+    n = len(context) - 1
+    if layout.eagle3:  # the inputs of layers 2, L//2, L-3, (normed and) projected by fc
+        parts = [hidden_states[i][0, :n] for i in (2, LAYERS // 2, LAYERS - 3)]
+        if layout.fc_norm:
+            parts = [rms(part, w[f"fc_norm.{k}.weight"]) for k, part in enumerate(parts)]
+        aux = torch.cat(parts, -1)
+        if layout.norm_before_fc:
+            aux = rms(aux, w["input_norm.weight"])
+        features = list((aux @ w["fc.weight"].T).unbind(0))
+    else:  # the top layer's output after the target's final norm
+        features = list(hidden_states[LAYERS][0, :n].unbind(0))
+    tokens = list(context[1:])
+
+    def last_output() -> torch.Tensor:
+        embeds = embeddings[torch.tensor(tokens)]
+        stacked = torch.stack(features)
+        out = eagle3_layer(layout, w, embeds, stacked) if layout.eagle3 else eagle1_layer(w, embeds, stacked)
+        return out[-1]
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        if not layout.eagle3:
+            return h @ lm_head.T
+        draft = rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
+        full = torch.full((VOCAB,), float("-inf"), dtype=torch.float64)
+        full[torch.arange(draft.shape[0]) + w["d2t"]] = draft
+        return full
+
+    def fed_back(h: torch.Tensor) -> torch.Tensor:
+        return rms(h, w["norm.weight"]) if layout.norm_output else h
+
+    h = last_output()
+    out = [logits(h)]
+    for token in path:
+        features.append(fed_back(h))
+        tokens.append(token)
+        h = last_output()
+        out.append(logits(h))
+    return out
+
+
+def as_float64(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.double() if t.is_floating_point() else t for name, t in tensors.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target() -> CausalLM:
+    return CausalLM(build_model("llama", num_layers=LAYERS, seed=3))
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
+    root = tmp_path_factory.mktemp("published-heads")
+    return {name: (root / name, as_float64(write_head(root / name, layout))) for name, layout in LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("mode", ["default", "buckets", "graphs"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_heads_logits_equal_the_published_forward(
+    target: CausalLM, heads: dict[str, tuple[Path, dict[str, torch.Tensor]]], name: str, mode: str
+) -> None:
+    """Root and every tree node (depths 0-3), then again after two more committed tokens (a catch-up block)."""
+    layout = LAYOUTS[name]
+    directory, weights = heads[name]
+    drafter = EagleDrafter.load(directory, target)
+    assert drafter.head.layout == ("EAGLE-3" if layout.eagle3 else "EAGLE-1")
+    assert drafter.head.speculative_tokens == (5 if layout.speculators else None)
+    if mode != "default":
+        drafter.use_static_shapes(StaticOptions(buckets=BUCKETS), RecordingGraphs() if mode == "graphs" else None)
+    context = [5, 17, 23, 8, 9, 30, 31]
+    with torch.inference_mode():
+        out = target.model(torch.tensor([context]), output_hidden_states=True)
+        raw = select_features([h[0] for h in out.hidden_states], drafter.feature_layers)
+    drafter.start(context[:5], SamplingParams(), torch.Generator())
+    drafter.add_features(0, raw[:4])
+    for committed in (context[:5], context):
+        if len(committed) > 5:
+            drafter.accept(context[5:])
+            drafter.add_features(4, raw[4:6])
+        session = drafter._open_session()
+        root = reference_logits(layout, weights, target, committed, [])[0]
+        torch.testing.assert_close(session.root_logits, root, rtol=1e-9, atol=1e-9)
+        for level in LEVELS:
+            logits = session.expand(level, TREE_TOKENS, TREE_PARENTS)
+            for row, node in enumerate(level):
+                path = []
+                while node != ROOT:
+                    path.insert(0, TREE_TOKENS[node])
+                    node = TREE_PARENTS[node]
+                want = reference_logits(layout, weights, target, committed, path)[-1]
+                torch.testing.assert_close(logits[row], want, rtol=1e-9, atol=1e-9)
+        session.close()
+    if layout.reduced:  # q is exactly zero off the draft vocabulary's image
+        assert int(torch.isfinite(root).sum()) == DRAFT_VOCAB
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_greedy_output_equals_transformers(
+    target: CausalLM, heads: dict[str, tuple[Path, dict[str, torch.Tensor]]], name: str, hf_greedy: HfGreedy
+) -> None:
+    drafter = build_drafter(f"eagle:{heads[name][0]}", target)  # the flag's path
+    engine = SpeculativeEngine(target, drafter)  # type: ignore[arg-type]
+    tree = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=6))
+    for prompt in ([5, 17, 23, 8], [60, 61, 62, 3, 9], [40, 41]):
+        for config in (GenerationConfig(REF_TOKENS, gamma=3), GenerationConfig(REF_TOKENS, tree=tree)):
+            result = engine.generate(list(prompt), SamplingParams(), config)
+            assert result.output_ids == hf_greedy(target, prompt, REF_TOKENS), (prompt, config)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_reduced_draft_vocabulary_keeps_the_target_joint_law(
+    target: CausalLM, heads: dict[str, tuple[Path, dict[str, torch.Tensor]]], shape: str
+) -> None:
+    """Two tokens at T = 1 through an EAGLE-3 head that can only propose 40 of the 96 tokens (2,500 seeds as
+    requests of one batched engine; the first seeds checked against the single-request engine)."""
+    drafter = EagleDrafter.load(heads["eagle3"][0], target)
+    batched = BatchedEngine(target, lambda name: drafter.fresh(), max_num_seqs=32)
+    prompt = [5, 17, 23, 8, 30]
+    tree = None if shape == "chain" else TreeSpec("dynamic", budget=TreeBudget(depth=3, width=3, nodes=7))
+    config = GenerationConfig(max_new_tokens=2, gamma=3, tree=tree, ignore_eos=True)
+    params = SamplingParams(temperature=1.0)
+    runs = batched_runs(batched, prompt, params, config, 2500)
+    assert two_token_fit([run.output_ids for run in runs], target, prompt, params) > ALPHA
+    check_single_engine_agrees(SpeculativeEngine(target, drafter.fresh()), runs, prompt, params, config)
+
+
+def test_malformed_heads_are_refused_in_one_line(
+    target: CausalLM, heads: dict[str, tuple[Path, dict[str, torch.Tensor]]], tmp_path: Path
+) -> None:
+    def refused(directory: Path, match: str, model: CausalLM = target) -> None:
+        with pytest.raises(UserError, match=match) as info:
+            EagleDrafter.load(directory, model)
+        assert "\n" not in str(info.value)
+
+    def variant(name: str, source: str, edit: Callable[[dict[str, torch.Tensor], dict[str, object]], None]) -> Path:
+        directory = tmp_path / name
+        write_head(directory, LAYOUTS[source])
+        tensors = dict(published_tensors(LAYOUTS[source], 7))
+        config = json.loads((directory / "config.json").read_text())
+        edit(tensors, config)
+        (directory / LAYOUTS[source].file).unlink()
+        save_file(tensors, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps(config))
+        return directory
+
+    refused(variant("missing", "eagle3", lambda t, c: t.pop("midlayer.hidden_norm.weight")), r"missing midlayer\.hid")
+    wrong = variant("shape", "eagle3", lambda t, c: t.update({"fc.weight": t["fc.weight"][:, : 2 * H].contiguous()}))
+    refused(wrong, r"fc\.weight has shape \[32, 64\], expected \[32, 96\]")
+    refused(variant("bias", "eagle1-llama3", lambda t, c: c.pop("bias")), r"missing fc\.bias")
+    deeper = variant("deeper", "eagle3", lambda t, c: c.update({"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}))
+    refused(deeper, "trained for a deeper target")
+    smaller = CausalLM(build_model("llama", num_layers=LAYERS, vocab=80))
+    refused(heads["eagle1-llama3"][0], "vocabulary 96 vs the target's 80", smaller)
+    stranger = variant("stranger", "eagle1-llama3", lambda t, c: [t.pop(k) for k in list(t) if k != "fc.weight"])
+    refused(stranger, "not an EAGLE head directory")
+
+    def verifier(architectures: list[str]) -> Callable[[dict[str, torch.Tensor], dict[str, object]], None]:
+        return lambda t, c: c["speculators_config"]["verifier"].update({"architectures": architectures})  # type: ignore[index]
+
+    refused(variant("qwen", "speculators", verifier(["Qwen2ForCausalLM"])), "a head for a Qwen2ForCausalLM verifier")
+    named = tmp_path / "tiny-llama"  # the verifier's name: org/tiny-llama
+    target.model.save_pretrained(named)
+    EagleDrafter.load(heads["speculators"][0], CausalLM.load(named, dtype="float64"))
+    other = named.rename(tmp_path / "other-model")
+    refused(heads["speculators"][0], "is a head for org/tiny-llama", CausalLM.load(other, dtype="float64"))
+
+    marker = tmp_path / "ran"
+    code = tmp_path / "code"
+    write_head(code, LAYOUTS["eagle1-vicuna"])
+    torch.save(
+        {**published_tensors(LAYOUTS["eagle1-vicuna"], 7), "payload": Payload(marker)}, code / "pytorch_model.bin"
+    )
+    refused(code, "refused: it is not a plain tensor pickle")
+    assert not marker.exists()
+
+
+class Payload:
+    """A pickle that would create a file when unpickled without restriction."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return (Path.touch, (self.marker,))
