@@ -319,6 +319,11 @@ FAST_ERRORS = {
     "drafter keyword without its argument": (["--draft", "eagle"], "Did you mean 'eagle:DIR'?"),
     "hub id as target": (["--target", "meta-llama/Llama-3.2-1B"], "hf download meta-llama/Llama-3.2-1B"),
     "hub id as draft": (["--draft", "Qwen/Qwen2.5-0.5B"], "--draft models/qwen2.5-0.5b"),
+    "hub id as EAGLE head": (
+        ["--draft", "eagle:yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"],
+        "--local-dir models/eagle3-llama3.1-instruct-8b`; gated models need `hf auth login` first) and pass --draft "
+        "eagle:models/eagle3-llama3.1-instruct-8b",
+    ),
     "missing head directory": (["--draft", "eagle:/nonexistent/head"], "/nonexistent/head does not exist"),
     "prompt file is a directory": (["--prompt-file", "/"], "is a directory"),
     "tp not a power of two": (["--distributed", "--tp", "3"], "--tp: must be a power of two"),

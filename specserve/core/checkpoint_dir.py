@@ -30,8 +30,9 @@ def looks_like_hub_id(path: str | Path) -> bool:
     return bool(_HUB_ID.match(text)) and not text.startswith(".")
 
 
-def missing_directory_message(path: str | Path, what: str = "model directory") -> str:
-    """``{what} {path} does not exist``, with the download recipe when ``path`` looks like a hub id."""
+def missing_directory_message(path: str | Path, what: str = "model directory", flag: str = "--target ") -> str:
+    """``{what} {path} does not exist``, with the download recipe when ``path`` looks like a hub id (ending in how to
+    pass the downloaded directory: ``flag`` before it, e.g. ``"--draft eagle:"``)."""
     path = str(path)
     message = f"{what} {path} does not exist"
     if looks_like_hub_id(path):
@@ -39,7 +40,7 @@ def missing_directory_message(path: str | Path, what: str = "model directory") -
         message += (
             f"; {path!r} looks like a Hugging Face hub id, but specserve loads local directories only. "
             f"Download it once (`hf download {path} --local-dir {local}`; gated models need `hf auth login` "
-            f"first) and pass --target {local} ({CHECKPOINTS_DOC})"
+            f"first) and pass {flag}{local} ({CHECKPOINTS_DOC})"
         )
     return message
 

@@ -144,14 +144,15 @@ def check_drafter_spec(spec: str) -> None:
             if not value:
                 raise InvalidDrafterSpec(f"{spec!r} names no directory; write {prefix}DIR. {_forms()}")
             if not Path(value).is_dir():
-                raise InvalidDrafterSpec(f"{missing_directory_message(value, 'head directory')} (in {spec!r})")
+                missing = missing_directory_message(value, "head directory", f"--draft {prefix}")
+                raise InvalidDrafterSpec(f"{missing} (in {spec!r})")
             return
     if Path(spec).exists():
         check_checkpoint_dir(spec, "draft model directory")
         return
     if looks_like_hub_id(spec):
         raise InvalidDrafterSpec(
-            missing_directory_message(spec, "draft model directory").replace("--target", "--draft")
+            missing_directory_message(spec, "draft model directory", "--draft ")
         )
     raise InvalidDrafterSpec(
         f"unknown drafter {spec!r}: no built-in drafter and no directory of that name.{_closest(spec)} {_forms()}"
