@@ -151,9 +151,7 @@ def check_drafter_spec(spec: str) -> None:
         check_checkpoint_dir(spec, "draft model directory")
         return
     if looks_like_hub_id(spec):
-        raise InvalidDrafterSpec(
-            missing_directory_message(spec, "draft model directory", "--draft ")
-        )
+        raise InvalidDrafterSpec(missing_directory_message(spec, "draft model directory", "--draft "))
     raise InvalidDrafterSpec(
         f"unknown drafter {spec!r}: no built-in drafter and no directory of that name.{_closest(spec)} {_forms()}"
     )
