@@ -25,9 +25,15 @@ one feature, so a proposal costs one small forward whatever the draft's size:
   (:data:`DEFAULT_RANK_PROBS` when a directory has none), ranks below the budget's ``width``, depth
   ``min(depth, K)``. ``expand`` does not apply: the children cost no forward.
 
+Published heads load unchanged too (:meth:`MedusaDrafter.load`, the ``medusa:DIR`` flag): FasterDecoding/Medusa's and
+vLLM's layouts, read and checked by :mod:`specserve.drafters.medusa_layouts`. Their residual blocks become
+:class:`MedusaHeads` (vLLM's bias-free blocks with a zero bias) and each head decodes with its own LM head
+(:class:`~specserve.drafters.medusa_layouts.OwnLMHeads`: full or truncated vocabulary) instead of the target's; they
+read the same feature and draft the same way.
+
 Every draft is deterministic (no q: a point mass for verification), so decoding stays exact at any
 temperature. Does not verify, sample, train (``specserve.training.medusa``) or know the target
-beyond its LM head.
+beyond its LM head, hidden size and depth.
 """
 
 from __future__ import annotations
@@ -45,23 +51,19 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from specserve.core.draft import Draft
-from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
-from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
+from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_head_config
+from specserve.drafters.medusa_layouts import TRAIN_HINT, InvalidMedusaHeads, OwnLMHeads, is_published, read_published
 
 DRAFTER_KIND = "medusa"  # config.json's "specserve_drafter"
 FORMAT_VERSION = 1
-TRAIN_HINT = "train heads for it with `specserve train medusa`"
+LOAD_HINT = f"{TRAIN_HINT}, or pass FasterDecoding/Medusa or vLLM Medusa heads as published"
 
 # How often the target's greedy token is head 1's rank-r candidate, for dynamic trees of heads saved without
 # their own measurement: a cautious profile (the trainer stores the measured one in config.json).
 DEFAULT_RANK_PROBS = (0.6, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01)
-
-
-class InvalidMedusaHeads(UserError):
-    """A Medusa heads directory is missing, malformed, or was trained for another target; the message says which."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,11 +188,17 @@ def lm_head_of(target: CausalLM) -> torch.nn.Module:
     return head
 
 
-def check_lm_head(config: MedusaConfig, lm_head: torch.nn.Module, target_name: str = "the target") -> torch.Tensor:
-    """The LM head's weight ``[vocab, hidden]``; :class:`InvalidMedusaHeads` unless it fits heads of ``config``."""
+def lm_weight(lm_head: torch.nn.Module, target_name: str = "the target") -> torch.Tensor:
+    """The LM head's weight ``[vocab, hidden]``; :class:`InvalidMedusaHeads` when it has none."""
     weight = getattr(lm_head, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise InvalidMedusaHeads(f"the LM head of {target_name} has no [vocab, hidden] weight")
+    return weight
+
+
+def check_lm_head(config: MedusaConfig, lm_head: torch.nn.Module, target_name: str = "the target") -> torch.Tensor:
+    """The LM head's weight ``[vocab, hidden]``; :class:`InvalidMedusaHeads` unless it fits heads of ``config``."""
+    weight = lm_weight(lm_head, target_name)
     vocab, hidden = int(weight.shape[0]), int(weight.shape[1])
     if (vocab, hidden) != (config.vocab_size, config.hidden_size):
         raise InvalidMedusaHeads(
@@ -252,8 +260,9 @@ class _FeatureStore:
 class MedusaDrafter:
     """Drafts chains and trees from Medusa heads over the target's features (deterministic: no q).
 
-    ``lm_head`` is the target's own (shared, never copied); the heads are copied onto its device and
-    dtype, so the caller's module is left as it was.
+    ``lm_head`` is the target's own (shared, never copied), or published heads' own
+    (:class:`~specserve.drafters.medusa_layouts.OwnLMHeads`); the heads are copied onto its device and dtype, so the
+    caller's module is left as it was.
     """
 
     name = "medusa"
@@ -266,12 +275,20 @@ class MedusaDrafter:
         *,
         copy_heads: bool = True,
     ) -> None:
-        weight = check_lm_head(heads.config, lm_head)
+        weight: torch.Tensor
+        if isinstance(lm_head, OwnLMHeads):
+            if not lm_head.fits(heads.config.num_heads, heads.config.hidden_size, heads.config.vocab_size):
+                raise InvalidMedusaHeads(f"these {lm_head.layout} LM heads do not fit heads of {heads.config}")
+            weight = lm_head.weight
+        else:
+            weight = check_lm_head(heads.config, lm_head)
         self.config = heads.config
         if copy_heads:
             heads = copy.deepcopy(heads).to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
         self.heads = heads
         self.lm_head = lm_head
+        self.layout = lm_head.layout if isinstance(lm_head, OwnLMHeads) else "specserve"
+        self._draft_vocab = lm_head.draft_vocab if isinstance(lm_head, OwnLMHeads) else heads.config.vocab_size
         self.feature_layers = heads.config.feature_layers
         self._output_device = torch.device(output_device)
         self._context: list[int] = []  # committed tokens of the current request
@@ -292,8 +309,18 @@ class MedusaDrafter:
         dtype: str = "float32",
         device: str = "cpu",
     ) -> MedusaDrafter:
-        """The heads saved in ``directory`` for ``target``. Given only a description (a drafter process of its
-        own), the target is loaded from ``target.info.path`` in ``dtype`` on ``device`` and only its LM head kept."""
+        """The heads saved in ``directory`` for ``target``: specserve's own, or published ones
+        (:mod:`~specserve.drafters.medusa_layouts`). Given only a description (a drafter process of its own), the
+        target is loaded from ``target.info.path`` in ``dtype`` on ``device`` and only its LM head kept (none of it
+        for published heads)."""
+        config = read_config_json(directory, "a Medusa heads", InvalidMedusaHeads, LOAD_HINT)
+        if is_published(config):
+            model = (
+                target if isinstance(target, CausalLM) else CausalLM.load(target.info.path, dtype=dtype, device=device)
+            )
+            return cls.published(directory, config, model, target.device)
+        if "specserve_drafter" not in config:  # neither: the reader says what the directory looks like instead
+            read_head_config(directory, DRAFTER_KIND, "a Medusa heads", InvalidMedusaHeads, LOAD_HINT)
         heads = MedusaHeads.load(directory)
         if heads.config.vocab_size != target.info.vocab_size:
             raise InvalidMedusaHeads(
@@ -305,6 +332,27 @@ class MedusaDrafter:
         model = CausalLM.load(target.info.path, dtype=dtype, device=device)
         check_target(heads.config, model)
         return cls(heads, lm_head_of(model), target.device)
+
+    @classmethod
+    def published(
+        cls, directory: str | Path, config: dict[str, Any], target: CausalLM, output_device: torch.device | str
+    ) -> MedusaDrafter:
+        """Published heads in ``directory`` (``config``: its parsed ``config.json``), checked against ``target`` and
+        placed on its LM head's device and dtype; they read the target's last feature (after its final norm)."""
+        name = f"target {target.info.path}"
+        weight = lm_weight(lm_head_of(target), name)
+        found = read_published(directory, config, int(weight.shape[1]), int(weight.shape[0]), name)
+        heads_config = MedusaConfig(
+            num_heads=found.num_heads,
+            hidden_size=int(weight.shape[1]),
+            vocab_size=int(weight.shape[0]),
+            target_num_layers=int(target.model.config.num_hidden_layers),
+            num_layers_per_head=found.layers_per_head,
+        )
+        heads = MedusaHeads(heads_config).to(device=weight.device, dtype=weight.dtype)
+        heads.load_state_dict(found.blocks)
+        lm_heads = found.lm_heads.to(device=weight.device, dtype=weight.dtype)
+        return cls(heads.eval().requires_grad_(False), lm_heads, output_device, copy_heads=False)
 
     def fresh(self) -> MedusaDrafter:
         """A drafter for another request over the same heads and LM head (shared, not copied), with none of this
@@ -365,7 +413,7 @@ class MedusaDrafter:
             return None
         with torch.inference_mode():
             logits = self.heads(feature, self.lm_head)  # [K, vocab]
-        return logits.topk(min(width, int(logits.shape[-1])), dim=-1).indices
+        return logits.topk(min(width, self._draft_vocab), dim=-1).indices
 
 
 def tree_from_candidates(

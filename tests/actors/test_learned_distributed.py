@@ -1,7 +1,7 @@
 """Learned drafters through the distributed runtime: EAGLE and Medusa read features that cross the gRPC stream.
 
-The heads run in the drafter actor, which holds only the target's description (and loads the
-target's weights it needs itself). For the hidden-state drafters (EAGLE, Medusa) the prompt's
+The heads run in the drafter actor (a published EAGLE-3 head at TP 2 among them), which holds only the target's
+description (and loads the target's weights it needs itself). For the hidden-state drafters (EAGLE, Medusa) the prompt's
 features come back from rank 0's prefill and each verdict carries its root's and accepted path's
 features — at TP 2 from rank 0, whose residual stream is whole after every all-reduce. Layer-skip
 with a trained exit head needs no features. Output equals the single-process engine with the same
@@ -12,7 +12,7 @@ decoding; seeded sampling equals the engine's run. The cases' replicas are spawn
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import TinyPair, cases_in_use
 from head_helpers import trained_head
+from published_heads import LAYOUTS, write_head
 from replicas import greedy_reference, spawned_at_once
 
 from specserve.actors.coordinator import Coordinator
@@ -35,7 +36,8 @@ pytestmark = pytest.mark.timeout(300)
 
 CASES = {  # name: family, TP degree, drafter placement, drafter
     "eagle-llama-tp1-colocated": ("llama", 1, "colocated", "eagle"),
-    "eagle-qwen2-tp2-separate": ("qwen2", 2, "separate", "eagle"),
+    # a published EAGLE-3 head (SafeAILab layout, random weights, 40-token draft vocabulary) reading three layers
+    "eagle3-published-qwen2-tp2-separate": ("qwen2", 2, "separate", "eagle3"),
     "medusa-llama-tp2-separate": ("llama", 2, "separate", "medusa"),
     "layerskip-exit-head-qwen2-tp1-colocated": ("qwen2", 1, "colocated", "layerskip"),
 }
@@ -57,6 +59,10 @@ def save_head(kind: str, pair: TinyPair, directory: Path) -> str:
     """A head of ``kind`` for the pair's target saved in ``directory``; the ``--draft`` spec that loads it."""
     if kind == "eagle":
         trained_head(pair).save(directory)
+        return f"eagle:{directory}"
+    if kind == "eagle3":  # the tiny target has 2 layers: read the embeddings and the input of layer 1 (twice)
+        layout = LAYOUTS["eagle3"]
+        write_head(directory, replace(layout, config={**layout.config, "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}))
         return f"eagle:{directory}"
     if kind == "medusa":
         heads_for(pair.target.model, num_heads=3).save(directory)  # untrained: each head drafts the LM head's argmax
@@ -122,16 +128,20 @@ def running(
 
 
 def test_greedy_stays_exact_with_the_same_drafts(running: Running) -> None:
-    accepted = 0
+    accepted = drafted = 0
     for config in CONFIGS:
         for prompt in running.pair.prompts:
             got = running.coordinator.generate(prompt, SamplingParams(), config)
             want = running.engine.generate(prompt, SamplingParams(), config)
             assert got.output_ids == want.output_ids == greedy_reference(running.pair, prompt, 20), (prompt, config)
             assert got.stats.accepted_tokens == want.stats.accepted_tokens  # the same drafts: the same features
+            assert got.stats.drafted_tokens == want.stats.drafted_tokens
             accepted += got.stats.accepted_tokens
+            drafted += got.stats.drafted_tokens
     if running.kind == "eagle":
         assert accepted > 0  # without the features the head could not draft at all
+    if running.kind == "eagle3":
+        assert drafted > 0  # a random head is rarely right, but it drafted from the features it was sent
 
 
 def test_seeded_sampling_equals_the_engine(running: Running) -> None:
