@@ -88,6 +88,7 @@ class LoadConfig:
     warmup_s: float = 30.0  # warm-up requests (every mode) for this long before measuring
     port: int = 8123
     out_dir: Path = RUNS_DIR / "bench-serve"
+    threads_per_shard: int = 1  # torch threads of the model process (an in-process batched replica: its own)
 
 
 @dataclass
@@ -332,6 +333,7 @@ def _run_deployment(cfg: LoadConfig, settings: dict[str, Any], prompts: list[str
         default_max_tokens=cfg.max_tokens,
         max_ongoing_requests=max(clients, settings.get("max_num_seqs", SERVE_MAX_NUM_SEQS)),
         max_queue=clients,  # a closed loop never has more requests than clients: nothing is refused
+        threads_per_shard=cfg.threads_per_shard,
         **settings,
     )
     with serving(ServeFile(config=config, port=cfg.port)) as where:
@@ -421,7 +423,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    ReplicaConfig.add_arguments(parser, ["target", "draft"])
+    ReplicaConfig.add_arguments(parser, ["target", "draft", "threads_per_shard"])
     parser.add_argument("--gamma", type=int, default=defaults.DEFAULT_GAMMA, help="γ of the draft-model mode")
     parser.add_argument("--ngram-gamma", type=int, default=8, help="γ of the n-gram mode (0 = no n-gram mode)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per level, mode order reversed every other")
@@ -489,6 +491,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         port=args.port,
         out_dir=Path(args.out),
         replicas=replicas,
+        threads_per_shard=args.threads_per_shard,
     )
 
 
