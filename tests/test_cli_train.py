@@ -1,6 +1,7 @@
 """`specserve train eagle|medusa|exit-head`: each trains a head for a tiny saved target on a user's folder,
 writes a loadable HF-style directory with a card and a summary, resumes from its checkpoints, and the
-result drafts through `specserve generate --draft ...` without changing the output."""
+result drafts through `specserve generate --draft ...` without changing the output. An EAGLE-3 head is saved in
+both published layouts (SafeAILab's, and vLLM's speculators format)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TinyPair, build_model
 
 from specserve.cli import main
 
@@ -56,6 +58,36 @@ def test_train_a_head_then_draft_with_it(
     assert code == 0, stderr
     code, plain, stderr = run_cli(capsys, *common, "--draft", "none")
     assert json.loads(drafted)["output_ids"] == json.loads(plain)["output_ids"]
+
+
+def test_an_eagle3_head_is_trained_and_saved_in_both_published_layouts(
+    capsys: pytest.CaptureFixture[str],
+    tiny_pairs: dict[str, TinyPair],
+    data_folder: Path,
+    tmp_path: Path,
+) -> None:
+    """`train eagle --layout eagle3`: SafeAILab's layout in OUT, the speculators format in OUT/speculators; both load
+    through --draft eagle:DIR and decode exactly the target's greedy text."""
+    target = tmp_path / "deep-target"  # EAGLE-3 reads the inputs of layers 2, L/2, L-3: a deeper tiny target
+    build_model("llama", num_layers=8).save_pretrained(target)
+    assert tiny_pairs["llama"].target.tokenizer is not None
+    tiny_pairs["llama"].target.tokenizer.save_pretrained(target)
+    out = tmp_path / "eagle3"
+    argv = ["train", "eagle", "--layout", "eagle3", "--draft-vocab", "40", "--target", str(target), "--out", str(out)]
+    argv += ["--data", str(data_folder), "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--max-tokens", "3000"]
+    code, _, stderr = run_cli(capsys, *argv)
+    assert code == 0, stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
+    speculators = json.loads((out / "speculators" / "config.json").read_text())
+    assert speculators["speculators_config"]["verifier"]["name_or_path"] == str(target)
+    common = ["generate", "--target", str(target), "--prompt", "def f(x):", "--max-new-tokens", "12", "--json"]
+    code, plain, stderr = run_cli(capsys, *common, "--draft", "none")
+    assert code == 0, stderr
+    for head in (out, out / "speculators"):
+        code, drafted, stderr = run_cli(capsys, *common, "--draft", f"eagle:{head}")
+        assert code == 0, stderr
+        assert json.loads(drafted)["output_ids"] == json.loads(plain)["output_ids"]
 
 
 def test_bad_train_arguments_get_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -18,15 +18,29 @@ This module holds the head's modules and their forward; reading a published dire
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import LlamaModel
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
+from specserve.core.errors import UserError
 from specserve.drafters.eagle_head import EagleConfig, FeatureHead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """The reference's aux layers: the inputs of layers 2, L // 2 and L - 3 (``hidden_states`` indices)."""
+    if num_layers < 4:
+        raise UserError(
+            f"an EAGLE-3 head reads the inputs of layers 2, L//2 and L-3; this target has only {num_layers} layers"
+        )
+    return (2, num_layers // 2, num_layers - 3)
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,34 @@ class Eagle3Config:
     norm_output: bool = False  # feed back norm(h) instead of h (EAGLE-3.1)
     own_embeddings: bool = False  # the head carries embed_tokens (needed when H != H_t)
     target_num_layers: int = 0
+
+    @staticmethod
+    def for_target(target: PreTrainedModel, draft_vocab_size: int | None = None) -> Eagle3Config:
+        """A head of the reference's shape for ``target``: one of its layers wide, its default aux layers, a draft
+        vocabulary of ``draft_vocab_size`` tokens (default: the whole vocabulary)."""
+        config = target.config
+        layers = int(config.num_hidden_layers)
+        vocab = int(target.get_output_embeddings().weight.shape[0])
+        rope = getattr(config, "rope_parameters", None) or {}
+        hidden = int(config.hidden_size)
+        heads = int(config.num_attention_heads)
+        if draft_vocab_size is not None and not 0 < draft_vocab_size <= vocab:
+            raise UserError(f"the draft vocabulary must hold 1..{vocab} tokens, got {draft_vocab_size}")
+        return Eagle3Config(
+            feature_layers=default_aux_layers(layers),
+            hidden_size=hidden,
+            target_hidden_size=hidden,
+            vocab_size=vocab,
+            draft_vocab_size=draft_vocab_size or vocab,
+            intermediate_size=int(config.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            max_position_embeddings=int(config.max_position_embeddings),
+            head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            target_num_layers=layers,
+        )
 
     def body_config(self) -> Any:
         """The midlayer's shapes as a one-layer Llama config (the attention and cache read heads and head_dim)."""
@@ -186,6 +228,17 @@ class Eagle3Head(FeatureHead):
 
     def input_embeddings(self, embeddings: torch.nn.Module) -> torch.nn.Module:
         return self.embed_tokens if self.embed_tokens is not None else embeddings
+
+    def set_draft_vocabulary(self, token_ids: Sequence[int]) -> None:
+        """Make the draft vocabulary the target tokens ``token_ids`` (``draft_vocab_size`` distinct ids; stored
+        ascending, as the reference builds ``d2t`` and ``t2d``)."""
+        d2t, t2d = self.get_buffer("d2t"), self.get_buffer("t2d")
+        ids = torch.tensor(sorted(set(int(i) for i in token_ids)), dtype=torch.long, device=d2t.device)
+        if ids.numel() != self.config.draft_vocab_size or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size:
+            raise ValueError(f"need {self.config.draft_vocab_size} distinct ids in 0..{self.config.vocab_size - 1}")
+        with torch.no_grad():
+            d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+            t2d.zero_().index_fill_(0, ids, True)
 
     def draft_token_ids(self) -> torch.Tensor:
         """The target ids of the draft vocabulary, in draft order (``arange(V_d) + d2t``)."""

@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
+from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
-from specserve.drafters.eagle3 import Eagle3Config, Eagle3Head
+from specserve.drafters.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 from specserve.drafters.eagle_head import KIND, TRAIN_HINT, EagleConfig, EagleHead, EagleLoadError, FeatureHead
 from specserve.drafters.head_files import CONFIG_FILE, read_config_json, read_weights
 
@@ -215,12 +216,10 @@ def aux_feature_layers(ids: Sequence[int] | None, num_layers: int, path: Path | 
     """The ``hidden_states`` indices of the target features an EAGLE-3 head reads: the inputs of layers ``ids``
     (default 2, L // 2, L - 3); a list starting at 1 names layer outputs and is shifted by one (SGLang's reading)."""
     if ids is None:
-        if num_layers < 4:
-            raise EagleLoadError(
-                f"{path}: an EAGLE-3 head reads the inputs of layers 2, L//2 and L-3; this target has only "
-                f"{num_layers} layers"
-            )
-        return (2, num_layers // 2, num_layers - 3)
+        try:
+            return default_aux_layers(num_layers)
+        except UserError as exc:
+            raise EagleLoadError(f"{path}: {exc}") from exc
     if not isinstance(ids, list | tuple) or not ids or not all(isinstance(i, int) for i in ids):
         raise EagleLoadError(f"{path}: eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}")
     layers = tuple(i + 1 for i in ids) if ids[0] == 1 else tuple(ids)

@@ -42,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     head.add_argument("--batch-size", type=int)
     head.add_argument("--seq-len", type=int)
     head.add_argument("--max-tokens", type=int, help="cap on the training stream's tokens")
+    head.add_argument(
+        "--layout",
+        choices=("specserve", "eagle3"),
+        help="eagle: specserve's own head (default), or the published EAGLE-3 architecture, saved in SafeAILab's "
+        "layout with a speculators-format copy under OUT/speculators (SGLang and vLLM load either)",
+    )
+    head.add_argument("--draft-vocab", type=int, help="eagle3: draft vocabulary size (the most frequent tokens)")
+    head.add_argument("--speculative-tokens", type=int, help="eagle3: the γ the speculators copy suggests")
     head.add_argument("--feature-layers", help="eagle: comma-separated target layers to fuse (default: low,mid,top)")
     head.add_argument("--unroll", type=int, help="eagle: training-time-test steps on the head's own outputs")
     head.add_argument("--init-from", help="eagle: continue from this trained head (a fresh schedule over its weights)")
@@ -52,7 +60,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_command(args: argparse.Namespace) -> int:
     if args.what == "pair":
         return _train_pair(args)
-    for name in ("steps", "batch_size", "seq_len", "max_tokens", "unroll", "heads", "layers"):
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "max_tokens",
+        "unroll",
+        "heads",
+        "layers",
+        "draft_vocab",
+        "speculative_tokens",
+    ):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "unroll" else 1):
             raise UserError(f"--{name.replace('_', '-')} must be >= {0 if name == 'unroll' else 1}, got {value}")
@@ -64,7 +82,13 @@ def run_command(args: argparse.Namespace) -> int:
     if args.what == "eagle":
         from specserve.training.eagle import EagleRecipe, train_eagle
 
-        options = {**common, "unroll": args.unroll}
+        options = {
+            **common,
+            "unroll": args.unroll,
+            "layout": args.layout,
+            "draft_vocab": args.draft_vocab,
+            "speculative_tokens": args.speculative_tokens,
+        }
         if args.feature_layers:
             try:
                 options["feature_layers"] = tuple(int(x) for x in args.feature_layers.split(","))

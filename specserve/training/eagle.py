@@ -12,10 +12,18 @@ and the target's next-token distributions; the head is then run ``unroll + 1`` t
   values (one growing cache, gradients flowing through it).
 
 The loss is the token loss of EAGLE-3 — KL(target ‖ head) of the distribution of the token after
-next, through the target's frozen LM head — averaged over positions and steps; EAGLE-1's feature
+next, through the head's output head — averaged over positions and steps; EAGLE-1's feature
 regression term is available (``feature_weight``), off by default as in EAGLE-3. Only the head's
-weights train. :func:`train_eagle` is the ``specserve train eagle`` command: streams, the loop with
-checkpoints and resume, the saved head directory, a held-out acceptance report, the card.
+weights train.
+
+Two architectures (``EagleRecipe.layout``): specserve's own head (the target's frozen LM head reads it; saved in
+specserve's layout), or the published EAGLE-3 head (:mod:`specserve.drafters.eagle3`: its own LM head over a draft
+vocabulary of the ``draft_vocab`` most frequent tokens of the training stream), saved in SafeAILab's EAGLE-3 layout
+with a copy in vLLM's ``speculators`` format under ``speculators/`` (:mod:`specserve.drafters.eagle_export`), so
+that SGLang and vLLM load it unchanged. With a reduced draft vocabulary the loss is the reference's: the target's
+distribution restricted to the draft vocabulary and renormalised, at positions whose target argmax lies inside it.
+:func:`train_eagle` is the ``specserve train eagle`` command: streams, the loop with checkpoints and resume, the
+saved head directory, a held-out acceptance report, the card.
 """
 
 from __future__ import annotations
@@ -33,14 +41,23 @@ from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, load_tokenizer, select_features
 from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
-from specserve.drafters.eagle_head import EagleConfig, EagleHead, check_head_fits
+from specserve.drafters.eagle3 import Eagle3Config, Eagle3Head
+from specserve.drafters.eagle_export import save_eagle3, save_speculators
+from specserve.drafters.eagle_head import EagleConfig, EagleHead, FeatureHead, check_head_fits
+from specserve.drafters.eagle_layouts import load_head
 from specserve.training import heads, loop
 from specserve.training.loop import LossFn
+
+LAYOUTS = ("specserve", "eagle3")
+SPECULATORS_DIR = "speculators"  # where an EAGLE-3 head's speculators-format copy goes, inside its directory
 
 
 @dataclass(frozen=True)
 class EagleRecipe:
-    feature_layers: tuple[int, ...] | None = None  # None: EAGLE-3's low / middle / top layer
+    layout: str = "specserve"  # or "eagle3": the published EAGLE-3 architecture and layout
+    draft_vocab: int | None = None  # eagle3: the draft vocabulary's size (None: the target's whole vocabulary)
+    speculative_tokens: int = 4  # eagle3: the γ the speculators copy suggests
+    feature_layers: tuple[int, ...] | None = None  # specserve: None = low / middle / top layer
     unroll: int = 2  # training-time test: steps the head runs on its own outputs
     feature_weight: float = 0.0  # EAGLE-1's feature regression term (smooth L1 to the target's next feature)
     steps: int = 1200  # about 18 min for the default target on 2 CPU cores
@@ -68,21 +85,40 @@ def unroll_mask(rows: int, step: int, dtype: torch.dtype, device: torch.device |
     return mask[None, None]
 
 
+def draft_vocabulary(stream: torch.Tensor, size: int, vocab_size: int) -> list[int]:
+    """The ``size`` most frequent tokens of ``stream`` (ties: the lower id), ascending: a reduced draft vocabulary."""
+    counts = torch.bincount(stream.flatten().long(), minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(-counts, stable=True)[:size]
+    return sorted(int(i) for i in order)
+
+
 def eagle_loss(target: PreTrainedModel, layers: tuple[int, ...], unroll: int, feature_weight: float = 0.0) -> LossFn:
-    """The training-time-test loss of an :class:`EagleHead` on windows ``[batch, seq + 1]`` of a frozen target."""
+    """The training-time-test loss of a head on windows ``[batch, seq + 1]`` of a frozen target."""
     embeddings = target.get_input_embeddings()
     lm_head = heads.output_head(target)
     top = target.config.num_hidden_layers
 
     def loss_fn(head: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        assert isinstance(head, EagleHead)
+        assert isinstance(head, FeatureHead)
+        output = head.output_head(lm_head)
+        # a reduced draft vocabulary: both distributions over it (the target's renormalised), at positions whose
+        # target argmax lies inside it, as the reference trains EAGLE-3
+        vocab = (
+            head.draft_token_ids()
+            if isinstance(head, Eagle3Head) and head.config.draft_vocab_size < head.config.vocab_size
+            else None
+        )
         ids = batch[:, :-1]  # x_0 .. x_{T-1}
         length = ids.shape[1]
         rows = length - 1  # head positions 0 .. T - 2 (position t reads token t + 1)
         with torch.no_grad():
             out = target(input_ids=ids, output_hidden_states=True)
             raw = select_features(out.hidden_states, layers)
-            target_logp = torch.log_softmax(out.logits.float(), dim=-1)  # row j: the token after j
+            target_logits = out.logits.float()
+            inside = None if vocab is None else torch.isin(target_logits.argmax(-1), vocab)
+            if vocab is not None:
+                target_logits = target_logits[..., vocab]
+            target_logp = torch.log_softmax(target_logits, dim=-1)  # row j: the token after j
             top_features = out.hidden_states[top]
             token_embeds = embeddings(batch)  # [batch, T + 1, hidden]
         features = head.fuse_features(raw[:, :rows])
@@ -98,9 +134,15 @@ def eagle_loss(target: PreTrainedModel, layers: tuple[int, ...], unroll: int, fe
             mask = unroll_mask(rows, step, features.dtype, batch.device).expand(batch.shape[0], -1, -1, -1)
             positions = (index + step)[None].expand(batch.shape[0], -1)
             hidden = head(features, token_embeds[:, target_rows], cache, mask, positions)
-            logq = torch.log_softmax(lm_head(hidden).float(), dim=-1)[:, valid]
+            logits = output(hidden).float()
+            logq = torch.log_softmax(logits if vocab is None else logits[..., vocab], dim=-1)[:, valid]
             logp = target_logp[:, target_rows][:, valid]
-            total = total + (logp.exp() * (logp - logq)).sum(-1).mean()
+            kl = (logp.exp() * (logp - logq)).sum(-1)
+            if inside is None:
+                total = total + kl.mean()
+            else:
+                weight = inside[:, target_rows][:, valid].float()
+                total = total + (kl * weight).sum() / weight.sum().clamp(min=1.0)
             if feature_weight:
                 want = top_features[:, target_rows][:, valid].float()
                 total = total + feature_weight * torch.nn.functional.smooth_l1_loss(hidden[:, valid].float(), want)
@@ -111,7 +153,7 @@ def eagle_loss(target: PreTrainedModel, layers: tuple[int, ...], unroll: int, fe
 
 
 def train_head(
-    head: EagleHead, target: PreTrainedModel, stream: torch.Tensor, recipe: EagleRecipe, checkpoint_dir: Path | None
+    head: FeatureHead, target: PreTrainedModel, stream: torch.Tensor, recipe: EagleRecipe, checkpoint_dir: Path | None
 ) -> dict[str, float]:
     """Train ``head`` in place on ``stream`` (the target is frozen); the loop's summary."""
     cfg = loop.head_config(
@@ -125,7 +167,7 @@ def train_head(
 
 
 def acceptance_report(
-    target: CausalLM, head: EagleHead, prompts: list[str] | list[list[int]], max_new_tokens: int
+    target: CausalLM, head: FeatureHead, prompts: list[str] | list[list[int]], max_new_tokens: int
 ) -> dict[str, Any]:
     """Held-out greedy acceptance of ``head`` as a chain (γ 4) and a dynamic tree, in the real engine."""
     drafter = EagleDrafter.for_target(head, target)
@@ -154,13 +196,13 @@ def train_eagle(
     if tokenizer is None:
         raise UserError(f"{target_dir} has no tokenizer; EAGLE training needs the target's tokenizer")
     train_stream, heldout_stream = heads.token_streams(tokenizer, data_folder, recipe.max_tokens)
-    head = EagleHead(EagleConfig.for_target(model, recipe.feature_layers))
+    head = new_head(model, recipe, train_stream)
     target = CausalLM(heads.frozen(model), tokenizer, path=str(target_dir))
     previous: dict[str, Any] | None = None
     if init_from is not None:
-        start_head = EagleHead.load(init_from).float()
+        start_head = load_head(init_from, target).float()
         check_head_fits(start_head, target, int(model.config.hidden_size), int(model.config.num_hidden_layers))
-        if start_head.config != head.config:
+        if type(start_head) is not type(head) or start_head.config != head.config:
             raise UserError(f"{init_from} is a head of another shape ({start_head.config}); train from scratch instead")
         head = start_head.train()
         summary_file = Path(init_from, "training_summary.json")
@@ -169,7 +211,7 @@ def train_eagle(
     before = acceptance_report(target, head, prompts, recipe.report_tokens)
     run = train_head(head, model, train_stream, recipe, out / "checkpoints")
     after = acceptance_report(target, head, prompts, recipe.report_tokens)
-    head.save(out, extra={"target": str(target_dir)})
+    save_trained(head, out, target, recipe)
     summary = {
         "kind": "eagle",
         "target": str(target_dir),
@@ -188,8 +230,44 @@ def train_eagle(
             "init_from": previous.get("init_from"),
         }
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    heads.write_head_card(out, summary, "EAGLE head", CARD_BODY)
+    heads.write_head_card(out, summary, "EAGLE head", CARD_BODY if recipe.layout == "specserve" else EAGLE3_CARD_BODY)
     return summary
+
+
+def new_head(model: PreTrainedModel, recipe: EagleRecipe, stream: torch.Tensor) -> FeatureHead:
+    """An untrained head of the recipe's architecture for ``model`` (EAGLE-3: its draft vocabulary from ``stream``)."""
+    if recipe.layout not in LAYOUTS:
+        raise UserError(f"the EAGLE layout must be one of {', '.join(LAYOUTS)}, got {recipe.layout!r}")
+    if recipe.layout == "specserve":
+        return EagleHead(EagleConfig.for_target(model, recipe.feature_layers))
+    if recipe.feature_layers is not None:
+        raise UserError("an EAGLE-3 head reads the reference's layers (2, L//2, L-3); drop --feature-layers")
+    config = Eagle3Config.for_target(model, recipe.draft_vocab)
+    head = Eagle3Head(config)
+    head.set_draft_vocabulary(draft_vocabulary(stream, config.draft_vocab_size, config.vocab_size))
+    return head
+
+
+def save_trained(head: FeatureHead, out: Path, target: CausalLM, recipe: EagleRecipe) -> None:
+    """specserve's layout for its own head; SafeAILab's EAGLE-3 layout and a speculators copy for an EAGLE-3 head."""
+    if isinstance(head, EagleHead):
+        head.save(out, extra={"target": target.info.path})
+        return
+    assert isinstance(head, Eagle3Head)
+    save_eagle3(head, out, extra={"specserve_target": target.info.path})
+    architectures = list(getattr(target.model.config, "architectures", None) or [target.info.architecture])
+    save_speculators(head, out / SPECULATORS_DIR, target.info.path, architectures, recipe.speculative_tokens)
+
+
+EAGLE3_CARD_BODY = """\
+An EAGLE-3 draft head for the target above, in the published architecture: the inputs of three target layers
+(2, L/2, L-3) concatenated and projected, one decoder layer whose attention reads the normed token embedding and the
+normed projection side by side, and its own LM head over a reduced draft vocabulary (the most frequent tokens of the
+training text; `d2t` maps them to the target's ids). Trained with the token loss and training-time test. This
+directory is in SafeAILab's EAGLE-3 layout (SGLang, SpecForge and vLLM load it unchanged); `speculators/` holds the
+same head in vLLM's speculators format. `specserve generate --draft eagle:DIR` loads either. Output stays exactly the
+target's — the head changes speed only.
+"""
 
 
 CARD_BODY = """\
