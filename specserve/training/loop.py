@@ -1,4 +1,5 @@
-"""One training loop for every model the project trains: random windows, AdamW, warmup + cosine, bf16 autocast.
+"""One training loop for every model the project trains: random windows, AdamW, warmup + cosine, bf16 autocast
+where the CPU multiplies bfloat16 natively (float32 elsewhere: the generic bf16 kernel is about 20x slower).
 
 The loop knows nothing about what it trains; the caller passes a ``loss_fn(model, batch)``.
 Pre-training uses next-token cross-entropy, distillation uses KL to the target's distribution, the
@@ -13,6 +14,7 @@ resumed draws the same windows and ends with the same weights as an uninterrupte
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
 
@@ -37,6 +41,13 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     bf16_autocast: bool = True
+
+
+def cpu_bf16_is_native() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX tiles). Without, torch's bfloat16 matmuls
+    fall back to a generic kernel: on this project's AVX2-only machine one EAGLE training step took 54 s under bf16
+    autocast and 2.5 s in float32, so autocast is then skipped."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def head_config(
@@ -106,6 +117,9 @@ def train(
         generator.set_state(state["generator"])
         first_step, ema_loss = int(state["step"]), float(state["ema_loss"])
     model.train()
+    autocast = cfg.bf16_autocast and cpu_bf16_is_native()
+    if cfg.bf16_autocast and not autocast:
+        logger.info("this CPU has no native bfloat16 matmul (AVX512-BF16 or AMX): training in float32")
     start = time.perf_counter()
     bar = tqdm(
         range(first_step, cfg.steps), desc=desc, unit="step", dynamic_ncols=True, initial=first_step, total=cfg.steps
@@ -114,7 +128,7 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         batch = sample_windows(stream, cfg.batch_size, cfg.seq_len, generator)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
