@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 from specserve import defaults
 from specserve.cluster.replica_config import DISTRIBUTED_SETTINGS, MODEL_SETTINGS, ReplicaConfig
-from specserve.core.drafter_spec import suggested_gamma
 from specserve.core.errors import UserError
 from specserve.core.sampling_params import TYPICAL_DELTA, TYPICAL_EPSILON, GrammarSpec, SamplingParams
 from specserve.core.schedule import MAX_GAMMA, POLICY_NAMES
@@ -51,10 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="UTF-8 text file whose whole content is the prompt")
     parser.add_argument(
-        "--gamma",
-        type=int,
-        help=f"draft tokens per cycle (1..{MAX_GAMMA}; default: what a speculators-format head suggests, else "
-        f"{defaults.DEFAULT_GAMMA})",
+        "--gamma", type=int, default=defaults.DEFAULT_GAMMA, help=f"draft tokens per cycle (1..{MAX_GAMMA})"
     )
     parser.add_argument(
         "--policy",
@@ -162,8 +158,6 @@ def run_command(args: argparse.Namespace) -> int:
     load and generate."""
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.gamma is None:
-        args.gamma = suggested_gamma(args.draft) or defaults.DEFAULT_GAMMA
     if not 1 <= args.gamma <= MAX_GAMMA:
         raise UserError(f"--gamma must be between 1 and {MAX_GAMMA}, got {args.gamma}")
     if not args.distributed and (args.tp_degree != 1 or args.overlap or args.drafter_placement != "colocated"):

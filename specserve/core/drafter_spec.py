@@ -12,13 +12,11 @@ another node or in another working directory finds it. Building the drafter is
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from pathlib import Path
 
 from specserve.core.checkpoint_dir import check_checkpoint_dir, looks_like_hub_id, missing_directory_message
 from specserve.core.errors import UserError
-from specserve.core.schedule import MAX_GAMMA
 
 BUILTIN_DRAFTERS = ("none", "ngram", "suffix", "lookahead")
 LAYERSKIP_PREFIX = "layerskip:"
@@ -175,18 +173,3 @@ def _forms() -> str:
 
 def _absolute(path: str) -> str:
     return os.path.abspath(path) if path and not os.path.isabs(path) and os.path.isdir(path) else path
-
-
-def suggested_gamma(spec: str) -> int | None:
-    """The γ a published head suggests for itself: ``speculators_config.proposal_methods[0].speculative_tokens`` of
-    the ``config.json`` of ``eagle:DIR`` (vLLM's speculators format); ``None`` for any other spec, or a head that
-    suggests none (or a value outside 1..``MAX_GAMMA``)."""
-    if not spec.startswith(EAGLE_PREFIX):
-        return None
-    try:
-        config = json.loads(Path(spec[len(EAGLE_PREFIX) :], "config.json").read_text())
-        tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
-    valid = isinstance(tokens, int) and not isinstance(tokens, bool) and 1 <= tokens <= MAX_GAMMA
-    return tokens if valid else None

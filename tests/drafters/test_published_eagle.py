@@ -45,7 +45,6 @@ from static_helpers import BUCKETS, RecordingGraphs
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.drafter_spec import suggested_gamma
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, select_features
@@ -307,10 +306,3 @@ def test_malformed_heads_are_refused_in_one_line(
     )
     refused(code, "refused: it is not a plain tensor pickle")
     assert not marker.exists()
-
-
-def test_a_speculators_head_suggests_its_gamma(heads: dict[str, tuple[Path, dict[str, torch.Tensor]]]) -> None:
-    """`generate` drafts a speculators head's `speculative_tokens` per cycle unless --gamma says otherwise."""
-    assert suggested_gamma(f"eagle:{heads['speculators'][0]}") == 5
-    assert suggested_gamma(f"eagle:{heads['eagle3'][0]}") is None
-    assert suggested_gamma("ngram") is None and suggested_gamma("eagle:/nowhere") is None
