@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
 from specserve.core.errors import UserError
-from specserve.drafters.eagle_head import EagleConfig, FeatureHead
+from specserve.drafters.eagle_head import EagleConfig, FeatureHead, target_layer_shape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -71,28 +71,16 @@ class Eagle3Config:
     def for_target(target: PreTrainedModel, draft_vocab_size: int | None = None) -> Eagle3Config:
         """A head of the reference's shape for ``target``: one of its layers wide, its default aux layers, a draft
         vocabulary of ``draft_vocab_size`` tokens (default: the whole vocabulary)."""
-        config = target.config
-        layers = int(config.num_hidden_layers)
-        vocab = int(target.get_output_embeddings().weight.shape[0])
-        rope = getattr(config, "rope_parameters", None) or {}
-        hidden = int(config.hidden_size)
-        heads = int(config.num_attention_heads)
+        shape = target_layer_shape(target)
+        vocab, hidden, heads = shape["vocab_size"], shape["hidden_size"], shape["num_attention_heads"]
         if draft_vocab_size is not None and not 0 < draft_vocab_size <= vocab:
             raise UserError(f"the draft vocabulary must hold 1..{vocab} tokens, got {draft_vocab_size}")
         return Eagle3Config(
-            feature_layers=default_aux_layers(layers),
-            hidden_size=hidden,
+            feature_layers=default_aux_layers(shape["target_num_layers"]),
             target_hidden_size=hidden,
-            vocab_size=vocab,
             draft_vocab_size=draft_vocab_size or vocab,
-            intermediate_size=int(config.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            max_position_embeddings=int(config.max_position_embeddings),
-            head_dim=int(getattr(config, "head_dim", None) or hidden // heads),
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            target_num_layers=layers,
+            head_dim=int(getattr(target.config, "head_dim", None) or hidden // heads),
+            **shape,
         )
 
     def body_config(self) -> Any:

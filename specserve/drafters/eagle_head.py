@@ -146,35 +146,23 @@ class EagleConfig:
     @staticmethod
     def for_target(target: PreTrainedModel, feature_layers: Sequence[int] | None = None) -> EagleConfig:
         """A head shaped like one of ``target``'s layers; default features: EAGLE-3's low, middle and high layer."""
-        config = target.config
-        layers = int(config.num_hidden_layers)
+        layers = int(target.config.num_hidden_layers)
         chosen = tuple(feature_layers) if feature_layers is not None else default_feature_layers(layers)
         if not chosen or any(not 0 < layer <= layers for layer in chosen):
             raise UserError(f"EAGLE feature layers must be in 1..{layers} (the target's layers), got {list(chosen)}")
-        rope = getattr(config, "rope_parameters", None) or {}
         return EagleConfig(
-            feature_layers=chosen,
-            hidden_size=int(config.hidden_size),
-            vocab_size=int(target.get_output_embeddings().weight.shape[0]),
-            intermediate_size=int(config.intermediate_size),
-            num_attention_heads=int(config.num_attention_heads),
-            num_key_value_heads=int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
-            max_position_embeddings=int(config.max_position_embeddings),
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            target_num_layers=layers,
-            target_architecture=type(target).__name__,
+            feature_layers=chosen, target_architecture=type(target).__name__, **target_layer_shape(target)
         )
 
-    def body_config(self, width: int | None = None) -> LlamaConfig:
-        """The decoder layers (with rotary embeddings and a final norm) as a Llama model of ``width`` (default: the
-        hidden size); it never sees token ids (inputs_embeds only), so its own vocabulary is a single row."""
+    def body_config(self) -> LlamaConfig:
+        """The decoder layers (with rotary embeddings and a final norm) as a Llama model; it never sees token ids
+        (inputs_embeds only), so its own vocabulary is a single row."""
         rope: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
         if self.rope_type != "default":
             rope["factor"] = self.rope_factor
         return LlamaConfig(
             vocab_size=1,
-            hidden_size=width or self.hidden_size,
+            hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
@@ -187,6 +175,24 @@ class EagleConfig:
             bos_token_id=None,
             eos_token_id=None,
         )
+
+
+def target_layer_shape(target: PreTrainedModel) -> dict[str, Any]:
+    """The shape of one of ``target``'s decoder layers and its vocabulary, as head-config fields (a head one layer
+    wide): hidden and intermediate sizes, heads, KV heads, positions, norm epsilon, rope base, and the layer count."""
+    config = target.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    return {
+        "hidden_size": int(config.hidden_size),
+        "vocab_size": int(target.get_output_embeddings().weight.shape[0]),
+        "intermediate_size": int(config.intermediate_size),
+        "num_attention_heads": int(config.num_attention_heads),
+        "num_key_value_heads": int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads),
+        "max_position_embeddings": int(config.max_position_embeddings),
+        "rms_norm_eps": float(getattr(config, "rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+        "target_num_layers": int(config.num_hidden_layers),
+    }
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ module.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -81,15 +82,30 @@ def read_weights(directory: str | Path, error: type[UserError]) -> dict[str, tor
     except (SafetensorError, OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise error(f"could not read the weights in {path}: {exc}") from exc
     if (path / PICKLE_FILE).is_file():
-        try:
-            state = torch.load(path / PICKLE_FILE, map_location="cpu", weights_only=True)
-        except Exception as exc:  # any failure of the restricted unpickler is a refused file
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise error(
-                f"{path / PICKLE_FILE} was refused: it is not a plain tensor pickle (weights_only: {first}); "
-                "nothing in it was run. Convert it to model.safetensors with the tool that wrote it"
-            ) from exc
-        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-            raise error(f"{path / PICKLE_FILE} holds no state dict of tensors")
-        return dict(state)
+        return read_pickle(path / PICKLE_FILE, error, "convert it to model.safetensors with the tool that wrote it")
     raise error(f"{path} has no weights: expected {WEIGHTS_FILE}, {SHARDED_INDEX} or {PICKLE_FILE}")
+
+
+def read_pickle(file: Path, error: type[UserError], fix: str) -> dict[str, torch.Tensor]:
+    """The state dict of tensors in the torch pickle ``file``, loaded with ``weights_only``: a pickle that is not plain
+    tensors is refused with ``error`` (ending in ``fix``, what to use instead) and nothing in it runs."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # any failure of the restricted unpickler is a refused file
+        raise error(
+            f"{file} was refused: it is not a plain tensor pickle (weights_only: {_refusal_reason(exc)}); nothing in "
+            f"it was run. {fix[:1].upper()}{fix[1:]}"
+        ) from exc
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise error(f"{file} holds no state dict of tensors")
+    return {str(name): tensor for name, tensor in state.items()}
+
+
+def _refusal_reason(exc: Exception) -> str:
+    """Why torch's restricted unpickler refused a file, in one line (its message spans several)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip().split(". ")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__

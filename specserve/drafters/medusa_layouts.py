@@ -48,7 +48,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specserve.core.errors import UserError
-from specserve.drafters.head_files import PICKLE_FILE, SHARDED_INDEX, WEIGHTS_FILE, read_weights
+from specserve.drafters.head_files import PICKLE_FILE, SHARDED_INDEX, WEIGHTS_FILE, read_pickle, read_weights
 
 logger = logging.getLogger(__name__)
 
@@ -165,37 +165,14 @@ def read_published_weights(path: Path) -> tuple[dict[str, torch.Tensor], Path]:
         except (SafetensorError, OSError) as exc:
             raise InvalidMedusaHeads(f"{path / MEDUSA_SAFETENSORS} is not a readable safetensors file: {exc}") from exc
     if (path / MEDUSA_PICKLE).is_file():
-        return _read_pickle(path / MEDUSA_PICKLE), path / MEDUSA_PICKLE
+        fix = f"use the heads' {MEDUSA_SAFETENSORS} instead"
+        return read_pickle(path / MEDUSA_PICKLE, InvalidMedusaHeads, fix), path / MEDUSA_PICKLE
     if not any((path / name).is_file() for name in (WEIGHTS_FILE, SHARDED_INDEX, PICKLE_FILE)):
         raise InvalidMedusaHeads(
             f"{path} has no weights: expected {MEDUSA_SAFETENSORS}, {MEDUSA_PICKLE}, {WEIGHTS_FILE} or {PICKLE_FILE}"
         )
     source = next(path / name for name in (WEIGHTS_FILE, SHARDED_INDEX, PICKLE_FILE) if (path / name).is_file())
     return read_weights(path, InvalidMedusaHeads), source
-
-
-def _read_pickle(file: Path) -> dict[str, torch.Tensor]:
-    """A torch pickle of a state dict, with ``weights_only``: a pickle that is not plain tensors is refused."""
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # any failure of the restricted unpickler is a refused file
-        raise InvalidMedusaHeads(
-            f"{file} was refused: it is not a plain tensor pickle (weights_only: {_reason(exc)}); nothing in it was "
-            f"run. Use the heads' {MEDUSA_SAFETENSORS} instead"
-        ) from exc
-    if not isinstance(state, Mapping) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise InvalidMedusaHeads(f"{file} holds no state dict of tensors")
-    return {str(name): tensor for name, tensor in state.items()}
-
-
-def _reason(exc: Exception) -> str:
-    """Why torch's restricted unpickler refused a file, in one line (its message spans several)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
-    for line in text.splitlines():
-        if "WeightsUnpickler error:" in line:
-            return line.split("WeightsUnpickler error:", 1)[1].strip().split(". ")[0]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 # ---------------------------------------------------------------------------------------------
