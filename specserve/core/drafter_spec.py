@@ -1,5 +1,6 @@
 """The drafter spec strings (``ngram``, ``suffix``, ``lookahead[:W,N,G]``, ``none``, ``layerskip:L|DIR``, ``eagle:DIR``,
-``medusa:DIR``, ``rest:FILE``, ``text:DIR``, a draft model directory): their grammar, checks and paths. Torch-free.
+``medusa:DIR``, ``mtp``, ``rest:FILE``, ``text:DIR``, a draft model directory): their grammar, checks and paths.
+Torch-free.
 
 Every edge that takes a drafter (``--draft``, the Serve ``draft`` setting, Python) parses the same
 strings. :func:`check_drafter_spec` refuses a spec that names nothing here with a message listing
@@ -25,6 +26,7 @@ MEDUSA_PREFIX = "medusa:"
 REST_PREFIX = "rest:"  # rest:FILE, a token datastore file (specserve datastore build)
 LOOKAHEAD_PREFIX = "lookahead:"  # lookahead:W,N,G, Lookahead decoding with a window W, n-grams N, G candidates
 TEXT_PREFIX = "text:"  # text:DIR, a draft model with another tokenizer, drafting through text
+MTP_SPEC = "mtp"  # the multi-token-prediction layer the target's own checkpoint carries (DeepSeek-V3, GLM-4.5)
 LOOKAHEAD_DEFAULTS = (4, 3, 4)  # W, N, G of a bare ``lookahead``
 MAX_PROBE_NODES = 256  # W x (N - 1) at most: the window is computed in every verify forward
 DIRECTORY_PREFIXES = (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX, TEXT_PREFIX)
@@ -40,6 +42,7 @@ FORMS = (
     "layerskip:DIR",
     "eagle:DIR",
     "medusa:DIR",
+    "mtp",
     "rest:FILE",
     "text:DIR",
     "DIR",
@@ -119,7 +122,7 @@ def check_drafter_spec(spec: str) -> None:
     """Raise :class:`InvalidDrafterSpec` unless ``spec`` is a built-in drafter, ``layerskip:L``, or names a
     directory that exists here (a draft model directory must also look like a checkpoint). Call it where the
     models are loaded (a command on this machine), not where a configuration is only read."""
-    if spec in BUILTIN_DRAFTERS:
+    if spec in BUILTIN_DRAFTERS or spec == MTP_SPEC:  # mtp: the target's own files say at load whether it has one
         return
     if lookahead_settings(spec) is not None:  # raises for malformed settings
         return

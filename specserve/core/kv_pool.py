@@ -61,22 +61,33 @@ class _Span:
     length: int = 0  # cached positions: columns start .. start + length - 1
 
 
-def _layout(model: PreTrainedModel) -> tuple[int, int, int, torch.dtype, torch.device]:
-    """Layers, KV heads (a tensor-parallel rank's share), head dim, dtype and device of ``model``'s KV."""
-    config = model.config
+def kv_widths(config: Any) -> tuple[int, int, int]:
+    """What one layer of a model with this transformers ``config`` caches per position: (heads, key width, value
+    width). Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) caches its compressed latent, as transformers
+    does: one "head" of ``kv_lora_rank`` in the keys' place and the key's rotary part (``qk_rope_head_dim``) in the
+    values'."""
+    if getattr(config, "kv_lora_rank", None):
+        return 1, int(config.kv_lora_rank), int(config.qk_rope_head_dim)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(heads), int(head_dim), int(head_dim)
+
+
+def _layout(model: PreTrainedModel) -> tuple[int, int, int, int, torch.dtype, torch.device]:
+    """Layers, KV heads (a tensor-parallel rank's share), key and value widths, dtype and device of ``model``'s KV."""
+    config = model.config
+    heads, key_width, value_width = kv_widths(config)
     shard = getattr(model, "tensor_parallel", None)  # a tensor-parallel rank holds its share of the KV heads
     if shard is not None:
         heads = shard.num_kv_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     parameter = next(model.parameters())
-    return config.num_hidden_layers, heads, head_dim, parameter.dtype, parameter.device
+    return config.num_hidden_layers, heads, key_width, value_width, parameter.dtype, parameter.device
 
 
 def token_bytes(model: PreTrainedModel) -> int:
     """Bytes one token position takes in a pool of ``model``'s keys and values (this rank's share of the heads)."""
-    layers, heads, head_dim, dtype, _ = _layout(model)
-    return 2 * layers * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    layers, heads, key_width, value_width, dtype, _ = _layout(model)
+    return layers * heads * (key_width + value_width) * torch.empty((), dtype=dtype).element_size()
 
 
 def free_memory(device: torch.device) -> int:
@@ -95,7 +106,7 @@ def memory_tokens(model: PreTrainedModel, memory_fraction: float) -> int:
     """The token positions of ``model``'s KV that fit in ``memory_fraction`` of the memory free now on its device."""
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    return int(memory_fraction * free_memory(_layout(model)[4])) // token_bytes(model)
+    return int(memory_fraction * free_memory(_layout(model)[5])) // token_bytes(model)
 
 
 def pool_tokens(
@@ -108,7 +119,7 @@ def pool_tokens(
     if fitting is None:
         fitting = memory_tokens(model, memory_fraction)
     if fitting < max_seq_len:
-        device = _layout(model)[4]
+        device = _layout(model)[5]
         raise PoolFull(
             f"the KV pool may take {memory_fraction:g} of the {free_memory(device) / 2**30:.1f} GiB free on {device} "
             f"(kv_cache_memory): {fitting} token positions of {token_bytes(model)} bytes, fewer than one request of "
@@ -123,10 +134,11 @@ class KVPool:
     def __init__(self, model: PreTrainedModel, capacity: int, scratch: int = 1) -> None:
         if capacity < 1 or scratch < 1:
             raise ValueError(f"capacity and scratch must be >= 1, got {capacity}, {scratch}")
-        layers, heads, head_dim, dtype, device = _layout(model)
-        shape = (heads, capacity + scratch, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros_like(keys) for keys in self.keys]
+        layers, heads, key_width, value_width, dtype, device = _layout(model)
+        self.keys, self.values = (
+            [torch.zeros(heads, capacity + scratch, width, dtype=dtype, device=device) for _ in range(layers)]
+            for width in (key_width, value_width)
+        )
         self.capacity = capacity
         self.scratch = scratch
         self._spans: dict[int, _Span] = {}

@@ -222,7 +222,11 @@ class CausalLM:
         from transformers import AutoModelForCausalLM
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, dtype=torch_dtype)
+            # torch's grouped expert matmul takes no float64: mixtures of experts run their experts one by one then
+            options = {"experts_implementation": "eager"} if torch_dtype == torch.float64 else {}
+            model = AutoModelForCausalLM.from_pretrained(
+                str(directory), local_files_only=True, dtype=torch_dtype, **options
+            )
         # SafetensorError / UnpicklingError: a truncated or corrupt weights file (neither is an OSError).
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError, pickle.UnpicklingError) as exc:
             raise ModelLoadError(f"could not load a causal LM from {directory}: {_first_line(exc)}") from exc

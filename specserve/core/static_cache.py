@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specserve.core.errors import UserError
 from specserve.core.graphs import CudaGraphs, GraphBackend, GraphCache
+from specserve.core.kv_pool import kv_widths
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, select_features
 from specserve.core.static_options import StaticOptions
 
@@ -200,9 +201,7 @@ class StaticSlots:
         if backend is None and options.cuda_graphs and device.type == "cuda":
             backend = CudaGraphs(device)
         self.graphs = GraphCache(backend)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._heads, self._head_dim = int(heads), int(head_dim)
+        self._heads, self._key_dim, self._value_dim = kv_widths(config)
         self._layers = int(config.num_hidden_layers)
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
@@ -223,9 +222,10 @@ class StaticSlots:
     def _new_slot(self) -> _Slot:
         # a graph's slot has every column from the start; an eager one grows as its sequence does
         columns = self.columns if self.graphed else min(self.columns, EAGER_COLUMNS)
-        shape = (1, self._heads, columns, self._head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self._layers)]
-        values = [torch.zeros_like(k) for k in keys]
+        shapes = ((1, self._heads, columns, width) for width in (self._key_dim, self._value_dim))
+        keys, values = (
+            [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self._layers)] for shape in shapes
+        )
         slot = _Slot(len(self._slots), keys, values)
         self._slots.append(slot)
         return slot

@@ -1,5 +1,5 @@
 """Build a drafter from its name: ``none``, ``ngram``, ``suffix``, ``lookahead[:W,N,G]``, ``layerskip:L|DIR``,
-``eagle:DIR``, ``medusa:DIR``, ``rest:FILE``, a model dir.
+``eagle:DIR``, ``medusa:DIR``, ``mtp``, ``rest:FILE``, a model dir.
 
 :func:`build_drafter_set` wraps the configured drafter in a :class:`~specserve.core.draft.DrafterSet`
 whose builder is :func:`build_drafter` with the same options, so a request can also choose
@@ -19,6 +19,7 @@ from specserve.core.drafter_spec import (
     LAYERSKIP_PREFIX,
     LOOKAHEAD_PREFIX,
     MEDUSA_PREFIX,
+    MTP_SPEC,
     REST_PREFIX,
     TEXT_PREFIX,
 )
@@ -55,7 +56,8 @@ def build_drafter(
 ) -> Drafter:
     """``spec`` is ``"none"``, ``"ngram"``, ``"suffix"``, ``"lookahead"`` / ``"lookahead:W,N,G"`` (Lookahead
     decoding), ``"layerskip:L"`` (the target's first L layers) or
-    ``"layerskip:DIR"`` (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads),
+    ``"layerskip:DIR"`` (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads), ``"mtp"``
+    (the MTP layer in the target's own checkpoint),
     ``"rest:FILE"`` (a token datastore), ``"text:DIR"`` (a draft model with another tokenizer, drafting through
     text), a draft model directory, or an already loaded draft model. Drafters built
     on the target's own weights load their own copy of the target in a process that holds only its description."""
@@ -85,6 +87,12 @@ def build_drafter(
         from specserve.drafters.eagle import EagleDrafter
 
         return EagleDrafter.load(directory, target, dtype=dtype, device=device)
+    if spec == MTP_SPEC:
+        from specserve.drafters.eagle import EagleDrafter
+        from specserve.drafters.mtp import load_mtp_head
+
+        model = target if isinstance(target, CausalLM) else CausalLM.load(target.info.path, dtype=dtype, device=device)
+        return EagleDrafter.for_target(load_mtp_head(model), model, output_device=target.device)
     if spec.startswith(MEDUSA_PREFIX):
         directory = spec[len(MEDUSA_PREFIX) :]
         if not directory:
@@ -155,7 +163,7 @@ def request_drafters(
     :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
     requests' drafters (each keeps its own cache); ``ngram``, ``suffix`` and ``none`` are cheap to build per request
     (the ``suffix`` drafters share one global store of finished requests' outputs: ``suffix_cache``, or a new one).
-    Drafters that read the target's features or KV (EAGLE, Medusa, layer-skip) load their weights (and, given
+    Drafters that read the target's features or KV (EAGLE, MTP, Medusa, layer-skip) load their weights (and, given
     only the target's description, a copy of the target) once, now; each request gets a fresh drafter over them.
     The engine says whether it can run them.
 
@@ -169,7 +177,7 @@ def request_drafters(
     configured: CausalLM | str = spec
     if (
         isinstance(spec, str)
-        and spec not in BUILTIN_DRAFTERS
+        and spec not in (*BUILTIN_DRAFTERS, MTP_SPEC)
         and not spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX, LOOKAHEAD_PREFIX))
     ):
         configured = CausalLM.load(Path(spec), dtype=dtype, device=device)  # a draft model directory: load it once
@@ -180,7 +188,9 @@ def request_drafters(
     if suffix_cache is None:
         suffix_cache = SuffixCache()  # the global store every request's suffix drafter shares
     prototype: Prototype | None = None
-    if isinstance(spec, str) and spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX)):
+    if isinstance(spec, str) and (
+        spec == MTP_SPEC or spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX))
+    ):
         built = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
         assert isinstance(built, Prototype)
         prototype = built  # never drafts itself: each request gets prototype.fresh()
