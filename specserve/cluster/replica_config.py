@@ -77,7 +77,8 @@ class ReplicaConfig(BaseModel):
         "ngram",
         description="who drafts: a draft model directory, 'ngram' (prompt lookup), 'suffix' (suffix decoding), "
         "'layerskip:L' (the target's first L layers) or 'layerskip:DIR' (with a trained exit head), 'eagle:DIR' or "
-        "'medusa:DIR' (trained heads), 'rest:FILE' (retrieval from a token datastore: specserve datastore build), "
+        "'medusa:DIR' (trained heads), 'mtp' (the MTP layer in the target's checkpoint), 'rest:FILE' (retrieval "
+        "from a token datastore: specserve datastore build), "
         "or 'none'; directories and datastore files are made absolute as the target's",
     )
     dtype: Dtype = Field("float32", description="weights dtype of the target and the drafter")

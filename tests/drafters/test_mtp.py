@@ -11,7 +11,8 @@ of experts stored per expert, ``shared_head.norm``, ``shared_head.head``, a copy
   (loaded by transformers alone, from a copy of the checkpoint that declares L + 1 layers), recomputed from scratch for
   every path — eager and on static shapes — at 1e-6 (the routers score in float32);
 * greedy output through ``--draft mtp`` equals transformers' ``generate``, in the single-request engine (chains and
-  trees) and in the batched engine;
+  trees, with the drafter built from the target itself and, as a drafter actor builds it, from its description) and
+  in the batched engine;
 * targets it cannot run are refused in one line: no MTP layer, files without it, two MTP layers, a hybrid target,
   and tensors out of the published layout.
 """
@@ -228,11 +229,15 @@ def test_greedy_output_equals_transformers(checkpoint: Checkpoint, hf_greedy: Hf
     target = checkpoint.target
     prompts = ([5, 17, 23, 8], [60, 61, 62, 3, 9], [40, 41])
     engine = SpeculativeEngine(target, build_drafter("mtp", target))  # type: ignore[arg-type]
+    # as a drafter actor builds it: from the target's description, loading the checkpoint again itself
+    remote = SpeculativeEngine(target, build_drafter("mtp", target.describe(), dtype="float64"))  # type: ignore[arg-type]
     tree = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=6))
     for prompt in prompts:
         for config in (GenerationConfig(REF_TOKENS, gamma=3), GenerationConfig(REF_TOKENS, tree=tree)):
             result = engine.generate(list(prompt), SamplingParams(), config)
             assert result.output_ids == hf_greedy(target, prompt, REF_TOKENS), (prompt, config)
+            again = remote.generate(list(prompt), SamplingParams(), config)
+            assert again.output_ids == result.output_ids and again.stats.accepted_tokens == result.stats.accepted_tokens
     batched = BatchedEngine(target, request_drafters("mtp", target), max_num_seqs=2)
     ids = {batched.submit(list(prompt), SamplingParams(), GenerationConfig(REF_TOKENS, gamma=2)): p
            for p, prompt in enumerate(prompts)}  # fmt: skip
