@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from specserve import defaults
 from specserve.cluster.replica_config import DISTRIBUTED_SETTINGS, MODEL_SETTINGS, ReplicaConfig
+from specserve.core.drafter_spec import suggested_gamma
 from specserve.core.errors import UserError
 from specserve.core.sampling_params import TYPICAL_DELTA, TYPICAL_EPSILON, GrammarSpec, SamplingParams
 from specserve.core.schedule import MAX_GAMMA, POLICY_NAMES
@@ -33,6 +34,11 @@ from specserve.core.tree_spec import InvalidTree, TreeBudget, TreeSpec, TreeTopo
 if TYPE_CHECKING:  # the engine and the actors load torch: imported once the arguments are checked
     from specserve.actors.coordinator import Coordinator
     from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, SpeculativeEngine
+
+
+class UnsetInt(int):
+    """An option's default that help shows as the number it is, and that the command can tell from the same number
+    typed on the command line (argparse gives those as plain ``int``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="UTF-8 text file whose whole content is the prompt")
     parser.add_argument(
-        "--gamma", type=int, default=defaults.DEFAULT_GAMMA, help=f"draft tokens per cycle (1..{MAX_GAMMA})"
+        "--gamma",
+        type=int,
+        default=UnsetInt(defaults.DEFAULT_GAMMA),
+        help=f"draft tokens per cycle (1..{MAX_GAMMA}); without it, a speculators-format head's own suggestion",
     )
     parser.add_argument(
         "--policy",
@@ -158,6 +167,7 @@ def run_command(args: argparse.Namespace) -> int:
     load and generate."""
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    args.gamma = chosen_gamma(args.gamma, args.draft)
     if not 1 <= args.gamma <= MAX_GAMMA:
         raise UserError(f"--gamma must be between 1 and {MAX_GAMMA}, got {args.gamma}")
     if not args.distributed and (args.tp_degree != 1 or args.overlap or args.drafter_placement != "colocated"):
@@ -181,6 +191,15 @@ def run_command(args: argparse.Namespace) -> int:
         with distributed_runner(replica, args.ray_address) as coordinator:
             return print_generation(coordinator, prompt, params, config, args.json, args.compare_plain)
     return print_generation(build_engine(replica), prompt, params, config, args.json, args.compare_plain)
+
+
+def chosen_gamma(gamma: int, draft: str) -> int:
+    """``--gamma`` as typed; when it was not (its :class:`UnsetInt` default), what the ``--draft`` head's publisher
+    suggests (a speculators-format head's ``speculative_tokens``, capped at ``MAX_GAMMA``), else the default."""
+    if not isinstance(gamma, UnsetInt):
+        return gamma
+    suggested = suggested_gamma(draft)
+    return int(gamma) if suggested is None else min(suggested, MAX_GAMMA)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

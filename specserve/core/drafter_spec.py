@@ -13,6 +13,7 @@ another node or in another working directory finds it. Building the drafter is
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from pathlib import Path
 
@@ -176,3 +177,17 @@ def _forms() -> str:
 
 def _absolute(path: str) -> str:
     return os.path.abspath(path) if path and not os.path.isabs(path) and os.path.isdir(path) else path
+
+
+def suggested_gamma(spec: str) -> int | None:
+    """The γ a published head suggests for itself: ``speculators_config.proposal_methods[0].speculative_tokens`` in the
+    ``config.json`` of ``eagle:DIR`` (vLLM's speculators format). ``None`` for any other spec, a head that suggests
+    none, or a value that is not a positive integer; the caller checks it against its own bounds."""
+    if not spec.startswith(EAGLE_PREFIX):
+        return None
+    try:
+        config = json.loads(Path(spec[len(EAGLE_PREFIX) :], "config.json").read_text())
+        tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1 else None

@@ -40,7 +40,8 @@ DEPLOYMENTS = (INGRESS, MODEL)
 
 def build_app(args: Mapping[str, Any] | None = None) -> Application:
     """Serve's application builder: ``args`` are the Serve config YAML's, validated by :class:`ServeConfig`."""
-    return application(ServeConfig.model_validate(dict(args or {})))
+    settings = dict(args or {})
+    return application(ServeConfig.model_validate(settings).with_suggested_gamma("gamma" in settings))
 
 
 def application(config: ServeConfig, deployment_options: Mapping[str, Mapping[str, Any]] | None = None) -> Application:

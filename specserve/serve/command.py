@@ -68,7 +68,8 @@ def serve_file(args: argparse.Namespace) -> ServeFile:
 
     config_path = getattr(args, "config", None)
     file = load_serve_file(config_path) if config_path else ServeFile(config=ServeConfig())
-    file.config = ServeConfig.from_args(args, base=fitted_settings(file.config, args))
+    gamma_given = "gamma" in file.config.model_fields_set or hasattr(args, "gamma")
+    file.config = ServeConfig.from_args(args, base=fitted_settings(file.config, args)).with_suggested_gamma(gamma_given)
     file.host = getattr(args, "host", file.host)
     file.port = checked_port(getattr(args, "port", file.port))
     return file

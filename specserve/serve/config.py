@@ -18,6 +18,7 @@ from pydantic import Field, model_validator
 
 from specserve import defaults
 from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig, with_edge_default
+from specserve.core.drafter_spec import suggested_gamma
 from specserve.core.schedule import MAX_GAMMA
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
@@ -37,7 +38,11 @@ class ServeConfig(ReplicaConfig):
 
     model_name: str = Field("specserve-default", min_length=1, description="the name clients pass as `model`")
     gamma: int = Field(
-        defaults.DEFAULT_GAMMA, ge=1, le=MAX_GAMMA, description="draft tokens per cycle of a request that sets none"
+        defaults.DEFAULT_GAMMA,
+        ge=1,
+        le=MAX_GAMMA,
+        description="draft tokens per cycle of a request that sets none; left out, a speculators-format head's own "
+        "suggestion (speculative_tokens)",
     )
     policy: Literal["fixed", "heuristic", "adaptive"] = Field(
         "fixed",
@@ -107,6 +112,12 @@ class ServeConfig(ReplicaConfig):
                 "never send a replica enough requests to fill its batch; raise max_ongoing_requests"
             )
         return self
+
+    def with_suggested_gamma(self, gamma_given: bool) -> ServeConfig:
+        """This configuration, with ``gamma`` the γ its drafter's publisher suggests (a speculators-format head's
+        ``speculative_tokens``, capped at ``MAX_GAMMA``) when the ``gamma`` setting was not given."""
+        suggested = None if gamma_given else suggested_gamma(self.draft)
+        return self if suggested is None else self.model_copy(update={"gamma": min(suggested, MAX_GAMMA)})
 
     def replica(self) -> ReplicaConfig:
         """The replica part alone (what :meth:`Coordinator.spawn` takes)."""

@@ -44,7 +44,9 @@ from safetensors.torch import save_file
 from static_helpers import BUCKETS, RecordingGraphs
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
+from specserve import cli
 from specserve.core.batch_engine import BatchedEngine
+from specserve.core.drafter_spec import suggested_gamma
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, select_features
@@ -53,6 +55,8 @@ from specserve.core.static_cache import StaticOptions
 from specserve.core.tree import ROOT, TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.registry import build_drafter
+from specserve.generate import chosen_gamma
+from specserve.serve.config import ServeConfig
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
 ALPHA = 1e-3
@@ -306,3 +310,24 @@ def test_malformed_heads_are_refused_in_one_line(
     )
     refused(code, "refused: it is not a plain tensor pickle")
     assert not marker.exists()
+
+
+def test_a_speculators_head_suggests_the_default_gamma(heads: dict[str, tuple[Path, dict[str, torch.Tensor]]]) -> None:
+    """`generate` and a Serve deployment draft a speculators head's `speculative_tokens` per cycle unless their gamma
+    is given (a typed --gamma equal to the default included)."""
+    speculators, eagle3 = f"eagle:{heads['speculators'][0]}", f"eagle:{heads['eagle3'][0]}"
+    assert suggested_gamma(speculators) == 5
+    assert suggested_gamma(eagle3) is None and suggested_gamma("ngram") is None
+    assert suggested_gamma("eagle:/nowhere") is None
+    (generate,) = [a for a in cli.build_parser(["generate"])._actions if a.dest == "command"]
+    parser = generate.choices["generate"]
+
+    def gamma(*flags: str) -> int:
+        args = parser.parse_args(["--prompt", "x", *flags])
+        return chosen_gamma(args.gamma, args.draft)
+
+    assert gamma("--draft", speculators) == 5
+    assert gamma("--draft", speculators, "--gamma", "3") == 3 == gamma("--draft", eagle3) == gamma()
+    assert ServeConfig(draft=speculators).with_suggested_gamma(gamma_given=False).gamma == 5
+    assert ServeConfig(draft=speculators, gamma=2).with_suggested_gamma(gamma_given=True).gamma == 2
+    assert ServeConfig(draft=eagle3).with_suggested_gamma(gamma_given=False).gamma == 3
