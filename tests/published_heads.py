@@ -91,7 +91,30 @@ LAYOUTS = {
         norm_before_fc=True,
         speculators=True,
     ),
+    # speculators "eagle": EAGLE-1's head under the names fusion_fc.* and transformer.*, its fc with a bias
+    "speculators-eagle": Layout(
+        "speculators-eagle",
+        False,
+        "model.safetensors",
+        {
+            "speculators_model_type": "eagle",
+            "speculators_version": "0.1.0",
+            "architectures": ["EagleSpeculator"],
+            "transformer_layer_architecture": "LlamaDecoderLayer",
+            "layernorms": False,
+            "fusion_bias": True,
+            "speculators_config": {
+                "algorithm": "eagle",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1}],
+                "verifier": {"name_or_path": "org/tiny-llama", "architectures": ["LlamaForCausalLM"]},
+            },
+        },
+        fc_bias=True,
+        speculators=True,
+    ),
 }
+SPECULATORS_EAGLE_NAMES = {"fc.": "fusion_fc.", "layers.0.": "transformer."}  # SafeAILab's prefix -> the file's
 
 
 def published_tensors(layout: Layout, seed: int) -> dict[str, torch.Tensor]:
@@ -141,6 +164,8 @@ def published_tensors(layout: Layout, seed: int) -> dict[str, torch.Tensor]:
 
 
 def write_head(directory: Path, layout: Layout, seed: int = 7) -> dict[str, torch.Tensor]:
+    """The head's files in ``directory``; returns its weights under the reference's (SafeAILab's) names, which a
+    speculators eagle head stores under its own."""
     directory.mkdir(parents=True, exist_ok=True)
     decoder = {
         "architectures": ["LlamaForCausalLM"],
@@ -166,11 +191,21 @@ def write_head(directory: Path, layout: Layout, seed: int = 7) -> dict[str, torc
         config = {**decoder, **layout.config}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     tensors = published_tensors(layout, seed)
+    stored = tensors
+    if layout.speculators and not layout.eagle3:  # the speculators eagle names; no embed_tokens in that format
+        stored = {_renamed(name): tensor for name, tensor in tensors.items() if name != "embed_tokens.weight"}
     if layout.file == "model.safetensors":
-        save_file(tensors, str(directory / layout.file))
+        save_file(stored, str(directory / layout.file))
     else:
-        torch.save(tensors, directory / layout.file)
+        torch.save(stored, directory / layout.file)
     return tensors
+
+
+def _renamed(name: str) -> str:
+    for reference, published in SPECULATORS_EAGLE_NAMES.items():
+        if name.startswith(reference):
+            return published + name[len(reference) :]
+    return name
 
 
 class Payload:

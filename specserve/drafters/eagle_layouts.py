@@ -15,11 +15,13 @@ reads: ``eagle_aux_hidden_state_layer_ids`` (at the top level or in ``eagle_conf
 id is 1 is read as *outputs* of layers and shifted by one, as SGLang does. Every tensor is checked by name and shape
 before anything loads; a missing, extra or misshapen tensor is refused in one line naming it.
 
-The ``speculators`` format (vLLM's; ``speculators_model_type``) loads for ``eagle3``: the decoder's fields come from
-``transformer_layer_config``, the EAGLE-3 ones from the top level; ``norm_before_residual`` defaults to true there
-(vLLM's reading of that format) and to false in a plain config (the reference's behaviour); the verifier it names
-(``speculators_config.verifier``: architectures, and the name when the target has a directory) must be the target;
-``proposal_methods[0].speculative_tokens`` becomes the head's suggested γ. Other speculators types are refused.
+The ``speculators`` format (vLLM's; ``speculators_model_type``) loads for ``eagle3`` and ``eagle``: the decoder's
+fields come from ``transformer_layer_config``, the EAGLE-3 ones from the top level; ``norm_before_residual`` defaults
+to true there (vLLM's reading of that format) and to false in a plain config (the reference's behaviour); an ``eagle``
+head is EAGLE-1's under other names (``fusion_fc.*``, ``transformer.*``), refused with HASS's extra norms
+(``layernorms: true``); the verifier it names (``speculators_config.verifier``: architectures, and the name when the
+target has a directory) must be the target; ``proposal_methods[0].speculative_tokens`` becomes the head's suggested
+γ. Other speculators types are refused.
 
 Does not load Medusa or MTP heads, or check a head's shapes against its target
 (:func:`~specserve.drafters.eagle_head.check_head_fits`).
@@ -54,7 +56,8 @@ EAGLE3_NAMES = (
     ("input_norm.", "input_norm."),  # norm_before_fc
     ("fc_norm.", "fc_norm."),  # fc_norm
 )
-SPECULATORS_TYPES = ("eagle3",)
+SPECULATORS_EAGLE_NAMES = (("transformer.", "body.layers.0."), ("fusion_fc.", "fc."))  # speculators "eagle"
+SPECULATORS_TYPES = ("eagle3", "eagle")
 # the EAGLE-3 fields a speculators config keeps at its top level (the decoder's are in transformer_layer_config)
 EAGLE3_FIELDS = (
     "draft_vocab_size",
@@ -115,7 +118,7 @@ def load_eagle1(path: Path, config: Mapping[str, Any], state: Mapping[str, torch
 
 def load_speculators(
     path: Path, config: Mapping[str, Any], state: Mapping[str, torch.Tensor], target: CausalLM
-) -> Eagle3Head:
+) -> FeatureHead:
     """A head in vLLM's speculators format (docs/published-heads.md §3)."""
     kind = config.get("speculators_model_type")
     if kind not in SPECULATORS_TYPES:
@@ -128,8 +131,13 @@ def load_speculators(
     settings = _section(config, "speculators_config")
     verifier = _section(settings, "verifier")
     check_verifier(path, verifier, target)
-    flat = {**layer, **{key: config[key] for key in EAGLE3_FIELDS if key in config}}
-    head = load_eagle3(path, flat, state, int(target.model.config.num_hidden_layers), speculators=True)
+    num_layers = int(target.model.config.num_hidden_layers)
+    head: FeatureHead
+    if kind == "eagle":
+        head = load_speculators_eagle(path, config, layer, state, num_layers)
+    else:
+        flat = {**layer, **{key: config[key] for key in EAGLE3_FIELDS if key in config}}
+        head = load_eagle3(path, flat, state, num_layers, speculators=True)
     methods = settings.get("proposal_methods")
     first = methods[0] if isinstance(methods, list) and methods and isinstance(methods[0], dict) else {}
     tokens = first.get("speculative_tokens")
@@ -137,6 +145,31 @@ def load_speculators(
         tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
     )
     return head
+
+
+def load_speculators_eagle(
+    path: Path, config: Mapping[str, Any], layer: Mapping[str, Any], state: Mapping[str, torch.Tensor], num_layers: int
+) -> EagleHead:
+    """A speculators ``eagle`` head (docs/published-heads.md §3.3): EAGLE-1's head, ``fc`` named ``fusion_fc`` and its
+    layer ``transformer``, reading the target's top feature after the final norm; HASS's extra norms are refused."""
+    if config.get("layernorms"):
+        raise EagleLoadError(
+            f"{path} is a speculators eagle head with HASS's extra norms (layernorms: true); specserve loads that "
+            "format without them only"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if layer.get(flag):
+            raise EagleLoadError(f"{path}: its transformer_layer_config sets {flag}, which EAGLE heads here lack")
+    head_config = EagleConfig(
+        feature_layers=(num_layers,),
+        fc_bias="fusion_fc.bias" in state,
+        first_input_norm=False,
+        final_norm=False,
+        **_llama_fields(path, layer),
+    )
+    head = EagleHead(head_config)
+    _load_exactly(head, state, SPECULATORS_EAGLE_NAMES, path)
+    return head.eval()
 
 
 def check_verifier(path: Path, verifier: Mapping[str, Any], target: CausalLM) -> None:

@@ -296,6 +296,8 @@ def test_malformed_heads_are_refused_in_one_line(
         return lambda t, c: c["speculators_config"]["verifier"].update({"architectures": architectures})  # type: ignore[index]
 
     refused(variant("qwen", "speculators", verifier(["Qwen2ForCausalLM"])), "a head for a Qwen2ForCausalLM verifier")
+    hass = variant("hass", "speculators-eagle", lambda t, c: c.update({"layernorms": True}))
+    refused(hass, r"HASS's extra norms \(layernorms: true\)")
     named = tmp_path / "tiny-llama"  # the verifier's name: org/tiny-llama
     target.model.save_pretrained(named)
     EagleDrafter.load(heads["speculators"][0], CausalLM.load(named, dtype="float64"))
