@@ -1,8 +1,8 @@
 """Learned drafters through the distributed runtime: EAGLE and Medusa read features that cross the gRPC stream.
 
-The heads run in the drafter actor (a published EAGLE-3 head at TP 2 among them), which holds only the target's
-description (and loads the target's weights it needs itself). For the hidden-state drafters (EAGLE, Medusa) the prompt's
-features come back from rank 0's prefill and each verdict carries its root's and accepted path's
+The heads run in the drafter actor (a published EAGLE-3 head and a published Medusa head at TP 2 among them), which
+holds only the target's description (and loads the target's weights it needs itself). For the hidden-state drafters
+(EAGLE, Medusa) the prompt's features come back from rank 0's prefill and each verdict carries its root's and accepted path's
 features — at TP 2 from rank 0, whose residual stream is whole after every all-reduce. Layer-skip
 with a trained exit head needs no features. Output equals the single-process engine with the same
 drafter (the same accepted counts: the same features reached the drafter) and transformers' greedy
@@ -21,6 +21,8 @@ import torch
 from conftest import TinyPair, cases_in_use
 from head_helpers import trained_head
 from published_heads import LAYOUTS, write_head
+from published_medusa import LAYOUTS as MEDUSA_LAYOUTS
+from published_medusa import write_head as write_medusa_head
 from replicas import greedy_reference, spawned_at_once
 
 from specserve.actors.coordinator import Coordinator
@@ -30,7 +32,6 @@ from specserve.core.sampling import SamplingParams
 from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.layerskip import ExitHead, save_exit_head
 from specserve.drafters.registry import build_drafter
-from specserve.training.medusa import heads_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,7 +39,8 @@ CASES = {  # name: family, TP degree, drafter placement, drafter
     "eagle-llama-tp1-colocated": ("llama", 1, "colocated", "eagle"),
     # a published EAGLE-3 head (SafeAILab layout, random weights, 40-token draft vocabulary) reading three layers
     "eagle3-published-qwen2-tp2-separate": ("qwen2", 2, "separate", "eagle3"),
-    "medusa-llama-tp2-separate": ("llama", 2, "separate", "medusa"),
+    # a published FasterDecoding Medusa head (random weights, two blocks per head)
+    "medusa-published-llama-tp2-separate": ("llama", 2, "separate", "medusa"),
     "layerskip-exit-head-qwen2-tp1-colocated": ("qwen2", 1, "colocated", "layerskip"),
 }
 CONFIGS = (
@@ -64,8 +66,10 @@ def save_head(kind: str, pair: TinyPair, directory: Path) -> str:
         layout = LAYOUTS["eagle3"]
         write_head(directory, replace(layout, config={**layout.config, "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}))
         return f"eagle:{directory}"
-    if kind == "medusa":
-        heads_for(pair.target.model, num_heads=3).save(directory)  # untrained: each head drafts the LM head's argmax
+    if kind == "medusa":  # a published FasterDecoding head (random weights, two blocks per head, safetensors)
+        write_medusa_head(
+            directory, MEDUSA_LAYOUTS["fd-st-2"], pair.target.model.get_output_embeddings().weight.detach()
+        )
         return f"medusa:{directory}"
     head = ExitHead(pair.target.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).double()
     with torch.no_grad():
