@@ -1,9 +1,9 @@
 """Load benchmark of the HTTP API: throughput, time to first token and inter-token latency under concurrency.
 
 A closed-loop load generator on loopback: at each concurrency level ``c``, ``c`` clients send
-streaming completions back to back until the level's request count is reached or its time
-limit passes (nothing new starts after it). Every level runs once per *mode* against the same
-deployment — by default speculation off (``"speculation": {"enabled": false}``: the same
+streaming completions (or, with ``--no-stream``, completions answered whole) back to back until the level's
+request count is reached or its time limit passes (nothing new starts after it). Every level runs once per
+*mode* against the same deployment — by default speculation off (``"speculation": {"enabled": false}``: the same
 drafter loop with γ = 0), the deployment's draft model, and the n-gram drafter, chosen per
 request through the ``speculation`` object — so the comparison is like for like. On a small
 shared machine the speed drifts by tens of percent over minutes, so the levels run in
@@ -89,6 +89,7 @@ class LoadConfig:
     port: int = 8123
     out_dir: Path = RUNS_DIR / "bench-serve"
     threads_per_shard: int = 1  # torch threads of the model process (an in-process batched replica: its own)
+    stream: bool = True  # streamed completions (TTFT and ITL measured), or whole ones (latency only: TTFT = it)
 
 
 @dataclass
@@ -152,6 +153,32 @@ def stream_completion(
     return timing
 
 
+def whole_completion(
+    url: str, body: dict[str, Any], api_key: str | None = None, timeout_s: float = 600.0
+) -> RequestTiming:
+    """One completion answered whole (OpenAI's default, ``stream`` false): its text arrives at once, so its first
+    token time is the answer's (TTFT is the request's latency) and it has no last one (no ITL)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timing = RequestTiming(sent=time.perf_counter(), key=_digest(f"{body.get('seed')}\0{body.get('prompt')}"))
+    try:
+        r = requests.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=timeout_s)
+        if r.status_code != 200:
+            timing.error = f"HTTP {r.status_code}: {r.text[:200]}"
+            return timing
+        answer = r.json()
+        timing.first = time.perf_counter()
+        timing.text = answer["choices"][0]["text"]
+        timing.tokens = int(answer["usage"]["completion_tokens"])
+        speculation = answer.get("speculation", {})
+        timing.mean_accepted_length = speculation.get("mean_accepted_length")
+        budgets, batches = speculation.get("budgets") or [], speculation.get("batch_sizes") or []
+        timing.mean_budget = float(np.mean(budgets)) if budgets else None
+        timing.mean_batch_size = float(np.mean(batches)) if batches else None
+    except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    return timing
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -192,8 +219,11 @@ def run_level(
     time_limit_s: float,
     progress: tqdm | None = None,
     api_key: str | None = None,
+    stream: bool = True,
 ) -> tuple[list[RequestTiming], float]:
-    """``concurrency`` closed-loop clients work through ``bodies``; returns every request's timing and the wall time."""
+    """``concurrency`` closed-loop clients work through ``bodies`` (streamed, or answered whole); returns every
+    request's timing and the wall time."""
+    send = stream_completion if stream else whole_completion
     lock = threading.Lock()
     pending = list(reversed(bodies))
     timings: list[RequestTiming] = []
@@ -206,7 +236,7 @@ def run_level(
                 if not pending or time.perf_counter() > deadline:
                     return
                 body = pending.pop()
-            timing = stream_completion(url, body, api_key)
+            timing = send(url, body, api_key)
             with lock:
                 timings.append(timing)
                 if progress is not None:
@@ -252,7 +282,9 @@ def run_load(
                 modes = cfg.modes if round_ % 2 == 0 else tuple(reversed(cfg.modes))
                 for label, speculation in modes:
                     bodies = request_bodies(model, prompts, count, cfg, speculation, first=round_ * count)
-                    timings, wall = run_level(url, bodies, concurrency, cfg.level_time_limit_s, progress, api_key)
+                    timings, wall = run_level(
+                        url, bodies, concurrency, cfg.level_time_limit_s, progress, api_key, cfg.stream
+                    )
                     before, before_wall = pooled.get((concurrency, label), ([], 0.0))
                     pooled[(concurrency, label)] = (before + timings, before_wall + wall)
     rows = []
@@ -442,6 +474,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gammas", default="1,2,3,4", help="with --batched: the fixed γ modes of the batched replica")
     parser.add_argument("--port", type=int, default=8123, help="HTTP port on 127.0.0.1")
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="send completions answered whole (OpenAI's default) instead of streamed: the proxy carries one "
+        "answer per request, not one event per step; TTFT is then each request's latency and ITL is not measured",
+    )
     add_output_arguments(parser, "bench-serve", "serve_load.json/.md/.png")
 
 
@@ -492,6 +530,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         out_dir=Path(args.out),
         replicas=replicas,
         threads_per_shard=args.threads_per_shard,
+        stream=not args.no_stream,
     )
 
 

@@ -2,8 +2,8 @@
 
 The heads run in the drafter actor (a published EAGLE-3 head and a published Medusa head at TP 2 among them), which
 holds only the target's description (and loads the target's weights it needs itself). For the hidden-state drafters
-(EAGLE, Medusa) the prompt's features come back from rank 0's prefill and each verdict carries its root's and accepted path's
-features — at TP 2 from rank 0, whose residual stream is whole after every all-reduce. Layer-skip
+(EAGLE, Medusa) the prompt's features come back from rank 0's prefill and each verdict carries its root's and
+accepted path's features — at TP 2 from rank 0, whose residual stream is whole after every all-reduce. Layer-skip
 with a trained exit head needs no features. Output equals the single-process engine with the same
 drafter (the same accepted counts: the same features reached the drafter) and transformers' greedy
 decoding; seeded sampling equals the engine's run. The cases' replicas are spawned all at once as the module starts.

@@ -550,5 +550,14 @@ def test_load_generator_counts_what_the_server_generated(url: str) -> None:
     # every ngram request (prompt and seed) was also sent without speculation, at one level or the other
     assert [c["compared_texts"] for c in report["comparison"]] == [4, 6]
     assert markdown(report).count("\n| 1 |") == 3  # two rows and one comparison at concurrency 1
+    # answered whole (--no-stream): the same counts and, request for request, the same texts as streamed
+    whole_cfg = LoadConfig(
+        max_tokens=12, concurrency=(2,), requests_per_level=(3,), modes=modes, rounds=1, stream=False
+    )
+    whole = run_load(url, MODEL_NAME, PROMPTS, whole_cfg, api_key=KEY)
+    for row in whole:
+        assert row["errors"] == 0 and row["tokens"] == 36 and row["itl_p50_s"] is None and row["ttft_p50_s"] > 0
+        streamed = next(r for r in rows if r["concurrency"] == 2 and r["mode"] == row["mode"])
+        assert row["texts"].items() <= streamed["texts"].items()
     unauthorised = run_load(url, MODEL_NAME, PROMPTS, LoadConfig(concurrency=(1,), requests_per_level=(1,), rounds=1))
     assert all(r["errors"] == 1 and "401" in r["errors_seen"][0] for r in unauthorised)
