@@ -1,17 +1,22 @@
 """Heads for the tiny targets, shared by the drafter, batched-engine and distributed tests: a trained EAGLE head
-per target (trained once per test run) and Medusa heads with random weights."""
+per target (trained once per test run) and Medusa heads with random weights; and :func:`check_tree_logits`, which
+holds a feature head's drafts at every node of a tree against a reference forward."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from conftest import TinyPair
 from filelock import FileLock
 
-from specserve.core.model import CausalLM
+from specserve.core.model import CausalLM, select_features
+from specserve.core.sampling import SamplingParams
+from specserve.core.tree import ROOT
 from specserve.drafters.eagle_head import EagleConfig, EagleHead
 from specserve.drafters.medusa import MedusaHeads
 from specserve.training.eagle import EagleRecipe, train_head
@@ -85,3 +90,44 @@ def random_heads(target: CausalLM, seed: int = 0, num_heads: int = 3, std: float
         for parameter in heads.parameters():
             parameter.copy_(std * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
     return heads
+
+
+# a tree grown level by level: node ids, their tokens and parents (depths 0, 0 | 1, 1, 1 | 2 | 3)
+TREE_LEVELS = [[0, 1], [2, 3, 4], [5], [6]]
+TREE_TOKENS = [11, 40, 13, 70, 15, 16, 90]
+TREE_PARENTS = [ROOT, ROOT, 0, 0, 1, 2, 5]
+CONTEXT = [5, 17, 23, 8, 9, 30, 31]
+
+
+def check_tree_logits(
+    drafter: Any,  # an EagleDrafter
+    target: CausalLM,
+    reference: Callable[[Sequence[int], Sequence[int]], torch.Tensor],
+    **tolerance: float,
+) -> torch.Tensor:
+    """The drafter's logits at the root and at every node of a tree (depths 0-3) after 5 committed tokens, then again
+    after two more (a catch-up block), each equal to ``reference(committed, path)`` (the logits after the drafted
+    ``path``) within ``tolerance``; returns the last root's logits."""
+    with torch.inference_mode():
+        out = target.model(torch.tensor([CONTEXT]), output_hidden_states=True)
+        raw = select_features([h[0] for h in out.hidden_states], drafter.feature_layers)
+    drafter.start(CONTEXT[:5], SamplingParams(), torch.Generator())
+    drafter.add_features(0, raw[:4])
+    root = torch.empty(0)
+    for committed in (CONTEXT[:5], CONTEXT):
+        if len(committed) > 5:
+            drafter.accept(CONTEXT[5:])
+            drafter.add_features(4, raw[4:6])
+        session = drafter._open_session()
+        root = reference(committed, [])
+        torch.testing.assert_close(session.root_logits, root, **tolerance)
+        for level in TREE_LEVELS:
+            logits = session.expand(level, TREE_TOKENS, TREE_PARENTS)
+            for row, node in enumerate(level):
+                path: list[int] = []
+                while node != ROOT:
+                    path.insert(0, TREE_TOKENS[node])
+                    node = TREE_PARENTS[node]
+                torch.testing.assert_close(logits[row], reference(committed, path), **tolerance)
+        session.close()
+    return root

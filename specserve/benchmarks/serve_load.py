@@ -105,6 +105,15 @@ class RequestTiming:
     key: str = ""  # the request's prompt and seed (digest): the same request in another mode or level
     text: str = ""  # the streamed completion
 
+    def summarise(self, answer: dict[str, Any]) -> None:
+        """Take the completion tokens and the speculation summary from an answer (or a stream's last event)."""
+        self.tokens = int(answer["usage"]["completion_tokens"])
+        speculation = answer.get("speculation", {})
+        self.mean_accepted_length = speculation.get("mean_accepted_length")
+        budgets, batches = speculation.get("budgets") or [], speculation.get("batch_sizes") or []
+        self.mean_budget = float(np.mean(budgets)) if budgets else None
+        self.mean_batch_size = float(np.mean(batches)) if batches else None
+
     @property
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.sent
@@ -142,12 +151,7 @@ def stream_completion(
                     timing.last = now
                     timing.text += event["choices"][0]["text"]
                 if "usage" in event:
-                    timing.tokens = int(event["usage"]["completion_tokens"])
-                    speculation = event.get("speculation", {})
-                    timing.mean_accepted_length = speculation.get("mean_accepted_length")
-                    budgets, batches = speculation.get("budgets") or [], speculation.get("batch_sizes") or []
-                    timing.mean_budget = float(np.mean(budgets)) if budgets else None
-                    timing.mean_batch_size = float(np.mean(batches)) if batches else None
+                    timing.summarise(event)
     except requests.RequestException as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     return timing
@@ -168,12 +172,7 @@ def whole_completion(
         answer = r.json()
         timing.first = time.perf_counter()
         timing.text = answer["choices"][0]["text"]
-        timing.tokens = int(answer["usage"]["completion_tokens"])
-        speculation = answer.get("speculation", {})
-        timing.mean_accepted_length = speculation.get("mean_accepted_length")
-        budgets, batches = speculation.get("budgets") or [], speculation.get("batch_sizes") or []
-        timing.mean_budget = float(np.mean(budgets)) if budgets else None
-        timing.mean_batch_size = float(np.mean(batches)) if batches else None
+        timing.summarise(answer)
     except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
         timing.error = f"{type(exc).__name__}: {exc}"
     return timing

@@ -28,6 +28,7 @@ import pytest
 import torch
 import transformers
 from conftest import REF_TOKENS, build_model, char_tokenizer, finish_all
+from head_helpers import check_tree_logits
 from mtp_checkpoints import FAMILIES, H, L, write_checkpoint
 from safetensors.torch import load_file, save_file
 from static_helpers import BUCKETS
@@ -36,10 +37,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, select_features
+from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_cache import StaticOptions
-from specserve.core.tree import ROOT, TreeBudget, TreeSpec
+from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.mtp import check_mtp_target
 from specserve.drafters.registry import build_drafter, request_drafters
@@ -48,9 +49,6 @@ HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
 # The routers of both families score experts in float32 (transformers keeps gate.weight in float32), and a float32
 # matmul rounds differently for blocks of different shapes: agreement is to float32's rounding, not float64's.
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
-LEVELS = [[0, 1], [2, 3, 4], [5], [6]]  # a tree grown level by level (depths 0, 0 | 1, 1, 1 | 2 | 3)
-TREE_TOKENS = [11, 40, 13, 70, 15, 16, 90]
-TREE_PARENTS = [ROOT, ROOT, 0, 0, 1, 2, 5]
 # ---------------------------------------------------------------------------------------------
 # The reference, from the published description
 
@@ -132,29 +130,11 @@ def test_the_mtp_logits_equal_the_published_forward(checkpoint: Checkpoint, mode
     assert isinstance(drafter, EagleDrafter) and drafter.head.layout == "MTP"
     if mode != "default":
         drafter.use_static_shapes(StaticOptions(buckets=BUCKETS))
-    context = [5, 17, 23, 8, 9, 30, 31]
-    with torch.inference_mode():
-        out = target.model(torch.tensor([context]), output_hidden_states=True)
-        raw = select_features([h[0] for h in out.hidden_states], drafter.feature_layers)
-    drafter.start(context[:5], SamplingParams(), torch.Generator())
-    drafter.add_features(0, raw[:4])
-    for committed in (context[:5], context):
-        if len(committed) > 5:
-            drafter.accept(context[5:])
-            drafter.add_features(4, raw[4:6])
-        session = drafter._open_session()
-        root = reference_logits(checkpoint.reference, checkpoint.weights, target, committed, [])[0]
-        torch.testing.assert_close(session.root_logits, root, **TOLERANCE)
-        for level in LEVELS:
-            logits = session.expand(level, TREE_TOKENS, TREE_PARENTS)
-            for row, node in enumerate(level):
-                path = []
-                while node != ROOT:
-                    path.insert(0, TREE_TOKENS[node])
-                    node = TREE_PARENTS[node]
-                want = reference_logits(checkpoint.reference, checkpoint.weights, target, committed, path)[-1]
-                torch.testing.assert_close(logits[row], want, **TOLERANCE)
-        session.close()
+
+    def reference(committed: Sequence[int], path: Sequence[int]) -> torch.Tensor:
+        return reference_logits(checkpoint.reference, checkpoint.weights, target, committed, path)[-1]
+
+    check_tree_logits(drafter, target, reference, **TOLERANCE)
 
 
 def test_greedy_output_equals_transformers(checkpoint: Checkpoint, hf_greedy: HfGreedy) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REF_TOKENS, VOCAB, build_model
+from head_helpers import check_tree_logits
 from published_heads import (
     DRAFT_VOCAB,
     EPS,
@@ -49,10 +50,10 @@ from specserve.core.batch_engine import BatchedEngine
 from specserve.core.drafter_spec import suggested_gamma
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, select_features
+from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_cache import StaticOptions
-from specserve.core.tree import ROOT, TreeBudget, TreeSpec
+from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.registry import build_drafter
 from specserve.generate import chosen_gamma
@@ -61,10 +62,6 @@ from specserve.serve.config import ServeConfig
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
 ALPHA = 1e-3
 LAYERS = 8  # the target's: EAGLE-3 reads the inputs of layers 2, 4 and 5
-# a tree grown level by level: node ids, their tokens and parents (depths 0, 0 | 1, 1, 1 | 2 | 3)
-LEVELS = [[0, 1], [2, 3, 4], [5], [6]]
-TREE_TOKENS = [11, 40, 13, 70, 15, 16, 90]
-TREE_PARENTS = [ROOT, ROOT, 0, 0, 1, 2, 5]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,29 +202,11 @@ def test_the_heads_logits_equal_the_published_forward(
     assert drafter.head.speculative_tokens == (5 if layout.speculators else None)
     if mode != "default":
         drafter.use_static_shapes(StaticOptions(buckets=BUCKETS), RecordingGraphs() if mode == "graphs" else None)
-    context = [5, 17, 23, 8, 9, 30, 31]
-    with torch.inference_mode():
-        out = target.model(torch.tensor([context]), output_hidden_states=True)
-        raw = select_features([h[0] for h in out.hidden_states], drafter.feature_layers)
-    drafter.start(context[:5], SamplingParams(), torch.Generator())
-    drafter.add_features(0, raw[:4])
-    for committed in (context[:5], context):
-        if len(committed) > 5:
-            drafter.accept(context[5:])
-            drafter.add_features(4, raw[4:6])
-        session = drafter._open_session()
-        root = reference_logits(layout, weights, target, committed, [])[0]
-        torch.testing.assert_close(session.root_logits, root, rtol=1e-9, atol=1e-9)
-        for level in LEVELS:
-            logits = session.expand(level, TREE_TOKENS, TREE_PARENTS)
-            for row, node in enumerate(level):
-                path = []
-                while node != ROOT:
-                    path.insert(0, TREE_TOKENS[node])
-                    node = TREE_PARENTS[node]
-                want = reference_logits(layout, weights, target, committed, path)[-1]
-                torch.testing.assert_close(logits[row], want, rtol=1e-9, atol=1e-9)
-        session.close()
+
+    def reference(committed: Sequence[int], path: Sequence[int]) -> torch.Tensor:
+        return reference_logits(layout, weights, target, committed, path)[-1]
+
+    root = check_tree_logits(drafter, target, reference, rtol=1e-9, atol=1e-9)
     if layout.reduced:  # q is exactly zero off the draft vocabulary's image
         assert int(torch.isfinite(root).sum()) == DRAFT_VOCAB
 
