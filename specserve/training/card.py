@@ -50,7 +50,7 @@ Each directory has its own card (`README.md`) and `training_summary.json`; the t
 
 | directory | drafter | load with | train with |
 |---|---|---|---|
-| `models/eagle` | EAGLE head: fused layer 2 / 4 / 8 features, one decoder layer, training-time test | `--draft eagle:models/eagle` | `specserve train eagle` |
+| `models/eagle` | EAGLE-3 head in the published (SafeAILab) layout: the inputs of layers 2 / 4 / 5, one decoder layer, a 6,144-token draft vocabulary, training-time test | `--draft eagle:models/eagle` | `specserve train eagle --layout eagle3 --draft-vocab 6144` |
 | `models/medusa` | 4 Medusa heads on the last hidden state | `--draft medusa:models/medusa` | `specserve train medusa` |
 | `models/exit-head` | layer-skip exit head after layer 4 | `--draft layerskip:models/exit-head` | `specserve train exit-head --layers 4` |
 

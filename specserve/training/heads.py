@@ -183,9 +183,14 @@ def write_head_card(out: str | Path, summary: dict[str, Any], title: str, body: 
             f"({run.get('seconds', 0.0) / 60:.1f} min, final loss {run.get('final_loss', float('nan')):.3f})."
         )
         earlier = earlier.get("init_from")
+    recipe = summary.get("recipe") or {}
     command = f"specserve train {summary['kind']} --target {summary['target']}"
+    if recipe.get("layout") == "eagle3":  # the published architecture is not the default layout
+        command += (
+            f" --layout eagle3 --draft-vocab {recipe.get('draft_vocab')} "
+            f"--speculative-tokens {recipe.get('speculative_tokens')} --steps {recipe.get('steps')}"
+        )
     if summary.get("init_from"):
-        recipe = summary["recipe"]
         command = (
             f"{command}` (the run it continued from), then `{command} --init-from {summary['init_from']['path']} "
             f"--steps {recipe.get('steps')} --seed {recipe.get('seed')}"
