@@ -88,6 +88,13 @@ def test_an_eagle3_head_is_trained_and_saved_in_both_published_layouts(
         code, drafted, stderr = run_cli(capsys, *common, "--draft", f"eagle:{head}")
         assert code == 0, stderr
         assert json.loads(drafted)["output_ids"] == json.loads(plain)["output_ids"]
+    assert "--layout eagle3 --draft-vocab 40 --speculative-tokens 4 --steps 3" in (out / "README.md").read_text()
+    # a published-layout head continues training (its config does not record the target's depth)
+    code, _, stderr = run_cli(
+        capsys, *[a if a != str(out) else str(tmp_path / "next") for a in argv], "--init-from", str(out)
+    )
+    assert code == 0, stderr
+    assert json.loads((tmp_path / "next" / "training_summary.json").read_text())["init_from"]["path"] == str(out)
 
 
 def test_bad_train_arguments_get_one_clear_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +202,10 @@ def train_eagle(
     if init_from is not None:
         start_head = load_head(init_from, target).float()
         check_head_fits(start_head, target, int(model.config.hidden_size), int(model.config.num_hidden_layers))
-        if type(start_head) is not type(head) or start_head.config != head.config:
+        # a published layout does not record the target's depth (target_num_layers 0): the fit check above did
+        config: Any = start_head.config  # EagleConfig or Eagle3Config, both dataclasses
+        recorded = replace(config, target_num_layers=head.config.target_num_layers)
+        if type(start_head) is not type(head) or recorded != head.config:
             raise UserError(f"{init_from} is a head of another shape ({start_head.config}); train from scratch instead")
         head = start_head.train()
         summary_file = Path(init_from, "training_summary.json")
