@@ -184,16 +184,31 @@ def write_head_card(out: str | Path, summary: dict[str, Any], title: str, body: 
         )
         earlier = earlier.get("init_from")
     recipe = summary.get("recipe") or {}
-    command = f"specserve train {summary['kind']} --target {summary['target']}"
-    if recipe.get("layout") == "eagle3":  # the published architecture is not the default layout
-        command += (
-            f" --layout eagle3 --draft-vocab {recipe.get('draft_vocab')} "
-            f"--speculative-tokens {recipe.get('speculative_tokens')} --steps {recipe.get('steps')}"
-        )
+    kind, target = summary["kind"], summary["target"]
+    command = _train_command(kind, target, recipe)
     if summary.get("init_from"):
+        earlier = summary["init_from"]
         command = (
-            f"{command}` (the run it continued from), then `{command} --init-from {summary['init_from']['path']} "
+            f"{_train_command(kind, target, earlier.get('recipe') or {})}` (the run it continued from), then "
+            f"`specserve train {kind} --target {target} {_layout_flags(recipe)}--init-from {earlier['path']} "
             f"--steps {recipe.get('steps')} --seed {recipe.get('seed')}"
         )
     lines += ["", f"Reproduce: `{command}` (rerun a run to resume it)."]
     Path(out, "README.md").write_text("\n".join(lines) + "\n")
+
+
+def _layout_flags(recipe: dict[str, Any]) -> str:
+    """The flags of a recipe in the published EAGLE-3 layout (not the default one), each followed by a space."""
+    if recipe.get("layout") != "eagle3":
+        return ""
+    return (
+        f"--layout eagle3 --draft-vocab {recipe.get('draft_vocab')} "
+        f"--speculative-tokens {recipe.get('speculative_tokens')} "
+    )
+
+
+def _train_command(kind: str, target: str, recipe: dict[str, Any]) -> str:
+    """The command that trains a head with ``recipe`` from scratch (its steps named for the published layout)."""
+    flags = _layout_flags(recipe)
+    command = f"specserve train {kind} --target {target}"
+    return f"{command} {flags}--steps {recipe.get('steps')}" if flags else command
