@@ -199,7 +199,7 @@ def chosen_gamma(gamma: int, draft: str) -> int:
     if not isinstance(gamma, UnsetInt):
         return gamma
     suggested = suggested_gamma(draft)
-    return int(gamma) if suggested is None else min(suggested, MAX_GAMMA)
+    return int(gamma) if suggested is None else suggested
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

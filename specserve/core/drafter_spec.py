@@ -15,10 +15,13 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from specserve.core.checkpoint_dir import check_checkpoint_dir, looks_like_hub_id, missing_directory_message
 from specserve.core.errors import UserError
+from specserve.core.schedule import MAX_GAMMA
 
 BUILTIN_DRAFTERS = ("none", "ngram", "suffix", "lookahead")
 LAYERSKIP_PREFIX = "layerskip:"
@@ -180,14 +183,23 @@ def _absolute(path: str) -> str:
 
 
 def suggested_gamma(spec: str) -> int | None:
-    """The γ a published head suggests for itself: ``speculators_config.proposal_methods[0].speculative_tokens`` in the
-    ``config.json`` of ``eagle:DIR`` (vLLM's speculators format). ``None`` for any other spec, a head that suggests
-    none, or a value that is not a positive integer; the caller checks it against its own bounds."""
+    """The γ a published head suggests for itself (:func:`speculative_tokens` of the ``config.json`` of
+    ``eagle:DIR``), capped at ``MAX_GAMMA``; ``None`` for any other spec or a head that suggests none."""
     if not spec.startswith(EAGLE_PREFIX):
         return None
     try:
         config = json.loads(Path(spec[len(EAGLE_PREFIX) :], "config.json").read_text())
-        tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+    except (OSError, ValueError):
         return None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1 else None
+    tokens = speculative_tokens(config) if isinstance(config, dict) else None
+    return None if tokens is None else min(tokens, MAX_GAMMA)
+
+
+def speculative_tokens(config: Mapping[str, Any]) -> int | None:
+    """``speculators_config.proposal_methods[0].speculative_tokens`` of a head's config (vLLM's speculators format):
+    the γ its publisher suggests, or ``None`` when absent or not a positive integer."""
+    settings = config.get("speculators_config")
+    methods = settings.get("proposal_methods") if isinstance(settings, dict) else None
+    first = methods[0] if isinstance(methods, list) and methods and isinstance(methods[0], dict) else {}
+    tokens = first.get("speculative_tokens")
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from specserve.core.drafter_spec import speculative_tokens
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM
 from specserve.drafters.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
@@ -138,12 +139,7 @@ def load_speculators(
     else:
         flat = {**layer, **{key: config[key] for key in EAGLE3_FIELDS if key in config}}
         head = load_eagle3(path, flat, state, num_layers, speculators=True)
-    methods = settings.get("proposal_methods")
-    first = methods[0] if isinstance(methods, list) and methods and isinstance(methods[0], dict) else {}
-    tokens = first.get("speculative_tokens")
-    head.speculative_tokens = (
-        tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
-    )
+    head.speculative_tokens = speculative_tokens(config)
     return head
 
 

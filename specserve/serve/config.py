@@ -117,7 +117,7 @@ class ServeConfig(ReplicaConfig):
         """This configuration, with ``gamma`` the γ its drafter's publisher suggests (a speculators-format head's
         ``speculative_tokens``, capped at ``MAX_GAMMA``) when the ``gamma`` setting was not given."""
         suggested = None if gamma_given else suggested_gamma(self.draft)
-        return self if suggested is None else self.model_copy(update={"gamma": min(suggested, MAX_GAMMA)})
+        return self if suggested is None else self.model_copy(update={"gamma": suggested})
 
     def replica(self) -> ReplicaConfig:
         """The replica part alone (what :meth:`Coordinator.spawn` takes)."""
