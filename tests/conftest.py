@@ -150,6 +150,22 @@ def finish_all(engine: Any) -> dict[int, Any]:
     return results
 
 
+def assert_pool_empty(engine: Any) -> None:
+    """No request holds KV in a :class:`~specserve.core.batch_engine.BatchedEngine`'s pool: every span left is a
+    retained prefix-cache entry (none shared by a running request), the cache's count of them is right, and clearing
+    the cache gives every position back."""
+    pool, cache = engine.pool, engine.cache
+    retained = cache.stats.retained_entries if cache is not None else 0
+    assert pool.num_sequences == retained, f"{pool.num_sequences} spans held, {retained} of them retained entries"
+    if cache is not None:
+        assert len(cache.index) == retained  # no running request still shares its prefix
+        held = pool.capacity - pool.free_tokens
+        assert held == cache.stats.retained_tokens, f"{held} positions held, {cache.stats.retained_tokens} retained"
+        cache.clear()
+        assert cache.stats.retained_entries == 0 and cache.stats.retained_tokens == 0
+    assert pool.num_sequences == 0 and pool.free_tokens == pool.capacity
+
+
 def no_cache_greedy_ids(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding by full re-forwards without any cache, never stopping at EOS."""
     ids = list(prompt)
@@ -400,6 +416,7 @@ QUICK_LOOP: dict[str, str | None] = {
     "core/test_tree_verification.py": None,
     "core/test_engine.py": None,
     "core/test_batch_engine.py": None,
+    "core/test_prefix_cache.py": None,
     "rpc/test_codec.py": None,
     "drafters/": "greedy",
     "test_layering.py": None,

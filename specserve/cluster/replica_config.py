@@ -181,6 +181,12 @@ class ReplicaConfig(BaseModel):
         "fewer than max_num_seqs requests of max_seq_len where that share is smaller; one that cannot hold a single "
         "such request is refused at start",
     )
+    no_prefix_cache: bool = Field(
+        False,
+        description="batched replicas: prefill every prompt from its first token; by default a request copies the "
+        "keys and values of the longest prefix of its prompt that an earlier or running request with the same API "
+        "key and cache_salt cached (prompt and answer), kept in the KV pool and evicted least recently used",
+    )
     batch_wait_ms: float = Field(
         20.0,
         ge=0,

@@ -57,12 +57,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specserve.core.batch_step import LocalPool, StepResult, kv_tokens, verify_batch
-from specserve.core.draft import BatchedDrafter, Drafter, Proposal, check_can_draft, drafter_counters, probe_nodes
+from specserve.core.draft import (
+    BatchedDrafter,
+    Drafter,
+    FeatureDrafter,
+    PrefixReusing,
+    Proposal,
+    check_can_draft,
+    drafter_counters,
+    probe_nodes,
+)
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import request_failure
 from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, pool_tokens
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
+from specserve.core.prefix_cache import Hit, PrefixCache
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, StreamChunk, start_request
 from specserve.core.sampling import SamplingParams
@@ -83,6 +93,7 @@ class _Request:
     sequence: PooledSequence | None = None
     side: DraftSide | None = None
     out: RequestOutput | None = None
+    reuse_limit: int | None = None  # cached prompt positions its drafter can follow (None: all)
 
     @property
     def seq_id(self) -> int:
@@ -118,10 +129,13 @@ class BatchedEngine(GenerationFrontend):
         kv_pool_tokens: int | None = None,
         static: StaticOptions | None = None,
         kv_memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+        prefix_caching: bool = True,
     ) -> None:
         """``static``: run every step at the bucket of its widest block (:mod:`specserve.core.buckets`; the KV pool
         is preallocated either way). ``kv_memory_fraction``: without ``kv_pool_tokens``, the pool takes at most that
-        share of the memory free on the target's device (:func:`~specserve.core.kv_pool.pool_tokens`)."""
+        share of the memory free on the target's device (:func:`~specserve.core.kv_pool.pool_tokens`).
+        ``prefix_caching``: reuse the KV of prefixes earlier (or running) requests cached, within a namespace
+        (:mod:`specserve.core.prefix_cache`)."""
         if prefill_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"prefill_tokens and max_num_seqs must be >= 1, got {prefill_tokens}, {max_num_seqs}")
         self.prefill_tokens = prefill_tokens
@@ -137,6 +151,7 @@ class BatchedEngine(GenerationFrontend):
         )
         self.buckets = None if static is None else static.buckets_for(target.device.type)
         self.ops = LocalPool(target, self.pool, self.buckets)
+        self.cache = PrefixCache(self.pool) if prefix_caching else None
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}
@@ -176,9 +191,25 @@ class BatchedEngine(GenerationFrontend):
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
         request = self._running.pop(request_id, None)
         if request is not None:
-            self.pool.free(request.seq_id)
-            if isinstance(request.drafter, BatchedDrafter):
-                request.drafter.release()  # its span of the draft model's pool
+            self._release(request, retain=True)
+
+    def _release(self, request: _Request, retain: bool) -> None:
+        """Free what a started request holds: its KV (kept by the prefix cache when ``retain``: it caches committed
+        text only) and its span of a draft model's pool."""
+        if request.sequence is not None:
+            if self.cache is not None and retain:
+                assert request.verifier is not None
+                seq_id = request.seq_id
+                tokens = request.verifier.committed[: self.pool.length(seq_id)]
+                self.cache.retain(seq_id, request.config.cache_namespace, tokens)
+            else:
+                if self.cache is not None:
+                    self.cache.withdraw(request.seq_id)
+                self.pool.free(request.seq_id)
+        if self.cache is not None and retain and isinstance(request.drafter, PrefixReusing):
+            request.drafter.keep_prefix()  # its features, for later requests that share its prefix
+        if isinstance(request.drafter, BatchedDrafter):
+            request.drafter.release()  # its span of the draft model's pool
 
     @property
     def has_work(self) -> bool:
@@ -246,27 +277,71 @@ class BatchedEngine(GenerationFrontend):
         return chunk
 
     def _fail(self, request: _Request, error: Exception, into: list[tuple[int, StreamChunk | Exception]]) -> None:
-        """End ``request`` alone with ``error`` (already what its caller should hear): its KV and drafter freed."""
-        if request.request_id in self._running:
-            self.cancel(request.request_id)
-        else:  # failed while starting: it holds what _start gave it so far
-            if request.sequence is not None:
-                self.pool.free(request.seq_id)
-            if isinstance(request.drafter, BatchedDrafter):
-                request.drafter.release()
+        """End ``request`` alone with ``error`` (already what its caller should hear): its KV and drafter freed (its KV
+        may hold a block it failed on: the prefix cache does not keep it)."""
+        self._running.pop(request.request_id, None)
+        self._release(request, retain=False)
         into.append((request.request_id, error))
 
     def _admit(self, failed: list[tuple[int, StreamChunk | Exception]]) -> None:
-        while (
-            self._waiting
-            and len(self._running) < self.max_num_seqs
-            and self.pool.fits(self._request_kv_tokens(self._waiting[0]))
-        ):
-            request = self._waiting.popleft()
+        """Start waiting requests, first come first served, while a request may run and the pool has room for the
+        next (the prefix cache evicting for it; never the entry it will copy its prefix from, unless that is the
+        only way to fit)."""
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            request = self._waiting[0]
+            hit = self._lookup(request)
+            need = self._request_kv_tokens(request)
+            if not self.pool.fits(need):
+                if self.cache is None:
+                    break
+                if not self.cache.make_room(need, keep=None if hit is None else hit.seq_id):
+                    if not self.cache.make_room(need):
+                        break
+                    hit = hit if hit is not None and self.cache.holds(hit.seq_id) else None
+            self._waiting.popleft()
             try:
-                self._start(request)
+                self._start(request, hit)
             except Exception as exc:
                 self._fail(request, request_failure(exc, "starting the request"), failed)
+
+    # -----------------------------------------------------------------------------------------
+    # Prefix caching
+
+    def _cacheable(self, request: _Request) -> list[int]:
+        """The prompt positions a request may take from the prefix cache: all but its last token, and no more than
+        its drafter can follow (:class:`~specserve.core.draft.PrefixReusing`: the features it holds)."""
+        return request.prompt_ids[: len(request.prompt_ids) - 1][: request.reuse_limit]
+
+    def _lookup(self, request: _Request) -> Hit | None:
+        """The longest prefix of the request's cacheable prompt the cache holds, beyond what it caches already."""
+        tokens = self._cacheable(request)
+        if self.cache is None or not tokens:
+            return None
+        own = request.seq_id if request.sequence is not None else None
+        hit = self.cache.lookup(request.config.cache_namespace, tokens, exclude=own)
+        cached = self.pool.length(own) if own is not None else 0
+        return hit if hit is not None and hit.length > cached else None
+
+    def _reuse(self, request: _Request, hit: Hit | None) -> None:
+        """Copy a hit into the request's span, offer what it caches to others, and count its prompt once cached."""
+        if self.cache is None:
+            return
+        out = request.parts()[2]
+        if hit is not None:
+            out.stats.cached_tokens += self.cache.copy(hit, request.seq_id)
+        self._share(request)
+
+    def _share(self, request: _Request) -> None:
+        """Offer the request's cached prompt to others while it runs; once it is all cached, count the request."""
+        assert self.cache is not None
+        verifier, _, out = request.parts()
+        seq_id = request.seq_id
+        length = self.pool.length(seq_id)
+        if length:
+            self.cache.share(seq_id, request.config.cache_namespace, verifier.committed[:length])
+        if not verifier.unprefilled:
+            self.cache.record(len(request.prompt_ids) - 1, out.stats.cached_tokens)
+            out.stats.prefill_seconds = time.perf_counter() - request.submitted
 
     @staticmethod
     def _kv_tokens(prompt_tokens: int, config: GenerationConfig, drafter: Drafter) -> int:
@@ -288,6 +363,10 @@ class BatchedEngine(GenerationFrontend):
         for request in self._running.values():
             verifier = request.verifier
             assert verifier is not None
+            if verifier.unprefilled and self.cache is not None:  # another request may have cached more of it since
+                hit = self._lookup(request)
+                if hit is not None:
+                    self._reuse(request, hit)
             if not verifier.unprefilled:
                 continue
             rows = len(blocks) + 1
@@ -311,12 +390,15 @@ class BatchedEngine(GenerationFrontend):
                 except Exception as exc:
                     self._fail(request, request_failure(exc, "drafting"), failed)
                     continue
-            if not verifier.unprefilled:
+            if self.cache is not None:
+                self._share(request)
+            elif not verifier.unprefilled:
                 out.stats.prefill_seconds = now - request.submitted
 
-    def _start(self, request: _Request) -> None:
-        """Give a newcomer its KV, verifier and draft side, as the single-request engine does; its prompt is
-        prefilled in chunks by the steps that follow (:meth:`_prefill`)."""
+    def _start(self, request: _Request, hit: Hit | None = None) -> None:
+        """Give a newcomer its KV (with the prefix cache's ``hit`` copied in), verifier and draft side, as the
+        single-request engine does; the rest of its prompt is prefilled in chunks by the steps that follow
+        (:meth:`_prefill`)."""
         params = request.params
         seq_id = self.pool.allocate(self._request_kv_tokens(request))
         sequence = request.sequence = PooledSequence(self.ops, seq_id)
@@ -333,10 +415,18 @@ class BatchedEngine(GenerationFrontend):
         )
         # No target cache for a layer-skip drafter: the request's KV is a span of the pool, not a cache it can draft
         # in, so it keeps its own (as in a drafter process). A hidden-state drafter gets the prompt's features from
-        # the prefill's chunks (_prefill).
+        # the prefill's chunks (_prefill), but for the cached prefix it takes from its own store.
         started.side.start(request.prompt_ids, params, started.generators.draft)
+        drafter = request.drafter
+        if isinstance(drafter, FeatureDrafter):  # it follows the cached KV only as far as it holds the features
+            request.reuse_limit = 0
+            if self.cache is not None and isinstance(drafter, PrefixReusing):
+                request.reuse_limit = drafter.reuse_prefix(request.config.cache_namespace, request.prompt_ids[:-1])
+            if hit is not None and hit.length > request.reuse_limit:
+                hit = Hit(hit.seq_id, request.reuse_limit) if request.reuse_limit else None
         request.verifier, request.side, request.out = started.verifier, started.side, started.out
         self._running[request.request_id] = request
+        self._reuse(request, hit)
 
     # -----------------------------------------------------------------------------------------
     # One request's stream (GenerationFrontend): steps the whole batch until this request ends

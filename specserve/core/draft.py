@@ -238,6 +238,23 @@ class SharesTargetKV(Protocol):
 
 
 @runtime_checkable
+class PrefixReusing(Protocol):
+    """A hidden-state drafter whose per-request state outlives the request, for later ones that share its prefix.
+
+    A request served from the target's prefix cache (:mod:`specserve.core.prefix_cache`) computes no target forward
+    over its cached prefix, so the target hands its drafter no features there. A drafter of this kind keeps them
+    itself (:mod:`specserve.core.prefix_store`): after ``start``, :meth:`reuse_prefix` takes what it holds of a
+    prefix of ``tokens`` (the prompt's cacheable positions) and returns how many positions it now knows — the
+    request takes no more of the target's cached KV than that — and :meth:`keep_prefix` offers the state of the
+    request that ended to later ones. A hidden-state drafter without it reuses nothing: its requests prefill whole.
+    """
+
+    def reuse_prefix(self, namespace: str, tokens: Sequence[int]) -> int: ...
+
+    def keep_prefix(self) -> None: ...
+
+
+@runtime_checkable
 class ChainBatcher(Protocol):
     """Drafts chains for several requests at once, in shared forwards (a draft model over one KV pool)."""
 

@@ -214,6 +214,28 @@ class KVPool:
                 tensor[:, first : first + len(moved)] = tensor.index_select(1, index)
         span.length = len(keep)
 
+    @torch.inference_mode()
+    def copy(self, source: int, target: int, start: int, stop: int) -> None:
+        """Copy ``source``'s cached positions ``start .. stop - 1`` to the same positions of ``target``, which caches
+        exactly ``start`` positions now and ``stop`` after (a prefix cache hit: the keys and values of the same
+        tokens at the same positions)."""
+        src, dst = self._span(source), self._span(target)
+        if source == target or not 0 <= start <= stop <= src.length or dst.length != start or stop > dst.reserved:
+            raise ValueError(
+                f"cannot copy positions {start}..{stop} of sequence {source} (length {src.length}) to sequence "
+                f"{target} (length {dst.length}, reserved {dst.reserved})"
+            )
+        for tensor in (*self.keys, *self.values):
+            tensor[:, dst.start + start : dst.start + stop] = tensor[:, src.start + start : src.start + stop]
+        dst.length = stop
+
+    def shrink(self, sequence: int, reserved: int) -> None:
+        """Give back the reserved positions of ``sequence`` past ``reserved`` (at least its length, and 1)."""
+        span = self._span(sequence)
+        if not max(span.length, 1) <= reserved <= span.reserved:
+            raise ValueError(f"sequence {sequence} of length {span.length} cannot reserve {reserved} positions")
+        span.reserved = reserved
+
     def snapshot(self, sequence: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of the sequence's cached keys and values, per layer (``[1, heads, length, head_dim]`` each)."""
         span = self._span(sequence)

@@ -66,6 +66,8 @@ class GenerationConfig:
     drafter: str = "default"  # one of REQUEST_DRAFTERS: the configured one, "ngram", "suffix", "lookahead", "none"
     tree: TreeSpec | None = None  # draft trees instead of chains (drafters that can; gamma unused)
     policy: str = "fixed"  # how much to draft each cycle: POLICY_NAMES (gamma / tree = the fixed budget)
+    # the prefix cache's namespace: a request reuses only prefixes cached by requests of the same one (a tenant's)
+    cache_namespace: str = ""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -246,10 +248,12 @@ def request_output(
 ) -> RequestOutput:
     """A request's output: its text decoded by ``decode`` and cut at its stop strings, its logprobs when it asks for
     them, timed from ``start``."""
+    stats = stats if stats is not None else RequestStats()
+    stats.prompt_tokens = len(prompt_ids)
     return RequestOutput(
         prompt_ids,
         TextStream(decode, config.stop),
-        stats if stats is not None else RequestStats(),
+        stats,
         start,
         logprobs=params.logprobs is not None,
     )

@@ -26,6 +26,8 @@ class RequestStats:
     accepted_length_histogram: Counter[int] = field(default_factory=Counter)  # accepted + 1 -> cycles
     draft_length_histogram: Counter[int] = field(default_factory=Counter)  # tokens drafted -> cycles
     prefill_seconds: float = 0.0
+    prompt_tokens: int = 0  # the request's prompt
+    cached_tokens: int = 0  # prompt positions copied from the prefix cache instead of computed
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     wire_seconds: float = 0.0  # distributed runs: gRPC transit of drafts and verdicts
@@ -98,6 +100,8 @@ class RequestStats:
         self.accepted_length_histogram.update(other.accepted_length_histogram)
         self.draft_length_histogram.update(other.draft_length_histogram)
         self.prefill_seconds += other.prefill_seconds
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
         self.draft_seconds += other.draft_seconds
         self.verify_seconds += other.verify_seconds
         self.wire_seconds += other.wire_seconds
@@ -146,6 +150,8 @@ class RequestStats:
             "accepted_length_histogram": {str(k): v for k, v in sorted(self.accepted_length_histogram.items())},
             "draft_length_histogram": {str(k): v for k, v in sorted(self.draft_length_histogram.items())},
             "prefill_seconds": self.prefill_seconds,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "wire_seconds": self.wire_seconds,

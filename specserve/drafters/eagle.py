@@ -40,12 +40,17 @@ from specserve.core.buckets import NO_BUCKETS
 from specserve.core.draft import Draft
 from specserve.core.graphs import GraphBackend
 from specserve.core.model import CausalLM, TargetDescription
+from specserve.core.prefix_store import PrefixStore
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_cache import SlotBlock, StaticKVCache, StaticOptions, StaticSlots
 from specserve.core.tree import ROOT, DraftTree, TreeSpec
 from specserve.drafters.eagle_head import FeatureHead, check_head_fits
 from specserve.drafters.eagle_layouts import load_head
 from specserve.drafters.tree import DraftSession, TreeModelDrafter
+
+# Positions of fused features an EAGLE head's store keeps for prefix reuse (one hidden-size vector each: 2 KiB in
+# float32 for the shipped head, so 64 MiB in all)
+FEATURE_STORE_POSITIONS = 32768
 
 
 class EagleDrafter(TreeModelDrafter):
@@ -60,9 +65,11 @@ class EagleDrafter(TreeModelDrafter):
         lm_head: torch.nn.Module,  # the target's output embeddings (frozen)
         output_device: torch.device | str = "cpu",
         slots: HeadSlots | None = None,
+        store: PrefixStore[torch.Tensor] | None = None,
     ) -> None:
         """``slots``: where the head's keys and values live (shared with :meth:`fresh` drafters); by default eager
-        and unpadded."""
+        and unpadded. ``store``: the fused features of ended requests, for later ones served from the target's
+        prefix cache (shared with :meth:`fresh` drafters; by default :data:`FEATURE_STORE_POSITIONS` positions)."""
         self.head = head.eval()
         self.target_embeddings, self.target_lm_head = embeddings, lm_head
         self.embeddings = head.input_embeddings(embeddings)  # what embeds the tokens the head reads
@@ -80,6 +87,8 @@ class EagleDrafter(TreeModelDrafter):
         self._head_cache: StaticKVCache | None = None
         self._features: list[torch.Tensor] = []  # the head's input feature of each committed position, fused
         self._head_cached = 0  # head positions whose keys/values are in the cache (real inputs)
+        self.store = store if store is not None else PrefixStore[torch.Tensor](FEATURE_STORE_POSITIONS)
+        self._namespace = ""  # the current request's prefix-cache namespace
 
     @classmethod
     def for_target(
@@ -106,7 +115,9 @@ class EagleDrafter(TreeModelDrafter):
     def fresh(self) -> EagleDrafter:
         """A drafter for another request over the same head, embeddings and LM head (shared, not copied), with
         none of this one's per-request state."""
-        return type(self)(self.head, self.target_embeddings, self.target_lm_head, self._output_device, self.slots)
+        return type(self)(
+            self.head, self.target_embeddings, self.target_lm_head, self._output_device, self.slots, self.store
+        )
 
     def use_static_shapes(self, options: StaticOptions, backend: GraphBackend | None = None) -> None:
         """Draft on the static-shape engine: the head's blocks padded to the buckets and, on a GPU (or with
@@ -136,6 +147,17 @@ class EagleDrafter(TreeModelDrafter):
         del self._features[start:]
         self._features.extend(fused.unbind(0))
         self._head_cached = min(self._head_cached, start)  # a position whose input changed must be fed again
+
+    def reuse_prefix(self, namespace: str, tokens: Sequence[int]) -> int:
+        """Take the stored features of the longest prefix of ``tokens`` (after :meth:`start`); how many positions."""
+        self._namespace = namespace
+        self._features = self.store.get(namespace, tokens)
+        self._head_cached = 0
+        return len(self._features)
+
+    def keep_prefix(self) -> None:
+        """Store this request's features (every committed position's it was given) for later requests."""
+        self.store.put(self._namespace, self.context, self._features)
 
     def rewind(self, length: int) -> None:
         if not 0 <= length <= len(self.context):

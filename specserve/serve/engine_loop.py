@@ -49,6 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from specserve.core.engine import GenerationConfig, StreamChunk
 from specserve.core.errors import UserError
+from specserve.core.prefix_cache import PrefixCache
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.sampling import SamplingParams
 
@@ -154,7 +155,9 @@ class LoopStatus:
     requests: int = 0  # accepted and not finished (waiting for room, prefilling or decoding)
     running: int = 0  # holding KV
     kv_tokens: int | None = None  # the engine's pool, when it has one: its positions
-    kv_tokens_free: int | None = None  # not reserved by a running request
+    kv_tokens_free: int | None = None  # not reserved by a running request (the prefix cache's are free to evict)
+    kv_tokens_cached: int | None = None  # held by the prefix cache's retained entries
+    prefix_cache: dict[str, int] | None = None  # the prefix cache's counters (PrefixCache.stats), when it is on
     steps: int = 0  # steps that verified at least one request
     failed_steps: int = 0
     failed_requests: int = 0  # ended alone by their own failure (grammar, drafter, processors, non-finite logits)
@@ -165,7 +168,8 @@ class LoopStatus:
         return {
             "requests": self.requests,
             "running": self.running,
-            "kv": {"tokens": self.kv_tokens, "free": self.kv_tokens_free},
+            "kv": {"tokens": self.kv_tokens, "free": self.kv_tokens_free, "cached": self.kv_tokens_cached},
+            "prefix_cache": dict(self.prefix_cache) if self.prefix_cache is not None else None,
             "steps": self.steps,
             "failed_steps": self.failed_steps,
             "failed_requests": self.failed_requests,
@@ -431,11 +435,15 @@ class EngineLoop:
 
     def _publish(self) -> None:
         pool = self._pool
+        cache: PrefixCache | None = getattr(self.engine, "cache", None)
+        cached = cache.retained_tokens if cache is not None else 0
         self._status = LoopStatus(
             requests=len(self._by_key),
             running=self.engine.num_running,
             kv_tokens=getattr(pool, "capacity", None),
-            kv_tokens_free=getattr(pool, "free_tokens", None),
+            kv_tokens_free=pool.free_tokens + cached if pool is not None else None,
+            kv_tokens_cached=cached if pool is not None else None,
+            prefix_cache=cache.stats.as_dict() if cache is not None else None,
             steps=self._steps,
             failed_steps=self._failed_steps,
             failed_requests=self._failed_requests,

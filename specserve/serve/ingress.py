@@ -53,6 +53,7 @@ limit request rates.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import secrets
@@ -416,7 +417,8 @@ class OpenAIIngress:
         require_json(request)
         body = await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)  # or 413, 408
         handler = await within(deadline, self.handler(), limit_s)
-        preparing = loop.run_in_executor(self._prepare_pool, self._prepare, handler, kind, body)
+        tenant = self._tenant(request)
+        preparing = loop.run_in_executor(self._prepare_pool, self._prepare, handler, kind, body, tenant)
         prepared = await within(deadline, preparing, limit_s)  # cancelled while it waits its turn: never runs
         request_id = new_request_id()
         # one generation per choice (n, or best_of): a batching replica runs them together
@@ -445,10 +447,22 @@ class OpenAIIngress:
             await close_all(runs)
 
     def _prepare(
-        self, handler: OpenAIHandler, kind: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes
+        self,
+        handler: OpenAIHandler,
+        kind: type[CompletionRequest] | type[ChatCompletionRequest],
+        body: bytes,
+        tenant: str,
     ) -> PreparedRequest:
         """Parse, validate and tokenise, on the ingress's one worker thread."""
-        return handler.prepare(parse_request(kind, body, self.config.max_body_bytes))
+        return handler.prepare(parse_request(kind, body, self.config.max_body_bytes), tenant)
+
+    def _tenant(self, request: Request) -> str:
+        """Who sent an authorised request, for the prefix cache's namespaces: a digest of the API key it presented
+        ("" on a server without one)."""
+        if self.api_key is None:
+            return ""
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return hashlib.sha256(token.encode()).hexdigest()[:32]
 
     async def _events(
         self,

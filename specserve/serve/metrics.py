@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from specserve.core.prefix_cache import CacheStats
 from specserve.core.stats import RequestStats
 
 TAGS = ("model", "lossy")
@@ -100,6 +101,23 @@ class ServeMetrics:
             "specserve_queue_length", "requests waiting in this replica to generate (batched: for a KV slot)", TAGS
         )
         self.running = Gauge("specserve_running_requests", "requests this replica is generating right now", TAGS)
+        self.prompt_tokens = Counter(
+            "specserve_prompt_tokens", "prompt tokens of finished requests (all but each prompt's last are cacheable)",
+            TAGS,
+        )  # fmt: skip
+        self.cached_tokens = Counter(
+            "specserve_prefix_cache_hit_tokens",
+            "prompt tokens whose KV came from the prefix cache instead of a prefill (hit rate: divide by "
+            "specserve_prompt_tokens)",
+            TAGS,
+        )
+        self.cache_evictions = Counter(
+            "specserve_prefix_cache_evictions", "prefix-cache entries evicted to make room in the KV pool", TAGS
+        )
+        self.cache_tokens = Gauge(
+            "specserve_prefix_cache_tokens", "KV pool positions the prefix cache holds (free to evict)", TAGS
+        )
+        self._evictions = 0
         self.queue(0, 0)  # idle: exported at 0 from the start, not missing until the first request
 
     def queue(self, waiting: int, running: int) -> None:
@@ -110,6 +128,12 @@ class ServeMetrics:
         """One step of a batched replica's engine: ``batch_size`` requests verified, ``tokens`` committed."""
         self.batch_size.observe(batch_size, self.tags)
         self.tokens_per_step.observe(tokens, self.tags)
+
+    def prefix_cache(self, stats: CacheStats) -> None:
+        """The prefix cache after a step: its evictions since the last call, the positions it holds."""
+        _inc(self.cache_evictions, stats.evictions - self._evictions, self.tags)
+        self._evictions = stats.evictions
+        self.cache_tokens.set(stats.retained_tokens, self.tags)
 
     def request_tags(self, lossy: bool) -> dict[str, str]:
         """The tags of one request's metrics: ``lossy="true"`` when it ran a lossy acceptance rule."""
@@ -126,6 +150,8 @@ class ServeMetrics:
             return
         drafts = sum(count for length, count in stats.draft_length_histogram.items() if length > 0)
         _inc(self.generated_tokens, stats.new_tokens, tags)
+        _inc(self.prompt_tokens, stats.prompt_tokens, tags)
+        _inc(self.cached_tokens, stats.cached_tokens, tags)
         _inc(self.drafts, drafts, tags)
         _inc(self.draft_tokens, stats.drafted_tokens, tags)
         _inc(self.accepted_tokens, stats.accepted_tokens, tags)

@@ -149,6 +149,7 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
         kv_pool_tokens=config.kv_pool_tokens or None,
         static=static,
         kv_memory_fraction=config.kv_cache_memory,
+        prefix_caching=not config.no_prefix_cache,
     )
 
 
@@ -241,7 +242,8 @@ class ModelServer:
         }
         if self.loop is not None:
             loop = self.loop.status()
-            for key in ("kv", "steps", "failed_steps", "failed_requests", "batch_sizes", "active_requests"):
+            keys = ("kv", "prefix_cache", "steps", "failed_steps", "failed_requests", "batch_sizes", "active_requests")
+            for key in keys:
                 out[key] = loop[key]
         else:
             active = getattr(self.runner, "active_requests", None)
@@ -493,6 +495,9 @@ class ModelServer:
         if self.metrics is not None:
             self.metrics.step(batch_size, tokens)
             self._report_queue()
+            cache = getattr(self.runner, "cache", None)
+            if cache is not None:
+                self.metrics.prefix_cache(cache.stats)
 
     def _report_queue(self) -> None:
         if self.metrics is not None:

@@ -259,7 +259,9 @@ class OpenAIHandler:
         model = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "specserve"}
         return {"object": "list", "data": [model]}
 
-    def prepare(self, request: CompletionRequest | ChatCompletionRequest) -> PreparedRequest:
+    def prepare(self, request: CompletionRequest | ChatCompletionRequest, tenant: str = "") -> PreparedRequest:
+        """Check, tokenise and configure a request from ``tenant`` (a digest of its API key: its prefix-cache
+        namespace, with its ``cache_salt``)."""
         if request.model != self.config.model_name:
             raise RequestError(
                 f"model {request.model!r} is not served here; use {self.config.model_name!r} (see GET /v1/models)",
@@ -271,7 +273,9 @@ class OpenAIHandler:
         prompt = self.chat_prompt(request.messages) if isinstance(request, ChatCompletionRequest) else request.prompt
         try:  # the schema's bounds imply the engine's checks; should one still fail, it is the client's 400
             params = request.sampling()
-            generation = request.generation(self.config.default_max_tokens, self.config.gamma, self.config.policy)
+            generation = request.generation(
+                self.config.default_max_tokens, self.config.gamma, self.config.policy, tenant
+            )
         except UserError as exc:
             raise RequestError.from_user_error(exc) from exc
         try:
@@ -326,10 +330,17 @@ class OpenAIHandler:
         return prepared.response(*(prepared.collect(chunks) for chunks in streams))
 
 
-def usage(*results: GenerationResult) -> dict[str, int]:
-    """The prompt once, and every generation's output tokens."""
+def usage(*results: GenerationResult) -> dict[str, Any]:
+    """The prompt once, and every generation's output tokens; of the prompt, the tokens the prefix cache served
+    (OpenAI's ``prompt_tokens_details.cached_tokens``: the most any generation reused)."""
     prompt, completion = len(results[0].prompt_ids), sum(len(result.output_ids) for result in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = max(result.stats.cached_tokens for result in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def pooled_stats(results: Sequence[GenerationResult]) -> RequestStats:

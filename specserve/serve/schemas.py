@@ -33,6 +33,7 @@ coordinator's prompt codec does it), or talk to Ray.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from typing import Annotated, Any, Literal
@@ -276,6 +277,13 @@ class _Request(BaseModel):
     stream: bool = Field(False, description="stream the answer as server-sent events")
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-sequence token")
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions, description="extension")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="extension (vLLM's): requests reuse each other's cached prompt prefixes only when they carry the "
+        "same salt (and API key); give each tenant its own, so one cannot learn another's prompts from timing",
+    )
     # accepted and ignored
     user: str | None = Field(None, max_length=256, description="OpenAI's end-user id: accepted and ignored")
     stream_options: StreamOptions | None = Field(None, description="accepted and ignored")
@@ -367,9 +375,10 @@ class _Request(BaseModel):
         return self.n
 
     def generation(
-        self, default_max_tokens: int, default_gamma: int, default_policy: str = "fixed"
+        self, default_max_tokens: int, default_gamma: int, default_policy: str = "fixed", tenant: str = ""
     ) -> GenerationConfig:
-        """The request's generation settings, with the deployment's defaults where it sets none."""
+        """The request's generation settings, with the deployment's defaults where it sets none; ``tenant``: who sent
+        it (a digest of its API key), which with its ``cache_salt`` names its prefix-cache namespace."""
         speculation = self.speculation
         gamma = (speculation.gamma or default_gamma) if speculation.enabled else 0
         policy = default_policy if speculation.policy == "default" else speculation.policy
@@ -381,7 +390,16 @@ class _Request(BaseModel):
             drafter=speculation.drafter,
             tree=speculation.tree.spec() if speculation.enabled else None,
             policy=policy if speculation.enabled else "fixed",
+            cache_namespace=cache_namespace(tenant, self.cache_salt),
         )
+
+
+def cache_namespace(tenant: str, salt: str | None) -> str:
+    """The prefix-cache namespace of a request from ``tenant`` with ``cache_salt`` ``salt``: "" for neither, else a
+    digest of both (the engine sees no key or salt)."""
+    if not tenant and salt is None:
+        return ""
+    return hashlib.sha256(f"{tenant}\0{salt or ''}".encode()).hexdigest()[:32]
 
 
 class CompletionRequest(_Request):

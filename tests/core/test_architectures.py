@@ -27,7 +27,18 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import BOS_ID, EOS_ID, MAX_POSITIONS, PAD_ID, VOCAB, char_tokenizer, finish_all, hf_greedy_ids, randomise_
+from conftest import (
+    BOS_ID,
+    EOS_ID,
+    MAX_POSITIONS,
+    PAD_ID,
+    VOCAB,
+    assert_pool_empty,
+    char_tokenizer,
+    finish_all,
+    hf_greedy_ids,
+    randomise_,
+)
 from test_tensor_parallel import assert_matches_reference
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -187,7 +198,7 @@ def test_batched_engine_equals_transformers(checkpoint: Checkpoint) -> None:
     }
     outputs = {prompts[request_id]: result.output_ids for request_id, result in finish_all(engine).items()}
     assert outputs == checkpoint.greedy
-    assert engine.pool.free_tokens == engine.pool.capacity
+    assert_pool_empty(engine)
 
 
 def test_tensor_parallel_is_exact_or_refused(checkpoint: Checkpoint) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import EOS_ID, VOCAB, TinyPair, finish_all, hf_greedy_ids
+from conftest import EOS_ID, VOCAB, TinyPair, assert_pool_empty, finish_all, hf_greedy_ids
 from head_helpers import random_heads, trained_head
 
 from specserve.core.batch_engine import BatchedEngine
@@ -121,7 +121,7 @@ def test_every_request_in_a_mixed_batch_equals_itself_alone(pair: TinyPair, draf
         if params.greedy and got.finish_reason != "stop":
             assert got.output_ids == hf_greedy_ids(pair.target.model, prompt, config.max_new_tokens)
     assert finishes == {"eos", "length", "stop"}  # not vacuous: every way of ending happened inside the batch
-    assert engine.pool.num_sequences == 0 and engine.pool.free_tokens == engine.pool.capacity
+    assert_pool_empty(engine)
     assert not engine.has_work
     if drafting == "pooled":  # every request gave its span of the draft model's pool back
         draft_pool = engine.new_drafter("default").batcher.pool  # type: ignore[attr-defined]
@@ -132,11 +132,14 @@ def test_one_request_streams_through_the_batch_and_cancellation_frees_its_kv(pai
     engine = BatchedEngine(pair.target, drafter_factory(pair), max_num_seqs=2, max_seq_len=96)
     prompt, params, config = mixed_requests(pair)[0]
     assert engine.generate(prompt, params, config).output_ids == alone(pair, prompt, params, config).output_ids
+    assert engine.cache is not None and engine.pool.num_sequences == engine.cache.stats.retained_entries == 1
+    engine.cache.clear()
     stream = engine.stream(prompt, params, config)
     next(stream)
     assert engine.num_running == 1 and engine.pool.num_sequences == 1
-    stream.close()  # the caller went away: the request leaves the batch and frees its KV
-    assert engine.num_running == 0 and engine.pool.free_tokens == engine.pool.capacity
+    stream.close()  # the caller went away: the request leaves the batch; the prefix cache keeps its committed KV
+    assert engine.num_running == 0
+    assert_pool_empty(engine)
     waiting = engine.submit(prompt, params, config)
     engine.cancel(waiting)
     assert not engine.has_work
@@ -171,7 +174,8 @@ def test_requests_wait_for_the_kv_tokens_they_reserve(pair: TinyPair) -> None:
                 results[request_id] = chunk.result
         running.add(engine.num_running)
         assert engine.pool.capacity - engine.pool.free_tokens <= room
-    assert max(running) == 2 and engine.pool.num_sequences == 0
+    assert max(running) == 2
+    assert_pool_empty(engine)
     for request_id, prompt in ids.items():
         assert results[request_id].output_ids == alone(pair, prompt, SamplingParams(), config).output_ids
 
@@ -240,7 +244,7 @@ def test_goodput_aware_adaptive_requests_in_a_batch_stay_exact(pair: TinyPair) -
         observations = result.stats.observations
         assert max(o.batch_size for o in observations) == 4
         assert all(o.step_positions >= o.batch_size * (o.drafted + 1) for o in observations)
-    assert engine.pool.num_sequences == 0
+    assert_pool_empty(engine)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,4 +391,5 @@ def test_hidden_state_and_layer_skip_drafters_in_a_mixed_batch_equal_themselves_
         if params.greedy:
             assert got.output_ids == hf_greedy_ids(pair.target.model, prompt, config.max_new_tokens)
     assert all(accepted[kind] > 0 for kind in ("eagle", "medusa", "layerskip")), accepted  # not vacuous
-    assert engine.pool.num_sequences == 0 and not engine.has_work
+    assert not engine.has_work
+    assert_pool_empty(engine)

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TinyPair
+from conftest import TinyPair, assert_pool_empty
 from test_batch_engine import alone, mixed_requests, pooled_drafter_factory
 
 from specserve.core.batch_engine import BatchedEngine
@@ -212,7 +212,7 @@ def test_a_request_that_fails_on_its_own_leaves_its_batch_exact(
         got, want = results[index], alone(pair, prompt, params, config)
         assert got.output_ids == want.output_ids, f"request {index}"
         assert got.finish_reason == want.finish_reason and got.stats.cycles == want.stats.cycles
-    assert engine.pool.num_sequences == 0 and engine.pool.free_tokens == engine.pool.capacity
+    assert_pool_empty(engine)
     draft_pool = engine.new_drafter("default").batcher.pool  # type: ignore[attr-defined]
     assert draft_pool.num_sequences == 0
 

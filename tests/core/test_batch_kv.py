@@ -5,7 +5,7 @@ request finished or was cancelled. Chains and trees, greedy and sampled, one req
 from __future__ import annotations
 
 import torch
-from conftest import TinyPair
+from conftest import TinyPair, assert_pool_empty
 from test_kv_pool import assert_same_kv
 
 from specserve.core.batch_engine import BatchedEngine
@@ -43,6 +43,6 @@ def test_every_sequence_equals_a_fresh_prefill_after_every_step(pair: TinyPair) 
             assert_same_kv(engine.pool, request.seq_id, pair.target, torch.tensor(verifier.committed[:-1]))
             checked += 1
     assert checked > 10 and steps > cancel_at
-    assert engine.pool.num_sequences == 0 and engine.pool.free_tokens == engine.pool.capacity
+    assert_pool_empty(engine)
     draft_pool = engine.new_drafter("default").batcher.pool  # type: ignore[attr-defined]
     assert draft_pool.num_sequences == 0

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import EOS_ID, REF_TOKENS, VOCAB, TinyPair, char_tokenizer, finish_all, hf_greedy_ids
+from conftest import EOS_ID, REF_TOKENS, VOCAB, TinyPair, assert_pool_empty, char_tokenizer, finish_all, hf_greedy_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
@@ -262,7 +262,7 @@ def test_batched_greedy_output_equals_transformers(pair: TinyPair, rest_files: d
     for request_id, prompt in requests.items():
         assert results[request_id].output_ids == hf_greedy_ids(pair.target.model, prompt, REF_TOKENS), prompt
     assert sum(result.stats.accepted_tokens for result in results.values()) > 0
-    assert engine.pool.num_sequences == 0
+    assert_pool_empty(engine)
 
 
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])

@@ -6,8 +6,9 @@ that a request can outlive the test's other calls. Checks: concurrent requests (
 each return exactly the text they return alone, greedy, while the replica's steps verify two at
 once; a third waits and a fourth is refused with 429, OpenAI's error JSON and ``Retry-After``, and
 the server keeps serving; clients that close their streams cancel their requests and the engine's
-KV pool is empty again; a request that can never fit a KV slot is a 400 saying so; the batch
-size and tokens per step reach Ray's Prometheus exporter.
+KV pool is empty again; a request that can never fit a KV slot is a 400 saying so; a repeated prompt, a chat's next
+turn and a ``cache_salt`` are served from the prefix cache as they should; the batch size, tokens per step and the
+prefix cache's counts reach Ray's Prometheus exporter.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 
 def pool_empty() -> bool:
     status = model_status()
-    free = status["kv"] == {"tokens": KV_TOKENS, "free": KV_TOKENS}
+    free = status["kv"]["tokens"] == status["kv"]["free"] == KV_TOKENS  # the prefix cache's positions count as free
     return free and status["active_requests"] == [] and status["running"] == 0
 
 
@@ -173,7 +174,15 @@ def test_a_request_longer_than_max_seq_len_is_refused_with_why(client: openai.Op
 def test_batch_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any) -> None:
     client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
     port = ray_cluster.nodes()[0]["MetricsExportPort"]
-    names = {"ray_specserve_batch_size_bucket", "ray_specserve_tokens_per_step_bucket", "ray_specserve_gamma_bucket"}
+    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)  # a cache hit
+    names = {
+        "ray_specserve_batch_size_bucket",
+        "ray_specserve_tokens_per_step_bucket",
+        "ray_specserve_gamma_bucket",
+        "ray_specserve_prompt_tokens_total",
+        "ray_specserve_prefix_cache_hit_tokens_total",
+        "ray_specserve_prefix_cache_tokens",
+    }
     seen: set[str] = set()
 
     def exported() -> bool:
@@ -185,3 +194,37 @@ def test_batch_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any)
         return seen == names
 
     wait_for(exported, 60, f"the metrics {sorted(names)} (missing: {sorted(names - seen)})")
+
+
+def test_repeated_prefixes_come_from_the_prefix_cache_within_a_namespace(client: openai.OpenAI) -> None:
+    """A prompt sent again reuses all but its last token's KV (``usage.prompt_tokens_details.cached_tokens``) and
+    answers the same; a chat's next turn reuses the previous turn's prompt and answer; a ``cache_salt`` is its own
+    namespace. The counts reach ``status()`` and Prometheus."""
+    prompt = "prefix caching: the same words again and again"
+    options: dict[str, Any] = {"max_tokens": 12, "temperature": 0, "extra_body": NO_EOS}
+    hits = model_status()["prefix_cache"]["hits"]
+
+    def cached(answer: Any) -> int:
+        assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+        return int(answer.usage.prompt_tokens_details.cached_tokens)
+
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, **options)
+    again = client.completions.create(model=MODEL_NAME, prompt=prompt, **options)
+    assert (cached(first), cached(again)) == (0, first.usage.prompt_tokens - 1)  # type: ignore[union-attr]
+    assert again.choices[0].text == first.choices[0].text
+    salted = [
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, **{**options, "extra_body": {**NO_EOS, "cache_salt": salt}}
+        )
+        for salt in ("tenant-a", "tenant-b", "tenant-a")
+    ]
+    assert [cached(answer) for answer in salted] == [0, 0, first.usage.prompt_tokens - 1]  # type: ignore[union-attr]
+    assert {answer.choices[0].text for answer in salted} == {first.choices[0].text}
+    messages: list[Any] = [{"role": "user", "content": "hello there, how are you"}]
+    turn = client.chat.completions.create(model=MODEL_NAME, messages=messages, **options)
+    messages += [{"role": "assistant", "content": turn.choices[0].message.content}, {"role": "user", "content": "ok"}]
+    following = client.chat.completions.create(model=MODEL_NAME, messages=messages, **options)
+    assert cached(following) >= turn.usage.prompt_tokens  # type: ignore[union-attr]  # its prompt, and some answer
+    status = model_status()
+    assert status["prefix_cache"]["hits"] >= hits + 3 and status["kv"]["cached"] > 0
+    wait_for(pool_empty, 30, "the KV pool to empty")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import TinyPair
+from conftest import TinyPair, assert_pool_empty
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StreamChunk
@@ -232,6 +232,7 @@ def test_shutdown_fails_requests_in_flight_and_refuses_new_ones(llama: TinyPair)
 
     asyncio.run(main())
     assert not loop._thread.is_alive()
-    assert engine.pool.num_sequences == 0 and not engine.has_work  # its KV freed on the way out
+    assert not engine.has_work
+    assert_pool_empty(engine)  # its KV freed on the way out
     with pytest.raises(EngineStopped):
         loop.check_health()
