@@ -66,7 +66,8 @@ COMMANDS: dict[str, Command] = {
         "specserve.benchmarks.distributed", "in-process engine vs distributed runtime (greedy)"
     ),
     "bench-serve": Command(
-        "specserve.benchmarks.serve_load", "load test of the HTTP API: speculation on vs off by concurrency"
+        "specserve.benchmarks.serve_command",
+        "load test of the HTTP API: speculation on vs off by concurrency, or the prefix cache on vs off",
     ),
     "bench-chaos": Command(
         "specserve.benchmarks.chaos", "a soak of the HTTP API with a drafter and a shard killed during it"

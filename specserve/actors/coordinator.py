@@ -163,6 +163,7 @@ class Coordinator(GenerationFrontend):
             eos,
             layers,
             self._widest_block(config),
+            config.cache_namespace,
         )
         job = DraftJob(
             request_id=request_id,
@@ -182,7 +183,7 @@ class Coordinator(GenerationFrontend):
             if self._drafter_down():  # it died or was killed and has not come back yet: do not wait for it
                 logger.info("request %s starts without speculation: the drafter is restarting", request_id)
                 self._wait_for_start(started, request_id)
-                stats.prefill_seconds = time.perf_counter() - start
+                self._started(request_id, stats, start)
                 yield from self._decode_plainly(request_id, out)
                 return
             # The drafter prefills while the target does (the ref travels inside a list, so Ray does not wait
@@ -190,7 +191,7 @@ class Coordinator(GenerationFrontend):
             submitted = time.monotonic()
             reports = replica.drafter.run.options(num_returns="streaming").remote(job, [started])
             self._wait_for_start(started, request_id)
-            stats.prefill_seconds = time.perf_counter() - start
+            self._started(request_id, stats, start)
             try:
                 while ray.wait([reports], timeout=stall_s)[0]:
                     try:
@@ -235,6 +236,13 @@ class Coordinator(GenerationFrontend):
                 replica.drafter.cancel.remote(request_id)
             if self.lost is None:  # a lost target's KV is moot (and freeing it would fail on a broken process group)
                 replica.rank0.finish_request.remote(request_id)
+
+    def _started(self, request_id: str, stats: RequestStats, start: float) -> None:
+        """A request rank 0 admitted and prefilled: its prefill time, and the prompt positions it took from the prefix
+        cache."""
+        stats.prefill_seconds = time.perf_counter() - start
+        cached = self.replica.rank0.cached_tokens.remote(request_id)
+        stats.cached_tokens = int(self._get_from_rank0(cached, "the prefix cache's count", PROGRESS_TIMEOUT_S))
 
     def _wait_for_start(self, started: Any, request_id: str) -> None:
         """Until rank 0 has admitted and prefilled the request (raising its error if it could not), probing the

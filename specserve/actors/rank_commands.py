@@ -42,6 +42,8 @@ class Op(IntEnum):
     COMPACT = 7  # a = number of positions to keep; then the positions
     HEARTBEAT = 8  # nothing to do: keeps an idle replica's followers inside the collectives' timeout
     FORWARD_BATCH = 9  # sequence = number of blocks, a = payload length (broadcast next), b = last_only
+    COPY = 10  # a pool's prefix-cache hit: sequence = target, a = source, b = start; then [stop]
+    SHRINK = 11  # a pool's sequence gives back its reserved positions past a
 
 
 class RankCommands:
@@ -126,6 +128,33 @@ class Free:
             state.caches.pop(sequence, None)
         else:
             state.pool.free(sequence)
+
+
+class CopyPrefix:
+    """A prefix-cache hit: positions ``start .. stop - 1`` of one pool sequence copied into another."""
+
+    @staticmethod
+    def send(commands: RankCommands, source: int, target: int, start: int, stop: int) -> None:
+        commands.send(Op.COPY, target, source, start, torch.tensor([stop], dtype=torch.long))
+
+    @staticmethod
+    def apply(state: FollowerState, sequence: int, a: int, b: int) -> None:
+        stop = int(_receive(1)[0])
+        assert state.pool is not None, "only a batched replica's pool copies prefixes"
+        state.pool.copy(a, sequence, b, stop)
+
+
+class Shrink:
+    """A pool sequence (a prefix-cache entry) keeps only ``reserved`` reserved positions."""
+
+    @staticmethod
+    def send(commands: RankCommands, sequence: int, reserved: int) -> None:
+        commands.send(Op.SHRINK, sequence, reserved)
+
+    @staticmethod
+    def apply(state: FollowerState, sequence: int, a: int, b: int) -> None:
+        assert state.pool is not None, "only a batched replica's pool shrinks sequences"
+        state.pool.shrink(sequence, a)
 
 
 class Rollback:
@@ -230,6 +259,8 @@ APPLY: dict[int, Callable[[FollowerState, int, int, int], None]] = {
     Op.FORWARD: Forward.apply,
     Op.FORWARD_TREE: ForwardTree.apply,
     Op.FORWARD_BATCH: ForwardBatch.apply,
+    Op.COPY: CopyPrefix.apply,
+    Op.SHRINK: Shrink.apply,
 }
 
 

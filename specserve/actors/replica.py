@@ -138,6 +138,7 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
                     prefill_tokens=config.max_batch_tokens,
                     kv_pool_tokens=config.kv_pool_tokens,
                     kv_memory_fraction=config.kv_cache_memory,
+                    prefix_caching=not config.no_prefix_cache,
                 )
             )
         actors.extend(shards)

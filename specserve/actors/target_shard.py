@@ -45,6 +45,7 @@ import torch
 from specserve.actors.compute import ComputeThread, on_compute_thread, single_threaded
 from specserve.actors.rank_commands import (
     Compact,
+    CopyPrefix,
     FollowerState,
     Forward,
     ForwardBatch,
@@ -54,6 +55,7 @@ from specserve.actors.rank_commands import (
     New,
     RankCommands,
     Rollback,
+    Shrink,
     Shutdown,
     follow,
 )
@@ -62,6 +64,7 @@ from specserve.core.draft import Proposal
 from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, memory_tokens, pool_tokens
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
+from specserve.core.prefix_cache import Hit, PrefixCache
 from specserve.core.request import new_verifier
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, FinishReason, PooledSequence, TargetVerifier
@@ -125,6 +128,14 @@ class ShardedPool:
         Free.send(self.commands, seq_id)
         self.pool.free(seq_id)
 
+    def copy(self, source: int, target: int, start: int, stop: int) -> None:
+        CopyPrefix.send(self.commands, source, target, start, stop)
+        self.pool.copy(source, target, start, stop)
+
+    def shrink(self, seq_id: int, reserved: int) -> None:
+        Shrink.send(self.commands, seq_id, reserved)
+        self.pool.shrink(seq_id, reserved)
+
     def forward_batch(
         self,
         blocks: Sequence[BatchBlock],
@@ -146,9 +157,14 @@ class ShardedPool:
 
 
 class _Request:
-    def __init__(self, sequence: ShardedSequence | PooledSequence, verifier: TargetVerifier) -> None:
+    def __init__(
+        self, sequence: ShardedSequence | PooledSequence, verifier: TargetVerifier, namespace: str = ""
+    ) -> None:
         self.sequence = sequence
         self.verifier = verifier
+        self.namespace = namespace  # its prefix-cache namespace
+        self.reuses = False  # takes prefixes from the prefix cache (a batched replica's, no features to hand over)
+        self.cached_tokens = 0  # prompt positions it took from there
 
     @property
     def seq_id(self) -> int:
@@ -239,13 +255,15 @@ class TargetShardActor:
         prefill_tokens: int = 256,
         kv_pool_tokens: int = 0,
         kv_memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+        prefix_caching: bool = True,
     ) -> None:
         """``max_num_seqs`` > 0 makes a batched replica: every rank keeps its KV in a pool of ``kv_pool_tokens``
         positions (0: room for ``max_num_seqs`` requests of ``max_seq_len``, itself 0 for the target's context, or
         what ``kv_memory_fraction`` of the device's free memory holds if that is less; a newcomer waits for the
         tokens it reserves), and rank 0 verifies the drafts of its running requests together,
         one forward per step, waiting at most ``batch_wait_s`` for a step to fill, and prefills newcomers
-        ``prefill_tokens`` tokens at a time between steps."""
+        ``prefill_tokens`` tokens at a time between steps. With ``prefix_caching`` rank 0 keeps a prefix cache over
+        the pool (:mod:`specserve.core.prefix_cache`) and every rank mirrors its copies, trims and evictions."""
         self.compute = ComputeThread(num_threads)
         self.rank, self.world_size = rank, world_size
         self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
@@ -272,6 +290,8 @@ class TargetShardActor:
         self._prefill_tokens = prefill_tokens
         self._prefilling: dict[str, _Request] = {}  # rank 0: admitted, prompt not yet cached
         self._batcher: _VerifyBatcher | None = None  # batched replicas, rank 0
+        self._prefix_caching = prefix_caching
+        self._cache: PrefixCache | None = None  # batched replicas with prefix caching, rank 0
 
     # -----------------------------------------------------------------------------------------
     # Set-up (called by the replica spawner on every rank)
@@ -313,6 +333,8 @@ class TargetShardActor:
             self._pool = ShardedPool(self.target, pool, self._commands)
             if self.rank == 0:
                 self._batcher = _VerifyBatcher(self, self._batch_wait_s)
+                if self._prefix_caching:
+                    self._cache = PrefixCache(pool, self._pool)
         if self.rank > 0:
             self._loop = self.compute.start(self._follow)  # the compute thread follows rank 0 from now on
         elif self.world_size > 1:
@@ -400,9 +422,15 @@ class TargetShardActor:
         eos_token_ids: Sequence[int],
         feature_layers: Sequence[int] = (),
         tree_nodes: int = 0,
+        cache_namespace: str = "",
     ) -> torch.Tensor | None:
         """Admit a request and prefill its prompt on every rank. With ``feature_layers`` (a hidden-state
         drafter's), return the prompt's features, and every verdict carries its cycle's.
+
+        A batched replica with a prefix cache copies the longest prefix of the prompt that requests of
+        ``cache_namespace`` cached, before its first chunk and again before each (another request may have prefilled
+        more of it since); not for a request with ``feature_layers``, whose drafter needs every prompt position's
+        features from this prefill (:meth:`cached_tokens` says how many positions it took).
 
         A batched replica first waits until its KV pool has the tokens the request reserves (its prompt and output, and
         its widest draft: ``tree_nodes`` for trees); one that could never fit is refused at once
@@ -413,7 +441,15 @@ class TargetShardActor:
         reserve = kv_tokens(len(prompt_ids) + max_new_tokens, tree_nodes)
         while True:
             request = self.compute.run(
-                self._admit, request_id, prompt_ids, params, max_new_tokens, eos_token_ids, feature_layers, reserve
+                self._admit,
+                request_id,
+                prompt_ids,
+                params,
+                max_new_tokens,
+                eos_token_ids,
+                feature_layers,
+                reserve,
+                cache_namespace,
             )
             if request is not None:
                 break
@@ -444,16 +480,25 @@ class TargetShardActor:
         eos_token_ids: Sequence[int],
         feature_layers: Sequence[int],
         reserve: int,
+        namespace: str = "",
     ) -> _Request | None:
-        """On the compute thread: the request's KV (``reserve`` tokens of the pool, or a sequence on every rank) and
-        verifier; ``None`` while the pool lacks the room (a request that could never fit raises)."""
+        """On the compute thread: the request's KV (``reserve`` tokens of the pool, or a sequence on every rank, the
+        prefix cache evicting for it) and verifier; ``None`` while the pool lacks the room (a request that could never
+        fit raises)."""
         with self._lock:
             if request_id in self._requests or request_id in self._prefilling:
                 raise ValueError(f"request {request_id!r} is already running")
             sequence: ShardedSequence | PooledSequence
+            cache, reuses = self._cache, self._cache is not None and not feature_layers
+            hit = cache.lookup(namespace, prompt_ids[:-1]) if cache is not None and reuses else None
             if self._pool is not None:
                 if reserve <= self._pool.pool.capacity and not self._pool.pool.fits(reserve):
-                    return None
+                    if cache is None:
+                        return None
+                    if not cache.make_room(reserve, keep=None if hit is None else hit.seq_id):
+                        if not cache.make_room(reserve):
+                            return None
+                        hit = hit if hit is not None and cache.holds(hit.seq_id) else None
                 sequence = PooledSequence(self._pool, self._pool.allocate(reserve))
             else:
                 sequence = self._new_sequence()
@@ -468,17 +513,47 @@ class TargetShardActor:
                 eos_token_ids,
                 feature_layers,
             )
-            request = self._prefilling[request_id] = _Request(sequence, verifier)
+            request = self._prefilling[request_id] = _Request(sequence, verifier, namespace)
+            request.reuses = reuses
+            self._reuse(request, hit)
             return request
 
+    def _reuse(self, request: _Request, hit: Hit | None) -> None:
+        """Copy a prefix-cache hit into the request's span and offer what it caches to other requests."""
+        cache = self._cache
+        if cache is None or not request.reuses:
+            return
+        if hit is not None:
+            request.cached_tokens += cache.copy(hit, request.seq_id)
+        length = request.sequence.length
+        if length:
+            cache.share(request.seq_id, request.namespace, request.verifier.committed[:length])
+        if not request.verifier.unprefilled:
+            cache.record(len(request.verifier.committed) - 1, request.cached_tokens)
+
     def _prefill_chunk(self, request: _Request) -> torch.Tensor | None:
-        """On the compute thread: the next chunk of a batched replica's prefill (its features, if it captures)."""
+        """On the compute thread: the next chunk of a batched replica's prefill (its features, if it captures), after
+        taking what the prefix cache holds of it now."""
         assert self._pool is not None
         with self._lock:
+            if self._cache is not None and request.reuses:
+                tokens = request.verifier.committed[:-1]
+                hit = self._cache.lookup(request.namespace, tokens, exclude=request.seq_id)
+                if hit is not None and hit.length > request.sequence.length:
+                    self._reuse(request, hit)
+                if not request.verifier.unprefilled:
+                    return None
             capture = request.verifier.new_capture()
             block = request.verifier.prefill_block(request.seq_id, self._prefill_tokens)
             self._pool.forward_batch([block], last_only=True, capture=[capture])
+            self._reuse(request, None)
             return capture.take() if capture is not None else None
+
+    def cached_tokens(self, request_id: str) -> int:
+        """Rank 0: the prompt positions a running request took from the prefix cache."""
+        with self._lock:
+            request = self._requests.get(request_id) or self._prefilling.get(request_id)
+            return request.cached_tokens if request is not None else 0
 
     def _register(self, request_id: str) -> None:
         """On the compute thread: a prefilled request joins the steps."""
@@ -489,7 +564,7 @@ class TargetShardActor:
         with self._lock:
             request = self._prefilling.pop(request_id, None)
             if request is not None:
-                self._release(request.sequence)
+                self._release(request)
 
     def verify(self, request_id: str, cycle: int, proposal: Proposal) -> CycleOutcome:
         """One cycle (called by the gRPC verifier, which encodes the outcome): forward on every rank, verify,
@@ -556,14 +631,24 @@ class TargetShardActor:
         with self._lock:
             request = self._requests.pop(request_id, None)
             if request is not None:
-                self._release(request.sequence)
+                self._release(request, retain=True)
         if self._batcher is not None:
             self._batcher.wake()
 
-    def _release(self, sequence: ShardedSequence | PooledSequence) -> None:
+    def _release(self, request: _Request, retain: bool = False) -> None:
+        """Free a request's KV on every rank; a batched replica's prefix cache keeps it when ``retain`` (a request
+        that finished or was cancelled between steps: its KV holds committed text only)."""
+        sequence = request.sequence
         if isinstance(sequence, PooledSequence):
             assert self._pool is not None
-            self._pool.free(sequence.seq_id)
+            committed = request.verifier.committed
+            if self._cache is not None and retain and sequence.length < len(committed):  # not amid a failed block
+                tokens = committed[: sequence.length]
+                self._cache.retain(sequence.seq_id, request.namespace, tokens)
+            else:
+                if self._cache is not None:
+                    self._cache.withdraw(sequence.seq_id)
+                self._pool.free(sequence.seq_id)
             with self._room:
                 self._room.notify_all()
         else:
@@ -604,6 +689,23 @@ class TargetShardActor:
             if self._pool is not None:
                 return self._pool.pool.snapshot(sequence_id)
             return self._caches[sequence_id].snapshot()
+
+    @on_compute_thread
+    def clear_prefix_cache(self) -> int:
+        """Rank 0: free every prefix-cache entry on every rank (a running request keeps its KV); the positions freed."""
+        with self._lock:
+            if self._cache is None:
+                return 0
+            held = self._cache.retained_tokens
+            self._cache.clear()
+        with self._room:
+            self._room.notify_all()
+        return held
+
+    def prefix_cache_stats(self) -> dict[str, int] | None:
+        """Rank 0: the prefix cache's counters (:class:`~specserve.core.prefix_cache.CacheStats`), or ``None``."""
+        with self._lock:
+            return self._cache.stats.as_dict() if self._cache is not None else None
 
     def free_kv_tokens(self) -> int:
         """Batched replicas: KV pool positions no request holds on this rank (every rank mirrors rank 0)."""

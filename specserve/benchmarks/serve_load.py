@@ -104,10 +104,15 @@ class RequestTiming:
     error: str | None = None
     key: str = ""  # the request's prompt and seed (digest): the same request in another mode or level
     text: str = ""  # the streamed completion
+    prompt_tokens: int = 0  # from usage
+    cached_tokens: int = 0  # of them, served from the prefix cache (usage.prompt_tokens_details.cached_tokens)
 
     def summarise(self, answer: dict[str, Any]) -> None:
         """Take the completion tokens and the speculation summary from an answer (or a stream's last event)."""
-        self.tokens = int(answer["usage"]["completion_tokens"])
+        usage = answer["usage"]
+        self.tokens = int(usage["completion_tokens"])
+        self.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        self.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         speculation = answer.get("speculation", {})
         self.mean_accepted_length = speculation.get("mean_accepted_length")
         budgets, batches = speculation.get("budgets") or [], speculation.get("batch_sizes") or []
@@ -457,8 +462,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ReplicaConfig.add_arguments(parser, ["target", "draft", "threads_per_shard"])
     parser.add_argument("--gamma", type=int, default=defaults.DEFAULT_GAMMA, help="γ of the draft-model mode")
     parser.add_argument("--ngram-gamma", type=int, default=8, help="γ of the n-gram mode (0 = no n-gram mode)")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per level, mode order reversed every other")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (EOS ignored)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="rounds per level, mode order reversed every other (default: 4)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request, EOS ignored (default: 128)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
     parser.add_argument("--requests", default="4,8,16", help="requests per round and mode, one per concurrency level")
@@ -484,6 +491,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     """The configuration the flags describe; raises :class:`UserError` for a bad value."""
+    args.rounds = 4 if args.rounds is None else args.rounds
+    args.max_tokens = 128 if args.max_tokens is None else args.max_tokens
     concurrency = number_list(args.concurrency, int, "--concurrency")
     counts = number_list(args.requests, int, "--requests")
     if not concurrency or any(c < 1 for c in concurrency) or len(counts) != len(concurrency):

@@ -25,9 +25,21 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from specserve.core.kv_pool import KVPool
 from specserve.core.prefix_index import PrefixIndex
+
+
+class PoolEdits(Protocol):
+    """How the cache changes its pool: the :class:`~specserve.core.kv_pool.KVPool` itself, or rank 0's operations that
+    every tensor-parallel rank mirrors first (``specserve.actors``)."""
+
+    def copy(self, source: int, target: int, start: int, stop: int) -> None: ...
+
+    def shrink(self, sequence: int, reserved: int) -> None: ...
+
+    def free(self, sequence: int) -> None: ...
 
 
 @dataclass
@@ -62,8 +74,10 @@ class Hit:
 class PrefixCache:
     """Longest-prefix reuse of one pool's sequences (see the module docstring)."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, edits: PoolEdits | None = None) -> None:
+        """``edits``: what copies, trims and frees the pool's sequences (default: the pool itself)."""
         self.pool = pool
+        self.edits: PoolEdits = pool if edits is None else edits
         self.index = PrefixIndex()
         self._entries: dict[int, _Entry] = {}  # pool sequence -> entry
         self._clock = itertools.count(1)
@@ -87,7 +101,7 @@ class PrefixCache:
         start, stop = self.pool.length(seq_id), hit.length if stop is None else min(stop, hit.length)
         if stop <= start:
             return 0
-        self.pool.copy(hit.seq_id, seq_id, start, stop)
+        self.edits.copy(hit.seq_id, seq_id, start, stop)
         self.stats.hit_tokens += stop - start
         return stop - start
 
@@ -123,11 +137,11 @@ class PrefixCache:
         self._check_tokens(seq_id, tokens)
         self.withdraw(seq_id)
         if not tokens:
-            self.pool.free(seq_id)
+            self.edits.free(seq_id)
             return
         self.index.insert(seq_id, namespace, tokens)
         self._entries[seq_id] = _Entry(namespace, retained=True, last_used=next(self._clock))
-        self.pool.shrink(seq_id, len(tokens))
+        self.edits.shrink(seq_id, len(tokens))
         self.stats.retained_entries += 1
         self.stats.retained_tokens += len(tokens)
         if self.index.extension_of(seq_id) is not None:
@@ -173,7 +187,7 @@ class PrefixCache:
         self.index.remove(seq_id)
         self.stats.retained_entries -= 1
         self.stats.retained_tokens -= self.pool.length(seq_id)
-        self.pool.free(seq_id)
+        self.edits.free(seq_id)
 
     def _check_tokens(self, seq_id: int, tokens: Sequence[int]) -> None:
         if len(tokens) != self.pool.length(seq_id):

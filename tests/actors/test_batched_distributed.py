@@ -10,6 +10,8 @@ Prompts are prefilled 8 tokens at a time, between steps. Without overlap, the dr
 running requests' chains together (its request loops meet in a round), and seeded requests still emit exactly
 what they emit alone. A request whose grammar gives up mid-text on rank 0 fails alone (its GrammarFailed), and the
 requests verified in the same steps stay exact.
+Rank 0's prefix cache serves a repeated prompt and a next turn (prompt and answer) on every rank, exactly, per
+namespace; the pool's accounting is checked after clearing it.
 Float64 tiny models on a real local Ray cluster; the cases' replicas are spawned at once as the module starts.
 """
 
@@ -96,9 +98,39 @@ def concurrently(calls: list[Callable[[], GenerationResult]]) -> list[Generation
 
 
 def free_kv_tokens(running: Running) -> list[int]:
+    """Every rank's free KV positions once rank 0's prefix cache is cleared (its frees mirrored on every rank)."""
     import ray
 
+    ray.get(running.coordinator.replica.rank0.clear_prefix_cache.remote())
     return list(ray.get([shard.free_kv_tokens.remote() for shard in running.coordinator.replica.shards]))
+
+
+def test_prefixes_come_from_rank_0s_cache_on_every_rank_and_change_nothing(running: Running) -> None:
+    """A prompt sent again, and a next turn that resends a prompt and its answer, copy their cached prefix on every
+    rank (rank 0 decides, the others mirror the copies) and emit exactly what they emit alone; another namespace
+    reuses nothing; clearing the cache frees every rank's pool."""
+    import ray
+
+    pair, coordinator = running.pair, running.coordinator
+    free_kv_tokens(running)  # start from an empty cache
+    prompt = list(pair.length_prompts[0])
+    config = GenerationConfig(max_new_tokens=10, gamma=3)
+    first = coordinator.generate(prompt, SamplingParams(), config)
+    follow = [*prompt, *first.output_ids, *pair.prompts[1]]
+    again = coordinator.generate(prompt, SamplingParams(), config)
+    turn = coordinator.generate(follow, SamplingParams(temperature=1.0, seed=3), config)
+    elsewhere = coordinator.generate(prompt, SamplingParams(), GenerationConfig(10, 3, cache_namespace="other"))
+    assert first.stats.cached_tokens == 0 and elsewhere.stats.cached_tokens == 0
+    assert again.stats.cached_tokens == len(prompt) - 1
+    assert turn.stats.cached_tokens == len(prompt) + len(first.output_ids) - 1
+    reference = greedy_reference(pair, prompt, 10)
+    assert first.output_ids == again.output_ids == elsewhere.output_ids == reference
+    if not running.case.overlap:  # with overlap the drafter's draws differ from the engine's (as above)
+        alone = running.engine.generate(follow, SamplingParams(temperature=1.0, seed=3), config)
+        assert turn.output_ids == alone.output_ids
+    stats = ray.get(coordinator.replica.rank0.prefix_cache_stats.remote())
+    assert stats["hits"] >= 2 and stats["hit_tokens"] >= again.stats.cached_tokens + turn.stats.cached_tokens
+    assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
 
 
 def test_concurrent_requests_share_steps_and_each_equals_itself_alone(running: Running) -> None:

@@ -70,6 +70,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "max_seq_len": (512, {}),
     "kv_pool_tokens": (4096, {}),
     "kv_cache_memory": (0.25, {}),
+    "no_prefix_cache": (True, {}),
     "batch_wait_ms": (50.0, {}),
     "max_queue": (2, {}),
 }
