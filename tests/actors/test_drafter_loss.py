@@ -1,7 +1,9 @@
 """A lost drafter costs speed, never a request: kill the drafter actor mid-stream, the request finishes exactly.
 
 Greedy: the tokens of an undisturbed run (transformers' greedy reference). Drafter-invariant sampling: the same
-tokens as an undisturbed run with the same seed. Ray restarts the drafter, and the next request drafts again.
+tokens as an undisturbed run with the same seed. On the batched replica the killed run takes its prompt's KV from the
+prefix cache (the undisturbed run cached it), so the fault path is exercised on a cache hit. Ray restarts the
+drafter, and the next request drafts again.
 One replica at a time, one at a time and batched (the distributed runtime at TP 1); test_faults.py goes on with the
 same two replicas (``shared_replicas``), each module through a coordinator of its own.
 """
@@ -73,6 +75,12 @@ def wait_for_the_drafter(coordinator: Coordinator, timeout_s: float = 60.0) -> N
             time.sleep(0.5)
 
 
+def cache_hit(coordinator: Coordinator, prompt: tuple[int, ...]) -> int:
+    """What a request whose whole prompt an earlier one cached takes from the prefix cache: all but the prompt's last
+    token on a batched replica; nothing one at a time (no pool, no cache)."""
+    return len(prompt) - 1 if coordinator.replica.config.max_num_seqs > 1 else 0
+
+
 def plain_cycles(result: GenerationResult) -> int:
     """Cycles that drafted nothing: the coordinator's own without a drafter (and a request's last cycle, when only
     one token was left to emit)."""
@@ -93,6 +101,7 @@ def test_greedy_request_survives_its_drafter(coordinator: Coordinator, tiny_pair
     result = generate_killing_the_drafter(coordinator, prompt, params, config)
     assert plain_cycles(result) > plain_cycles(undisturbed), "the kill came after the request ended: nothing tested"
     assert result.output_ids == undisturbed.output_ids and result.finish_reason == "length"
+    assert result.stats.cached_tokens == cache_hit(coordinator, prompt)  # killed during a prefix-cache hit
     assert result.logprobs is not None and undisturbed.logprobs is not None
     assert [entry.token for entry in result.logprobs] == result.output_ids
     assert [e.logprob for e in result.logprobs] == pytest.approx([e.logprob for e in undisturbed.logprobs], abs=1e-6)
@@ -115,3 +124,4 @@ def test_drafter_invariant_request_emits_the_undisturbed_tokens(
     result = generate_killing_the_drafter(coordinator, prompt, params, config)
     assert plain_cycles(result) > plain_cycles(undisturbed), "the kill came after the request ended: nothing tested"
     assert result.output_ids == undisturbed.output_ids
+    assert result.stats.cached_tokens == cache_hit(coordinator, prompt)

@@ -196,10 +196,10 @@ def test_requests_are_prepared_on_one_worker_thread_while_health_answers(
     release = threading.Event()
     threads: list[str] = []
 
-    def held_prepare(handler: OpenAIHandler, request: Any) -> PreparedRequest:
+    def held_prepare(handler: OpenAIHandler, request: Any, *tenant: str) -> PreparedRequest:
         threads.append(threading.current_thread().name)
         release.wait(60)  # the safety valve: never hang the session
-        return prepare(handler, request)
+        return prepare(handler, request, *tenant)
 
     monkeypatch.setattr(OpenAIHandler, "prepare", held_prepare)
     answers: list[int] = []
