@@ -339,6 +339,8 @@ class BatchedEngine(GenerationFrontend):
         length = self.pool.length(seq_id)
         if length:
             self.cache.share(seq_id, request.config.cache_namespace, verifier.committed[:length])
+            if isinstance(request.drafter, PrefixReusing):  # and its features, for the same prefix
+                request.drafter.keep_prefix()
         if not verifier.unprefilled:
             self.cache.record(len(request.prompt_ids) - 1, out.stats.cached_tokens)
             out.stats.prefill_seconds = time.perf_counter() - request.submitted
@@ -364,6 +366,9 @@ class BatchedEngine(GenerationFrontend):
             verifier = request.verifier
             assert verifier is not None
             if verifier.unprefilled and self.cache is not None:  # another request may have cached more of it since
+                drafter = request.drafter
+                if isinstance(drafter, PrefixReusing) and isinstance(drafter, FeatureDrafter):  # features first
+                    request.reuse_limit = drafter.reuse_prefix(request.config.cache_namespace, request.prompt_ids[:-1])
                 hit = self._lookup(request)
                 if hit is not None:
                     self._reuse(request, hit)

@@ -149,14 +149,18 @@ class EagleDrafter(TreeModelDrafter):
         self._head_cached = min(self._head_cached, start)  # a position whose input changed must be fed again
 
     def reuse_prefix(self, namespace: str, tokens: Sequence[int]) -> int:
-        """Take the stored features of the longest prefix of ``tokens`` (after :meth:`start`); how many positions."""
+        """Take the stored features of the longest prefix of ``tokens`` when they reach further than the features
+        this request holds (after :meth:`start`, and again during its prefill); how many positions it knows now."""
         self._namespace = namespace
-        self._features = self.store.get(namespace, tokens)
-        self._head_cached = 0
+        stored = self.store.get(namespace, tokens)
+        if len(stored) > len(self._features):
+            self._head_cached = min(self._head_cached, len(self._features))
+            self._features = stored
         return len(self._features)
 
     def keep_prefix(self) -> None:
-        """Store this request's features (every committed position's it was given) for later requests."""
+        """Store this request's features (every committed position's it was given so far) for other requests: while
+        it prefills, and when it ends."""
         self.store.put(self._namespace, self.context, self._features)
 
     def rewind(self, length: int) -> None:

@@ -145,12 +145,13 @@ def test_requests_served_from_the_cache_equal_themselves_cold(pair: TinyPair) ->
         ("none", tokens(6, 20), GREEDY, GenerationConfig(max_new_tokens=8, drafter="none"), 0),  # shares nothing
         ("model", [*system, *tokens(7, 4)], GRAMMAR, chain, None),
         ("eagle", [*system, *tokens(8, 7)], GREEDY, chain, 0),  # a feature reader: no request before had an EAGLE head
+        ("eagle", [*system, *tokens(11, 5)], SAMPLED, tree, None),  # the features of the one before, mid-prefill
     ]  # fmt: skip
     results = run_waves(engine, drafters, [first_wave])
     answer = results[0].output_ids
     # a's text and answer, then a new turn: reuses everything a cached (its prompt and answer but the last token)
     follow = [*a, *answer, *tokens(9, 5)]
-    eagle = [*first_wave[-1][1], *results[-1].output_ids, *tokens(10, 3)]  # the EAGLE request's next turn
+    eagle = [*first_wave[-2][1], *results[-2].output_ids, *tokens(10, 3)]  # the first EAGLE request's next turn
     second_wave = [
         ("model", follow, GREEDY, chain, len(a) + len(answer) - 1),
         ("ngram", follow, SAMPLED, NGRAM, None),
