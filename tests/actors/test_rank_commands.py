@@ -3,7 +3,7 @@
 ``torch.distributed.broadcast`` is replaced by a queue: what rank 0 sends, a follower in the same process receives,
 so one test sends a request's commands (new, forward, tree forward, compaction, rollback, free, heartbeat,
 shutdown) and checks that the follower's cache ends up holding exactly rank 0's keys and values; another does the
-same for a batched replica's pool.
+same for a batched replica's pool, a prefix-cache copy and trim included.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def test_op_codes_are_the_wire_values() -> None:
         "COMPACT": 7,
         "HEARTBEAT": 8,
         "FORWARD_BATCH": 9,
+        "COPY": 10,
+        "SHRINK": 11,
     }
     assert set(APPLY) == set(Op) - {Op.HEARTBEAT, Op.SHUTDOWN}  # the loop itself handles those two
 
@@ -141,6 +143,9 @@ def test_a_batched_follower_mirrors_rank_0s_pool(tiny_pairs: dict[str, TinyPair]
     mine.forward_batch([BatchBlock.tree(first, 13, tree), BatchBlock.chain(second, torch.tensor([9, 4]))])
     mine.compact(first, [0, 1, 2, 3, 5])  # the chunk, the root and node 1
     mine.rollback(second, 2)
+    third = mine.allocate(16)
+    mine.copy(first, third, 0, 4)  # a prefix-cache hit
+    mine.shrink(first, 5)  # an entry trimmed to what it caches
     mine.free(second)
     Shutdown.send(mine.commands)
 
@@ -149,5 +154,9 @@ def test_a_batched_follower_mirrors_rank_0s_pool(tiny_pairs: dict[str, TinyPair]
     follow(state, threading.Lock())
     assert not wire.sent, "the follower did not read every command"
     assert state.pool is not None and state.pool.length(first) == mine.pool.length(first) == 5
-    for (k0, v0), (k1, v1) in zip(mine.pool.snapshot(first), state.pool.snapshot(first), strict=True):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert state.pool.length(third) == mine.pool.length(third) == 4
+    assert state.pool.reserved(first) == mine.pool.reserved(first) == 5
+    assert state.pool.free_tokens == mine.pool.free_tokens == 64 - 5 - 16
+    for sequence in (first, third):
+        for (k0, v0), (k1, v1) in zip(mine.pool.snapshot(sequence), state.pool.snapshot(sequence), strict=True):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
