@@ -97,12 +97,30 @@ def concurrently(calls: list[Callable[[], GenerationResult]]) -> list[Generation
         return list(pool.map(lambda call: call(), calls))
 
 
-def free_kv_tokens(running: Running) -> list[int]:
-    """Every rank's free KV positions once rank 0's prefix cache is cleared (its frees mirrored on every rank)."""
+def free_kv_tokens(running: Running, timeout_s: float = 30.0) -> list[int]:
+    """Every rank's free KV positions once rank 0's prefix cache is cleared and the other ranks have applied the frees
+    rank 0 broadcast (a follower applies each command as it reads it, after rank 0 has moved on): polled until every
+    rank reports the same, at most ``timeout_s``."""
     import ray
 
-    ray.get(running.coordinator.replica.rank0.clear_prefix_cache.remote())
-    return list(ray.get([shard.free_kv_tokens.remote() for shard in running.coordinator.replica.shards]))
+    replica = running.coordinator.replica
+    ray.get(replica.rank0.clear_prefix_cache.remote())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = list(ray.get([shard.free_kv_tokens.remote() for shard in replica.shards]))
+        if len(set(free)) == 1 or time.monotonic() > deadline:
+            return free
+        time.sleep(0.05)
+
+
+def settled(running: Running, timeout_s: float = 30.0) -> None:
+    """Until rank 0 holds no request (the coordinator ends each with a call it does not wait for)."""
+    import ray
+
+    rank0 = running.coordinator.replica.rank0
+    deadline = time.monotonic() + timeout_s
+    while ray.get(rank0.active_requests.remote()) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_prefixes_come_from_rank_0s_cache_on_every_rank_and_change_nothing(running: Running) -> None:
@@ -117,9 +135,11 @@ def test_prefixes_come_from_rank_0s_cache_on_every_rank_and_change_nothing(runni
     config = GenerationConfig(max_new_tokens=10, gamma=3)
     first = coordinator.generate(prompt, SamplingParams(), config)
     follow = [*prompt, *first.output_ids, *pair.prompts[1]]
+    settled(running)  # its KV retained: prompt and answer
     again = coordinator.generate(prompt, SamplingParams(), config)
     turn = coordinator.generate(follow, SamplingParams(temperature=1.0, seed=3), config)
     elsewhere = coordinator.generate(prompt, SamplingParams(), GenerationConfig(10, 3, cache_namespace="other"))
+    settled(running)
     assert first.stats.cached_tokens == 0 and elsewhere.stats.cached_tokens == 0
     assert again.stats.cached_tokens == len(prompt) - 1
     assert turn.stats.cached_tokens == len(prompt) + len(first.output_ids) - 1
