@@ -57,6 +57,7 @@ from typing import Any
 
 from specserve.actors.drafter import CycleReport, DraftJob
 from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
+from specserve.actors.target_shard import Started
 from specserve.core.draft import Draft
 from specserve.core.drafter_spec import probe_nodes_of
 from specserve.core.engine import GenerationFrontend
@@ -182,16 +183,14 @@ class Coordinator(GenerationFrontend):
         try:
             if self._drafter_down():  # it died or was killed and has not come back yet: do not wait for it
                 logger.info("request %s starts without speculation: the drafter is restarting", request_id)
-                self._wait_for_start(started, request_id)
-                self._started(request_id, stats, start)
+                self._started(self._wait_for_start(started, request_id), stats, start)
                 yield from self._decode_plainly(request_id, out)
                 return
             # The drafter prefills while the target does (the ref travels inside a list, so Ray does not wait
             # for it before starting the drafter's task); the drafter waits for the target before drafting.
             submitted = time.monotonic()
             reports = replica.drafter.run.options(num_returns="streaming").remote(job, [started])
-            self._wait_for_start(started, request_id)
-            self._started(request_id, stats, start)
+            self._started(self._wait_for_start(started, request_id), stats, start)
             try:
                 while ray.wait([reports], timeout=stall_s)[0]:
                     try:
@@ -237,14 +236,14 @@ class Coordinator(GenerationFrontend):
             if self.lost is None:  # a lost target's KV is moot (and freeing it would fail on a broken process group)
                 replica.rank0.finish_request.remote(request_id)
 
-    def _started(self, request_id: str, stats: RequestStats, start: float) -> None:
+    @staticmethod
+    def _started(started: Started, stats: RequestStats, start: float) -> None:
         """A request rank 0 admitted and prefilled: its prefill time, and the prompt positions it took from the prefix
         cache."""
         stats.prefill_seconds = time.perf_counter() - start
-        cached = self.replica.rank0.cached_tokens.remote(request_id)
-        stats.cached_tokens = int(self._get_from_rank0(cached, "the prefix cache's count", PROGRESS_TIMEOUT_S))
+        stats.cached_tokens = started.cached_tokens
 
-    def _wait_for_start(self, started: Any, request_id: str) -> None:
+    def _wait_for_start(self, started: Any, request_id: str) -> Started:
         """Until rank 0 has admitted and prefilled the request (raising its error if it could not), probing the
         shards every ``stall_timeout_s`` meanwhile, for at most :data:`START_TIMEOUT_S`."""
         import ray
@@ -256,7 +255,8 @@ class Coordinator(GenerationFrontend):
             self._raise_if_lost(self._probe(self.replica.shards), PROBE_TIMEOUT_S, when)
             if time.monotonic() >= deadline:
                 raise self._lose(f"rank 0 did not admit and prefill a request within {START_TIMEOUT_S:g}s (stuck)")
-        self._get_from_rank0(started, "admission and prefill", PROGRESS_TIMEOUT_S)
+        result: Started = self._get_from_rank0(started, "admission and prefill", PROGRESS_TIMEOUT_S)
+        return result
 
     def _drafter_stalled(self, request_id: str, stall_s: float) -> None:
         """No report from the request's drafter for ``stall_s``: raises :class:`ReplicaLost` when a shard is gone;

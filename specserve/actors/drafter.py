@@ -221,7 +221,7 @@ class DrafterActor:
         if side.reads_features and target_ready:  # it drafts from the prompt's features: wait for the target's prefill
             import ray
 
-            run(side.add_prompt_features, ray.get(list(target_ready))[0])
+            run(side.add_prompt_features, ray.get(list(target_ready))[0].features)
             target_ready = ()
         # The first proposal is drafted before waiting for the target (same calls and draws as after it).
         proposal = run(side.propose)

@@ -156,6 +156,14 @@ class ShardedPool:
         self.pool.compact(seq_id, keep)
 
 
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """What rank 0's :meth:`TargetShardActor.start_request` hands back once a request is admitted and prefilled."""
+
+    features: torch.Tensor | None  # the prompt's, for a hidden-state drafter (else None)
+    cached_tokens: int  # prompt positions taken from the prefix cache
+
+
 class _Request:
     def __init__(
         self, sequence: ShardedSequence | PooledSequence, verifier: TargetVerifier, namespace: str = ""
@@ -423,14 +431,14 @@ class TargetShardActor:
         feature_layers: Sequence[int] = (),
         tree_nodes: int = 0,
         cache_namespace: str = "",
-    ) -> torch.Tensor | None:
-        """Admit a request and prefill its prompt on every rank. With ``feature_layers`` (a hidden-state
-        drafter's), return the prompt's features, and every verdict carries its cycle's.
+    ) -> Started:
+        """Admit a request and prefill its prompt on every rank; what it cached and, with ``feature_layers`` (a
+        hidden-state drafter's), the prompt's features (every verdict then carries its cycle's too).
 
         A batched replica with a prefix cache copies the longest prefix of the prompt that requests of
         ``cache_namespace`` cached, before its first chunk and again before each (another request may have prefilled
         more of it since); not for a request with ``feature_layers``, whose drafter needs every prompt position's
-        features from this prefill (:meth:`cached_tokens` says how many positions it took).
+        features from this prefill.
 
         A batched replica first waits until its KV pool has the tokens the request reserves (its prompt and output, and
         its widest draft: ``tree_nodes`` for trees); one that could never fit is refused at once
@@ -467,9 +475,8 @@ class TargetShardActor:
             self.compute.run(self._abandon, request_id)
             raise
         self.compute.run(self._register, request_id)
-        if not feature_layers:
-            return None
-        return torch.cat(chunks).cpu() if chunks else torch.empty(0, 0)
+        features = (torch.cat(chunks).cpu() if chunks else torch.empty(0, 0)) if feature_layers else None
+        return Started(features, request.cached_tokens)
 
     def _admit(
         self,
@@ -492,13 +499,10 @@ class TargetShardActor:
             cache, reuses = self._cache, self._cache is not None and not feature_layers
             hit = cache.lookup(namespace, prompt_ids[:-1]) if cache is not None and reuses else None
             if self._pool is not None:
-                if reserve <= self._pool.pool.capacity and not self._pool.pool.fits(reserve):
-                    if cache is None:
+                if reserve <= self._pool.pool.capacity:  # (one that could never fit raises on allocating)
+                    fits, hit = cache.admit(reserve, hit) if cache is not None else (self._pool.pool.fits(reserve), hit)
+                    if not fits:
                         return None
-                    if not cache.make_room(reserve, keep=None if hit is None else hit.seq_id):
-                        if not cache.make_room(reserve):
-                            return None
-                        hit = hit if hit is not None and cache.holds(hit.seq_id) else None
                 sequence = PooledSequence(self._pool, self._pool.allocate(reserve))
             else:
                 sequence = self._new_sequence()
@@ -518,18 +522,16 @@ class TargetShardActor:
             self._reuse(request, hit)
             return request
 
-    def _reuse(self, request: _Request, hit: Hit | None) -> None:
-        """Copy a prefix-cache hit into the request's span and offer what it caches to other requests."""
+    def _reuse(self, request: _Request, hit: Hit | None = None) -> None:
+        """Copy a prefix-cache hit (if any) into the request's span and offer what it caches to other requests; once its
+        prompt is all cached, count the request."""
         cache = self._cache
         if cache is None or not request.reuses:
             return
-        if hit is not None:
-            request.cached_tokens += cache.copy(hit, request.seq_id)
-        length = request.sequence.length
-        if length:
-            cache.share(request.seq_id, request.namespace, request.verifier.committed[:length])
+        committed = request.verifier.committed
+        request.cached_tokens += cache.adopt(request.seq_id, request.namespace, committed, hit)
         if not request.verifier.unprefilled:
-            cache.record(len(request.verifier.committed) - 1, request.cached_tokens)
+            cache.record(len(committed) - 1, request.cached_tokens)
 
     def _prefill_chunk(self, request: _Request) -> torch.Tensor | None:
         """On the compute thread: the next chunk of a batched replica's prefill (its features, if it captures), after
@@ -546,14 +548,8 @@ class TargetShardActor:
             capture = request.verifier.new_capture()
             block = request.verifier.prefill_block(request.seq_id, self._prefill_tokens)
             self._pool.forward_batch([block], last_only=True, capture=[capture])
-            self._reuse(request, None)
+            self._reuse(request)
             return capture.take() if capture is not None else None
-
-    def cached_tokens(self, request_id: str) -> int:
-        """Rank 0: the prompt positions a running request took from the prefix cache."""
-        with self._lock:
-            request = self._requests.get(request_id) or self._prefilling.get(request_id)
-            return request.cached_tokens if request is not None else 0
 
     def _register(self, request_id: str) -> None:
         """On the compute thread: a prefilled request joins the steps."""

@@ -291,13 +291,12 @@ class BatchedEngine(GenerationFrontend):
             request = self._waiting[0]
             hit = self._lookup(request)
             need = self._request_kv_tokens(request)
-            if not self.pool.fits(need):
-                if self.cache is None:
-                    break
-                if not self.cache.make_room(need, keep=None if hit is None else hit.seq_id):
-                    if not self.cache.make_room(need):
-                        break
-                    hit = hit if hit is not None and self.cache.holds(hit.seq_id) else None
+            if self.cache is not None:
+                fits, hit = self.cache.admit(need, hit)
+            else:
+                fits = self.pool.fits(need)
+            if not fits:
+                break
             self._waiting.popleft()
             try:
                 self._start(request, hit)
@@ -322,25 +321,16 @@ class BatchedEngine(GenerationFrontend):
         cached = self.pool.length(own) if own is not None else 0
         return hit if hit is not None and hit.length > cached else None
 
-    def _reuse(self, request: _Request, hit: Hit | None) -> None:
-        """Copy a hit into the request's span, offer what it caches to others, and count its prompt once cached."""
+    def _reuse(self, request: _Request, hit: Hit | None = None) -> None:
+        """Copy a hit (if any) into the request's span and offer what it caches to others while it runs (its drafter's
+        features too); once its prompt is all cached, count the request."""
         if self.cache is None:
             return
-        out = request.parts()[2]
-        if hit is not None:
-            out.stats.cached_tokens += self.cache.copy(hit, request.seq_id)
-        self._share(request)
-
-    def _share(self, request: _Request) -> None:
-        """Offer the request's cached prompt to others while it runs; once it is all cached, count the request."""
-        assert self.cache is not None
         verifier, _, out = request.parts()
-        seq_id = request.seq_id
-        length = self.pool.length(seq_id)
-        if length:
-            self.cache.share(seq_id, request.config.cache_namespace, verifier.committed[:length])
-            if isinstance(request.drafter, PrefixReusing):  # and its features, for the same prefix
-                request.drafter.keep_prefix()
+        namespace = request.config.cache_namespace
+        out.stats.cached_tokens += self.cache.adopt(request.seq_id, namespace, verifier.committed, hit)
+        if isinstance(request.drafter, PrefixReusing) and self.pool.length(request.seq_id):
+            request.drafter.keep_prefix()  # its features, for the same prefix
         if not verifier.unprefilled:
             self.cache.record(len(request.prompt_ids) - 1, out.stats.cached_tokens)
             out.stats.prefill_seconds = time.perf_counter() - request.submitted
@@ -396,7 +386,7 @@ class BatchedEngine(GenerationFrontend):
                     self._fail(request, request_failure(exc, "drafting"), failed)
                     continue
             if self.cache is not None:
-                self._share(request)
+                self._reuse(request)
             elif not verifier.unprefilled:
                 out.stats.prefill_seconds = now - request.submitted
 

@@ -17,7 +17,10 @@ needs room (:meth:`PrefixCache.make_room`): a full pool evicts before it refuses
 The cached keys and values of a token sequence do not depend on the request that computed them (only on the tokens
 and the model), so a request that copies them continues exactly as one that computed them itself.
 
-Does not decide when to look up, share or retain (the engine does), nor restore a drafter's state.
+The engines' side is three calls: :meth:`PrefixCache.admit` (room for a newcomer, keeping the entry it will copy),
+:meth:`PrefixCache.adopt` (copy a hit in, and offer what the sequence caches now) and :meth:`PrefixCache.retain` or
+:meth:`PrefixCache.withdraw` when it ends. Does not decide when to look up (the engines do: at admission and before
+each prefill chunk), nor restore a drafter's state.
 """
 
 from __future__ import annotations
@@ -104,6 +107,25 @@ class PrefixCache:
         self.edits.copy(hit.seq_id, seq_id, start, stop)
         self.stats.hit_tokens += stop - start
         return stop - start
+
+    def adopt(self, seq_id: int, namespace: Hashable, committed: Sequence[int], hit: Hit | None = None) -> int:
+        """Copy ``hit`` (if any) into ``seq_id``'s span, then offer what the sequence caches now to other requests
+        (``committed``: its committed tokens, of which the cached positions hold the first); the positions copied."""
+        copied = 0 if hit is None else self.copy(hit, seq_id)
+        length = self.pool.length(seq_id)
+        if length:
+            self.share(seq_id, namespace, committed[:length])
+        return copied
+
+    def admit(self, tokens: int, hit: Hit | None) -> tuple[bool, Hit | None]:
+        """Make room for a newcomer that reserves ``tokens`` positions and would copy ``hit``: evict other retained
+        entries first, the hit's own only when nothing else makes room. Whether the pool can allocate ``tokens``
+        now, and the hit still held (``None`` once evicted)."""
+        if self.pool.fits(tokens) or self.make_room(tokens, keep=None if hit is None else hit.seq_id):
+            return True, hit
+        if not self.make_room(tokens):
+            return False, hit
+        return True, hit if hit is not None and self.holds(hit.seq_id) else None
 
     def record(self, prompt_tokens: int, reused: int) -> None:
         """One request's prompt is cached: ``reused`` of its ``prompt_tokens`` cacheable positions came from here."""
