@@ -301,6 +301,14 @@ def propose(drafter: Drafter, budget: Budget, remaining: int, device: torch.devi
     return proposal.truncate(max(limit, 0)).to(device)
 
 
+def check_chain_call(drafters: Sequence[Drafter], budgets: Sequence[int]) -> None:
+    """What every :class:`ChainBatcher` refuses before any forward: not one budget per drafter, a drafter twice."""
+    if len(drafters) != len(budgets):
+        raise ValueError(f"{len(drafters)} drafters but {len(budgets)} budgets")
+    if len({id(drafter) for drafter in drafters}) < len(drafters):
+        raise ValueError("a drafter appears more than once in one call")
+
+
 def check_can_draft(drafter: Drafter, tree: TreeSpec | None, name: str | None = None) -> None:
     """Raises :class:`InvalidRequest` when ``tree`` asks for draft trees from a drafter that drafts only chains."""
     if tree is not None and not isinstance(drafter, TreeDrafter):

@@ -47,6 +47,7 @@ from specserve.core.static_options import StaticOptions
 
 __all__ = [
     "SlotBlock",
+    "SlotRows",
     "StaticCacheFull",
     "StaticKVCache",
     "StaticOptions",
@@ -146,6 +147,97 @@ class _SlotCache(Cache):
 
     def __init__(self, slot: _Slot) -> None:
         super().__init__(layers=[_SlotLayer(slot, i) for i in range(len(slot.keys))])
+
+
+class _RowsLayer(CacheLayerMixin):
+    """One model layer's share of a :class:`SlotRows`."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, rows: SlotRows, layer: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.layer = layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # the slots are allocated up front
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.write(self.layer, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.rows.columns, 0
+
+    def get_seq_length(self) -> int:
+        return max(self.rows.lengths)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotRows(Cache):
+    """The transformers ``Cache`` of one eager forward over several slots' sequences at once, each extended by a causal
+    block of its own (``sizes[b]`` tokens; row b of the forward's ``[rows, width]`` input, padded after them).
+
+    Each layer writes row b's keys and values into its slot after its cached positions and hands attention every
+    row's cached positions and block, gathered and padded to the longest (a copy of the rows' keys and values per
+    layer: for a small model's few layers, what many one-row forwards would cost in launches instead); the forward
+    takes :attr:`attention_mask` (row b's real queries see its own positions causally, a padding query only its row's
+    first position) and :attr:`position_ids`. :meth:`advance` then counts the blocks as cached. Real queries never
+    see another row or a pad, so a row's outputs equal its one-row forward's up to rounding. Eager only: the slots
+    grow as needed, and nothing is captured as a graph."""
+
+    def __init__(self, caches: Sequence[StaticKVCache], sizes: Sequence[int], dtype: torch.dtype) -> None:
+        if not caches or len(caches) != len(sizes) or min(sizes) < 1:
+            raise ValueError(f"one block of >= 1 token per cache, got {len(caches)} caches and sizes {list(sizes)}")
+        self.slots = [cache.slot for cache in caches]
+        if len({id(slot) for slot in self.slots}) < len(self.slots):
+            raise ValueError("a slot appears more than once in one forward")
+        self.sizes = list(sizes)
+        self.lengths = [slot.length for slot in self.slots]
+        self.columns = max(length + k for length, k in zip(self.lengths, self.sizes, strict=True))
+        width = max(self.sizes)
+        for slot, length, k in zip(self.slots, self.lengths, self.sizes, strict=True):
+            if length + k > slot.capacity:
+                owner = caches[0].owner
+                if length + k > owner.columns:
+                    raise StaticCacheFull(f"{length + k} positions do not fit a static cache of {owner.columns}")
+                slot.grow(min(owner.columns, max(2 * slot.capacity, length + k)))
+        device = self.slots[0].keys[0].device
+        visible = torch.zeros(len(self.slots), width, self.columns, dtype=torch.bool)
+        positions = torch.zeros(len(self.slots), width, dtype=torch.long)
+        for b, (length, k) in enumerate(zip(self.lengths, self.sizes, strict=True)):
+            visible[b, :k, : length + k] = torch.ones(k, length + k, dtype=torch.bool).tril(length)
+            visible[b, k:, 0] = True
+            positions[b, :k] = torch.arange(length, length + k)
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        self.attention_mask = mask[:, None].to(device)
+        self.position_ids = positions.to(device)
+        super().__init__(layers=[_RowsLayer(self, i) for i in range(len(self.slots[0].keys))])
+
+    def write(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's step: each row's block into its slot; every row's positions, gathered (``[rows, heads,
+        columns, head_dim]`` each)."""
+        rows, heads, _, _ = key_states.shape
+        keys = key_states.new_zeros(rows, heads, self.columns, key_states.shape[3])
+        values = value_states.new_zeros(rows, heads, self.columns, value_states.shape[3])
+        for b, (slot, length, k) in enumerate(zip(self.slots, self.lengths, self.sizes, strict=True)):
+            end = length + k
+            for store, new, out in ((slot.keys[layer], key_states, keys), (slot.values[layer], value_states, values)):
+                store[0, :, length:end] = new[b, :, :k]
+                out[b, :, :end] = store[0, :, :end]
+        return keys, values
+
+    def advance(self) -> None:
+        """The forward ran: each slot now caches its block too."""
+        for slot, k in zip(self.slots, self.sizes, strict=True):
+            slot.length += k
 
 
 @dataclass(frozen=True)
@@ -466,6 +558,34 @@ class StaticKVCache:
         return [
             (k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in zip(self.slot.keys, self.slot.values, strict=True)
         ]
+
+    def rows(self, length: int) -> torch.Tensor:
+        """A copy of the keys and values of the first ``length`` cached positions, one row per position (``[length,
+        width]``: every layer's keys, then its values, over all heads), as :meth:`load_rows` takes them."""
+        if not 0 <= length <= self.slot.length:
+            raise ValueError(f"a cache of length {self.slot.length} has no {length} positions")
+        pairs = zip(self.slot.keys, self.slot.values, strict=True)
+        parts = [t[0, :, :length].transpose(0, 1).reshape(length, -1) for pair in pairs for t in pair]
+        return torch.cat(parts, dim=1)
+
+    @torch.inference_mode()
+    def load_rows(self, rows: torch.Tensor) -> None:
+        """Hold ``rows`` (:meth:`rows` of a cache of the same model) as the cached positions ``0 .. len(rows) - 1``, in
+        place of what the cache holds."""
+        slot, length = self.slot, int(rows.shape[0])
+        tensors = [t for pair in zip(slot.keys, slot.values, strict=True) for t in pair]
+        widths = [t.shape[1] * t.shape[3] for t in tensors]  # heads x head width
+        if sum(widths) != rows.shape[1]:
+            raise ValueError(f"rows of width {rows.shape[1]} are not this model's keys and values ({sum(widths)} wide)")
+        if length > self.owner.columns:
+            raise StaticCacheFull(f"{length} positions do not fit a static cache of {self.owner.columns} columns")
+        if length > slot.capacity:
+            slot.grow(min(self.owner.columns, max(2 * slot.capacity, length)))
+            tensors = [t for pair in zip(slot.keys, slot.values, strict=True) for t in pair]
+        for tensor, part in zip(tensors, rows.split(widths, dim=1), strict=True):
+            part = part.to(tensor.device, tensor.dtype).reshape(length, tensor.shape[1], tensor.shape[3])
+            tensor[0, :, :length] = part.transpose(0, 1)
+        slot.length = length
 
     def release(self) -> None:
         """Hand the slot back (the cache must not be used afterwards)."""

@@ -39,7 +39,7 @@ from functools import partial
 
 import torch
 
-from specserve.core.draft import ChainBatcher, Draft, Drafter
+from specserve.core.draft import ChainBatcher, Draft, Drafter, check_chain_call
 from specserve.core.grammar import DraftGrammar, mask_logits
 from specserve.core.invariant import invariant_tokens
 from specserve.core.kv_pool import KVPool, PoolFull
@@ -106,10 +106,7 @@ class BatchedDraftModel:
 
     def _check(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[_Row]:
         """The rows that draft (budget cut to the draft's positions), refusing bad input before any forward."""
-        if len(drafters) != len(budgets):
-            raise ValueError(f"{len(drafters)} drafters but {len(budgets)} budgets")
-        if len({id(drafter) for drafter in drafters}) < len(drafters):
-            raise ValueError("a drafter appears more than once in one call")
+        check_chain_call(drafters, budgets)
         rows = []
         for drafter, budget in zip(drafters, budgets, strict=True):
             if not isinstance(drafter, PooledDraftModelDrafter) or drafter.batcher is not self:

@@ -37,20 +37,25 @@ import torch
 from transformers.cache_utils import Cache
 
 from specserve.core.buckets import NO_BUCKETS
-from specserve.core.draft import Draft
+from specserve.core.draft import ChainBatcher, Draft
 from specserve.core.graphs import GraphBackend
 from specserve.core.model import CausalLM, TargetDescription
 from specserve.core.prefix_store import PrefixStore
 from specserve.core.sampling import SamplingParams
-from specserve.core.static_cache import SlotBlock, StaticKVCache, StaticOptions, StaticSlots
+from specserve.core.static_cache import SlotBlock, SlotRows, StaticKVCache, StaticOptions, StaticSlots
 from specserve.core.tree import ROOT, DraftTree, TreeSpec
+from specserve.drafters.eagle_batch import EagleChains
 from specserve.drafters.eagle_head import FeatureHead, check_head_fits
 from specserve.drafters.eagle_layouts import load_head
 from specserve.drafters.tree import DraftSession, TreeModelDrafter
 
-# Positions of fused features an EAGLE head's store keeps for prefix reuse (one hidden-size vector each: 2 KiB in
-# float32 for the shipped head, so 64 MiB in all)
+# Positions an EAGLE head's store keeps for prefix reuse: each one's fused feature (a hidden-size vector, 2 KiB in
+# float32 for the shipped head) and the head's keys and values there (1 KiB), so 96 MiB in all
 FEATURE_STORE_POSITIONS = 32768
+
+# One stored position: its fused feature, and the head's keys and values there (a row of StaticKVCache.rows) when the
+# head had run over it
+StoredPosition = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class EagleDrafter(TreeModelDrafter):
@@ -65,11 +70,15 @@ class EagleDrafter(TreeModelDrafter):
         lm_head: torch.nn.Module,  # the target's output embeddings (frozen)
         output_device: torch.device | str = "cpu",
         slots: HeadSlots | None = None,
-        store: PrefixStore[torch.Tensor] | None = None,
+        store: PrefixStore[StoredPosition] | None = None,
+        batcher: EagleChains | None = None,
     ) -> None:
         """``slots``: where the head's keys and values live (shared with :meth:`fresh` drafters); by default eager
-        and unpadded. ``store``: the fused features of ended requests, for later ones served from the target's
-        prefix cache (shared with :meth:`fresh` drafters; by default :data:`FEATURE_STORE_POSITIONS` positions)."""
+        and unpadded. ``store``: the fused features of ended (and prefilling) requests and the head's keys and
+        values over them, for later requests served from the target's prefix cache (shared with :meth:`fresh`
+        drafters; by default :data:`FEATURE_STORE_POSITIONS` positions). ``batcher``: what drafts the chains of
+        several requests over this head together (:mod:`specserve.drafters.eagle_batch`; shared with :meth:`fresh`
+        drafters)."""
         self.head = head.eval()
         self.target_embeddings, self.target_lm_head = embeddings, lm_head
         self.embeddings = head.input_embeddings(embeddings)  # what embeds the tokens the head reads
@@ -87,8 +96,9 @@ class EagleDrafter(TreeModelDrafter):
         self._head_cache: StaticKVCache | None = None
         self._features: list[torch.Tensor] = []  # the head's input feature of each committed position, fused
         self._head_cached = 0  # head positions whose keys/values are in the cache (real inputs)
-        self.store = store if store is not None else PrefixStore[torch.Tensor](FEATURE_STORE_POSITIONS)
+        self.store = store if store is not None else PrefixStore[StoredPosition](FEATURE_STORE_POSITIONS)
         self._namespace = ""  # the current request's prefix-cache namespace
+        self.batcher: ChainBatcher = batcher if batcher is not None else EagleChains()
 
     @classmethod
     def for_target(
@@ -116,7 +126,13 @@ class EagleDrafter(TreeModelDrafter):
         """A drafter for another request over the same head, embeddings and LM head (shared, not copied), with
         none of this one's per-request state."""
         return type(self)(
-            self.head, self.target_embeddings, self.target_lm_head, self._output_device, self.slots, self.store
+            self.head,
+            self.target_embeddings,
+            self.target_lm_head,
+            self._output_device,
+            self.slots,
+            self.store,
+            self.batcher if isinstance(self.batcher, EagleChains) else None,
         )
 
     def use_static_shapes(self, options: StaticOptions, backend: GraphBackend | None = None) -> None:
@@ -150,18 +166,38 @@ class EagleDrafter(TreeModelDrafter):
 
     def reuse_prefix(self, namespace: str, tokens: Sequence[int]) -> int:
         """Take the stored features of the longest prefix of ``tokens`` when they reach further than the features
-        this request holds (after :meth:`start`, and again during its prefill); how many positions it knows now."""
+        this request holds (after :meth:`start`, and again during its prefill), with the head's keys and values over
+        them where stored; how many positions it knows now."""
         self._namespace = namespace
         stored = self.store.get(namespace, tokens)
         if len(stored) > len(self._features):
             self._head_cached = min(self._head_cached, len(self._features))
-            self._features = stored
+            self._features = [feature for feature, _ in stored]
+            self._reuse_head_cache(stored)
         return len(self._features)
 
+    def _reuse_head_cache(self, stored: Sequence[StoredPosition]) -> None:
+        """Load the stored keys and values of the head's positions that match: position t reads token t + 1, so of
+        the ``len(stored)`` matching tokens' positions, all but the last."""
+        rows: list[torch.Tensor] = []
+        for _, row in stored[:-1]:
+            if row is None:
+                break
+            rows.append(row)
+        if len(rows) > self._head_cached and self._head_cache is not None:
+            self._head_cache.load_rows(torch.stack(rows))
+            self._head_cached = len(rows)
+
     def keep_prefix(self) -> None:
-        """Store this request's features (every committed position's it was given so far) for other requests: while
-        it prefills, and when it ends."""
-        self.store.put(self._namespace, self.context, self._features)
+        """Store this request's features (every committed position's it was given so far) and the head's keys and
+        values over those it ran on, for other requests: while it prefills, and when it ends."""
+        cache = self._head_cache
+        ran = min(self._head_cached, cache.length, len(self._features)) if cache is not None else 0
+        rows = cache.rows(ran) if cache is not None and ran else None
+        states = [
+            (feature, rows[t] if rows is not None and t < ran else None) for t, feature in enumerate(self._features)
+        ]
+        self.store.put(self._namespace, self.context, states)
 
     def rewind(self, length: int) -> None:
         if not 0 <= length <= len(self.context):
@@ -171,10 +207,7 @@ class EagleDrafter(TreeModelDrafter):
         self._head_cached = min(self._head_cached, max(length - 1, 0))
 
     def propose(self, budget: int) -> Draft:
-        budget = min(budget, self.head.config.max_position_embeddings - len(self.context))
-        if not self.can_draft:
-            budget = 0
-        return self.propose_chain(budget)
+        return self.propose_chain(self.chain_budget(budget))
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         if not self.can_draft:
@@ -185,6 +218,47 @@ class EagleDrafter(TreeModelDrafter):
     def can_draft(self) -> bool:
         """The head needs the features of every committed position but the last (none for a 1-token prompt)."""
         return len(self.context) >= 2 and len(self._features) >= len(self.context) - 1
+
+    # -----------------------------------------------------------------------------------------
+    # The head's forwards (a session's, or a batcher's for many requests: specserve.drafters.eagle_batch)
+
+    def unfed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roll the head's cache back to the committed positions it holds (feeding the root again at least): the
+        tokens ``[k]`` and fused features ``[k, hidden]`` of the head positions still to feed before drafting."""
+        if self._head_cache is None:
+            raise RuntimeError("call start() before proposing")
+        committed = len(self.context) - 1
+        keep = min(self._head_cached, committed - 1, self._head_cache.length)
+        self._head_cache.rollback(keep)
+        positions = range(keep, committed)
+        features = torch.stack([self._features[p] for p in positions])
+        tokens = torch.tensor([self.context[p + 1] for p in positions], dtype=torch.long, device=self._device)
+        return tokens, features
+
+    def fed(self) -> None:
+        """The head's cache now holds every committed position (and the drafts after them, until :meth:`drafted`)."""
+        self._head_cached = len(self.context) - 1
+
+    def drafted(self) -> None:
+        """Drop the drafts from the head's cache: it holds the committed positions again."""
+        assert self._head_cache is not None
+        self._head_cache.rollback(min(len(self.context) - 1, self._head_cache.length))
+
+    @property
+    def head_cache(self) -> StaticKVCache | None:
+        """The request's slot of the head's keys and values (``None`` before :meth:`start` and after
+        :meth:`release`)."""
+        return self._head_cache
+
+    def chain_budget(self, budget: int) -> int:
+        """What :meth:`propose` drafts of ``budget``: no further than the head's positions, none before it can."""
+        return min(budget, self.head.config.max_position_embeddings - len(self.context)) if self.can_draft else 0
+
+    def release(self) -> None:
+        """Give the head's slot back (the request ended); :meth:`start` takes one again."""
+        if self._head_cache is not None:
+            self._head_cache.release()
+            self._head_cache = None
 
     def _open_session(self) -> DraftSession:
         if self._head_cache is None:
@@ -228,6 +302,26 @@ class HeadSlots(StaticSlots):
             h = h.index_select(0, last) if shape else h[-1:]
         return self.lm_head(h), h
 
+    @torch.inference_mode()
+    def run_rows(
+        self, caches: Sequence[StaticKVCache], tokens: Sequence[torch.Tensor], features: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eager forward over several requests' slots, each fed its own causal block (``tokens[b]`` ``[k]`` with
+        their input ``features[b]`` ``[k, hidden]``): per row, the logits and h at its block's last position
+        (``[rows, vocab]``, ``[rows, hidden]``), as :meth:`run` of that block alone gives them, up to rounding."""
+        sizes = [int(t.shape[0]) for t in tokens]
+        rows = SlotRows(caches, sizes, self.dtype)
+        width = max(sizes)
+        ids = torch.zeros(len(sizes), width, dtype=torch.long, device=self.device)
+        inputs = torch.zeros(len(sizes), width, self.head.config.hidden_size, dtype=self.dtype, device=self.device)
+        for b, (k, row_tokens, row_features) in enumerate(zip(sizes, tokens, features, strict=True)):
+            ids[b, :k] = row_tokens
+            inputs[b, :k] = row_features
+        h = self.head(inputs, self.embeddings(ids), rows, rows.attention_mask, rows.position_ids)
+        rows.advance()
+        last = h[torch.arange(len(sizes), device=h.device), torch.tensor(sizes, device=h.device) - 1]
+        return self.lm_head(last), last
+
 
 class _EagleSession:
     """One proposal's head forwards. Head position t holds (feature of t, token t + 1); the committed text
@@ -242,14 +336,10 @@ class _EagleSession:
         self.slots = drafter.slots
         self.cache = drafter._head_cache
         self.committed = len(drafter.context) - 1  # real head positions: 0 .. committed - 1
-        keep = min(drafter._head_cached, self.committed - 1, self.cache.length)  # feed at least the root again
-        self.cache.rollback(keep)
-        positions = range(keep, self.committed)
-        features = torch.stack([drafter._features[p] for p in positions])
-        tokens = torch.tensor([drafter.context[p + 1] for p in positions], dtype=torch.long, device=drafter._device)
-        block = SlotBlock(tokens, tuple(range(len(positions))), rows=(features,))
+        tokens, features = drafter.unfed()
+        block = SlotBlock(tokens, tuple(range(len(tokens))), rows=(features,))
         (logits, hidden), graphed = self.slots.run(self.cache.slot, block, last_only=True)
-        drafter._head_cached = self.committed
+        drafter.fed()
         self.root_hidden = hidden[0].clone() if graphed else hidden[0]
         self.root_logits = logits[0].clone() if graphed else logits[0]
         self._tokens: list[int] = []  # forwarded nodes, in order
@@ -289,4 +379,4 @@ class _EagleSession:
         return logits
 
     def close(self) -> None:
-        self.cache.rollback(min(self.committed, self.cache.length))
+        self.drafter.drafted()

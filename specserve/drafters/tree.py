@@ -95,6 +95,11 @@ class TreeModelDrafter:
         return self.params if self.params.invariant_sampling else None
 
     @property
+    def generator(self) -> torch.Generator | None:
+        """The request's generator for draws (:meth:`configure`)."""
+        return self._generator
+
+    @property
     def sampled(self) -> bool:
         return not self.params.greedy and not self.params.invariant_sampling and self._generator is not None
 
@@ -118,20 +123,28 @@ class TreeModelDrafter:
         with self._session() as session:
             logits = session.root_logits
             for i in range(budget):
-                if self.params.greedy:
-                    token = int(logits.argmax(-1))
-                elif self.coupling is not None:
-                    token = int(invariant_tokens(logits[None], self.coupling, [len(self.context) + i])[0])
-                else:
-                    assert self._generator is not None
-                    row = warp_probs(logits, self.params)
-                    token = int(sample(row, self._generator))
-                    probs.append(row)
-                tokens.append(token)
+                tokens.append(self.choose_chain_token(logits, i, probs))
                 if i + 1 < budget:
                     logits = session.expand([i], tokens, [ROOT, *range(i)])[0]
-        draft_probs = torch.stack(probs).to(self._output_device) if probs else None
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=self._output_device), draft_probs)
+        return self.chain_draft(tokens, probs)
+
+    def choose_chain_token(self, logits: torch.Tensor, index: int, probs: list[torch.Tensor]) -> int:
+        """A chain's token ``index`` from the draft's ``logits`` after the ones before it: the argmax when greedy, the
+        coupled token for drafter-invariant requests, otherwise a draw from the warped draft distribution with the
+        request's generator (its row appended to ``probs``, the q sent with the chain)."""
+        if self.params.greedy:
+            return int(logits.argmax(-1))
+        if self.coupling is not None:
+            return int(invariant_tokens(logits[None], self.coupling, [len(self.context) + index])[0])
+        assert self._generator is not None
+        row = warp_probs(logits, self.params)
+        probs.append(row)
+        return int(sample(row, self._generator))
+
+    def chain_draft(self, tokens: Sequence[int], probs: Sequence[torch.Tensor]) -> Draft:
+        """The chain, with its q when sampled, on the output device."""
+        draft_probs = torch.stack(list(probs)).to(self._output_device) if probs else None
+        return Draft(torch.tensor(list(tokens), dtype=torch.long, device=self._output_device), draft_probs)
 
     # -----------------------------------------------------------------------------------------
 

@@ -201,6 +201,43 @@ def run_waves(
     return results
 
 
+@pytest.mark.timeout(300)
+def test_an_eagle_head_runs_only_over_what_its_store_lacks(pair: TinyPair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next turn of an EAGLE request takes the head's keys and values over the last turn's text from the store: its
+    head's first forward covers the new text (and the last turn's final positions) only, and it drafts exactly as
+    cold."""
+    drafters = Drafters(pair)
+    engine = BatchedEngine(pair.target, drafters, max_num_seqs=4, max_seq_len=MAX_SEQ_LEN)
+    config = GenerationConfig(max_new_tokens=12, gamma=3, ignore_eos=True)
+    blocks: list[int] = []  # per proposal, the committed positions the head had not cached
+    unfed = EagleDrafter.unfed
+
+    def recorded(self: EagleDrafter) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, features = unfed(self)
+        blocks.append(len(tokens))
+        return tokens, features
+
+    monkeypatch.setattr(EagleDrafter, "unfed", recorded)
+    first = [*tokens(40, 30)]
+    drafters.eagle = True
+    request_id = engine.submit(first, GREEDY, config)
+    drafters.eagle = False
+    answer = finish_all(engine)[request_id].output_ids
+    assert blocks[0] == len(first) - 1  # cold: the whole prompt
+    blocks.clear()
+    follow = [*first, *answer, *tokens(41, 4)]
+    drafters.eagle = True
+    request_id = engine.submit(follow, GREEDY, config)
+    drafters.eagle = False
+    got = finish_all(engine)[request_id]
+    assert got.stats.cached_tokens > len(first)
+    assert blocks[0] <= len(answer) + 4, blocks  # not over the first turn's prompt again
+    want = alone(pair, "eagle", follow, GREEDY, config)
+    assert got.output_ids == want.output_ids
+    assert (got.stats.cycles, got.stats.accepted_tokens) == (want.stats.cycles, want.stats.accepted_tokens)
+    assert_pool_empty(engine)
+
+
 def test_namespaces_never_share_entries(tiny_pairs: dict[str, TinyPair]) -> None:
     pair = tiny_pairs["llama"]
     engine = BatchedEngine(pair.target, Drafters(pair), max_num_seqs=4, max_seq_len=MAX_SEQ_LEN)

@@ -444,6 +444,20 @@ def test_graph_cache_falls_back_for_shapes_limits_and_no_backend() -> None:
     assert cache.keys == ["a"] and cache.eager_runs == 2
 
 
+def test_a_caches_rows_load_into_another_as_its_positions(pair: TinyPair) -> None:
+    """rows() of one slot's first positions, loaded into a fresh slot, hold the same keys and values there; rows of
+    another width are refused."""
+    slots = StaticTarget(pair.target, StaticOptions(CPU_BUCKETS, cuda_graphs=False))
+    source, copy = slots.new_cache(), slots.new_cache()
+    pair.target.forward(source, torch.randint(3, 60, (100,)))
+    copy.load_rows(source.rows(90))
+    assert copy.length == 90
+    for (k1, v1), (k2, v2) in zip(source.snapshot(), copy.snapshot(), strict=True):
+        assert torch.equal(k1[:, :, :90], k2) and torch.equal(v1[:, :, :90], v2)
+    with pytest.raises(ValueError, match="not this model's keys and values"):
+        copy.load_rows(source.rows(3)[:, 1:])
+
+
 def test_a_sequence_past_the_static_cache_is_refused_clearly(pair: TinyPair) -> None:
     """A slot holds max_len positions and 128 more (a padded block, a tree near the end): 16 + 128 here."""
     owner = StaticTarget(pair.target, StaticOptions(buckets=BUCKETS, max_len=16))

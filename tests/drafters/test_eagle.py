@@ -138,7 +138,8 @@ def test_sampled_eagle_emits_the_target_joint_law(tiny_pairs: dict[str, TinyPair
     as requests of one batched engine, whose first seeds the single-request engine emits alike)."""
     pair = tiny_pairs["llama"]
     head = trained_head(pair)
-    batched = BatchedEngine(pair.target, lambda name: EagleDrafter.for_target(head, pair.target), max_num_seqs=32)
+    root = EagleDrafter.for_target(head, pair.target)  # its fresh() drafters draft their chains together
+    batched = BatchedEngine(pair.target, lambda name: root.fresh(), max_num_seqs=32)
     prompt = [5, 17, 23, 8, 30]
     tree = None if shape == "chain" else TreeSpec("dynamic", budget=TreeBudget(depth=3, width=3, nodes=7))
     config = GenerationConfig(max_new_tokens=2, gamma=3, tree=tree, ignore_eos=True)
