@@ -116,6 +116,14 @@ class Coordinator(GenerationFrontend):
 
         return list(ray.get(self.replica.rank0.active_requests.remote(), timeout=30))
 
+    def prefix_cache_stats(self, timeout_s: float = 30.0) -> dict[str, int] | None:
+        """Rank 0's prefix-cache counters (:class:`~specserve.core.prefix_cache.CacheStats`), or ``None`` when the
+        replica keeps no prefix cache."""
+        import ray
+
+        stats: dict[str, int] | None = ray.get(self.replica.rank0.prefix_cache_stats.remote(), timeout=timeout_s)
+        return stats
+
     def check_health(self, timeout_s: float = 30.0) -> None:
         """Raises :class:`ReplicaLost` when the replica's target is gone: seen before, or a shard is dead or does not
         answer within ``timeout_s``; raises when the drafter is dead for good. A drafter that does not answer (frozen)

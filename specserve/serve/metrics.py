@@ -19,6 +19,7 @@ anything that :class:`~specserve.core.stats.RequestStats` does not already hold.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from specserve.core.prefix_cache import CacheStats
@@ -118,6 +119,7 @@ class ServeMetrics:
             "specserve_prefix_cache_tokens", "KV pool positions the prefix cache holds (free to evict)", TAGS
         )
         self._evictions = 0
+        self._cache_lock = threading.Lock()
         self.queue(0, 0)  # idle: exported at 0 from the start, not missing until the first request
 
     def queue(self, waiting: int, running: int) -> None:
@@ -130,10 +132,12 @@ class ServeMetrics:
         self.tokens_per_step.observe(tokens, self.tags)
 
     def prefix_cache(self, stats: CacheStats) -> None:
-        """The prefix cache after a step: its evictions since the last call, the positions it holds."""
-        _inc(self.cache_evictions, stats.evictions - self._evictions, self.tags)
-        self._evictions = stats.evictions
-        self.cache_tokens.set(stats.retained_tokens, self.tags)
+        """The prefix cache now (after a step, or a distributed replica's request): its evictions since the last call,
+        the positions it holds. Callers on several threads may report at once."""
+        with self._cache_lock:
+            _inc(self.cache_evictions, max(0, stats.evictions - self._evictions), self.tags)
+            self._evictions = max(self._evictions, stats.evictions)
+            self.cache_tokens.set(stats.retained_tokens, self.tags)
 
     def request_tags(self, lossy: bool) -> dict[str, str]:
         """The tags of one request's metrics: ``lossy="true"`` when it ran a lossy acceptance rule."""

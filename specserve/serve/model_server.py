@@ -64,6 +64,7 @@ from typing import Any
 from specserve.cluster.replica_config import InvalidSetting
 from specserve.core.engine import GenerationConfig, GenerationFrontend, StreamChunk
 from specserve.core.errors import ReplicaLost, UserError
+from specserve.core.prefix_cache import CacheStats
 from specserve.core.prompts import PromptCodec
 from specserve.core.resume import Resume, ResumedOutput, continuation
 from specserve.core.sampling import SamplingParams
@@ -249,6 +250,9 @@ class ModelServer:
             active = getattr(self.runner, "active_requests", None)
             if active is not None:
                 out["active_requests"] = active()
+            cache_stats = getattr(self.runner, "prefix_cache_stats", None)  # the distributed runtime's rank 0
+            if cache_stats is not None:
+                out["prefix_cache"] = cache_stats()
         processes = getattr(self.runner, "processes", None)  # the distributed runtime's actors
         out["processes"] = processes() if processes is not None else {"engine": os.getpid()}
         return out
@@ -441,6 +445,7 @@ class ModelServer:
                 try:
                     if chunks is not None:
                         chunks.close()  # on this thread: the runner's cleanup (cancel drafting, free KV)
+                    self._report_cache()
                 finally:
                     put(_End())
 
@@ -498,6 +503,18 @@ class ModelServer:
             cache = getattr(self.runner, "cache", None)
             if cache is not None:
                 self.metrics.prefix_cache(cache.stats)
+
+    def _report_cache(self) -> None:  # on a worker thread, after a request of a runner with a prefix cache elsewhere
+        cache_stats = getattr(self.runner, "prefix_cache_stats", None)
+        if self.metrics is None or cache_stats is None:
+            return
+        try:
+            stats = cache_stats()
+        except Exception:  # the metrics can wait for the next request; the request itself went fine
+            logger.debug("could not read the prefix cache's counters", exc_info=True)
+            return
+        if stats is not None:
+            self.metrics.prefix_cache(CacheStats(**stats))
 
     def _report_queue(self) -> None:
         if self.metrics is not None:

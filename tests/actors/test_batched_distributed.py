@@ -148,7 +148,8 @@ def test_prefixes_come_from_rank_0s_cache_on_every_rank_and_change_nothing(runni
     if not running.case.overlap:  # with overlap the drafter's draws differ from the engine's (as above)
         alone = running.engine.generate(follow, SamplingParams(temperature=1.0, seed=3), config)
         assert turn.output_ids == alone.output_ids
-    stats = ray.get(coordinator.replica.rank0.prefix_cache_stats.remote())
+    stats = coordinator.prefix_cache_stats()  # rank 0's, what the replica's status() and /metrics report
+    assert stats is not None and stats == ray.get(coordinator.replica.rank0.prefix_cache_stats.remote())
     assert stats["hits"] >= 2 and stats["hit_tokens"] >= again.stats.cached_tokens + turn.stats.cached_tokens
     assert free_kv_tokens(running) == [running.kv_tokens] * running.case.tp
 

@@ -20,6 +20,7 @@ from conftest import TinyPair
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, GenerationFrontend, SpeculativeEngine, StreamChunk
+from specserve.core.prefix_cache import CacheStats
 from specserve.core.sampling import SamplingParams
 from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.serve.config import ServeConfig
@@ -110,6 +111,20 @@ def test_a_failing_runner_reaches_the_consumer_and_the_server_recovers(engine: S
 
     asyncio.run(main())
     assert runner.closed and server.status()["finished"] == {"error": 2}
+
+
+class CachingRunner(SpeculativeEngine):
+    """An engine standing in for the distributed runtime, whose prefix cache lives on rank 0."""
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        return CacheStats(lookups=3, hits=2, hit_tokens=40).as_dict()
+
+
+def test_a_runner_with_a_prefix_cache_elsewhere_reports_it_in_status(pair: TinyPair) -> None:
+    runner = CachingRunner(pair.target, build_drafter_set(pair.draft, pair.target))
+    server = server_for(runner)
+    asyncio.run(collect(server, runner.encode("abcab"), GenerationConfig(max_new_tokens=4, gamma=2)))
+    assert server.status()["prefix_cache"] == runner.prefix_cache_stats()
 
 
 def test_merge_chunks() -> None:
