@@ -20,7 +20,9 @@ A follower waits for the next command inside a collective, which times out
 therefore sends an empty heartbeat command every sixth of that timeout. For a
 hidden-state drafter (EAGLE, Medusa) rank 0 also keeps the features of the prompt (returned by
 ``start_request``) and of each verdict's root and accepted path (sent with the verdict): after each
-row-parallel all-reduce every rank holds the full residual stream, so rank 0's are the whole features.
+row-parallel all-reduce every rank holds the full residual stream, so rank 0's are the whole features. A batched
+rank 0 with a prefix cache keeps them per position too (a ``PrefixStore`` per namespace and feature layers), so a
+request served from the cache hands its drafter the cached prefix's features with those it computes.
 
 All torch work of a rank runs on its one compute thread (:mod:`specserve.actors.compute`
 explains why), which also serialises it: the collectives of consecutive commands must be issued
@@ -65,6 +67,7 @@ from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, memory_token
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
 from specserve.core.prefix_cache import Hit, PrefixCache
+from specserve.core.prefix_store import PrefixStore
 from specserve.core.request import new_verifier
 from specserve.core.sampling import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, FinishReason, PooledSequence, TargetVerifier
@@ -76,6 +79,9 @@ logger = logging.getLogger(__name__)
 
 ROOM_POLL_S = 0.05  # a batched replica's newcomer re-checks the KV pool for room this often while it waits
 HEARTBEAT_FRACTION = 6  # rank 0 sends a heartbeat after 1/6 of the collectives' timeout without a command
+# rank 0 of a batched replica with a prefix cache: target features kept for hidden-state drafters' requests, in
+# positions (one row of the drafter's feature layers each: 6 KiB for an EAGLE-3 head on the shipped target, 48 MiB)
+FEATURE_STORE_POSITIONS = 8192
 
 
 class ShardedSequence:
@@ -171,8 +177,17 @@ class _Request:
         self.sequence = sequence
         self.verifier = verifier
         self.namespace = namespace  # its prefix-cache namespace
-        self.reuses = False  # takes prefixes from the prefix cache (a batched replica's, no features to hand over)
+        self.reuses = False  # takes prefixes from the prefix cache (a batched replica's)
         self.cached_tokens = 0  # prompt positions it took from there
+        # with feature layers and a prefix cache: the features of every committed position but the last, kept so a
+        # request served from the cache still hands its drafter the whole prompt's, and later ones can take them
+        self.features: list[torch.Tensor] | None = None
+        self.feature_key: tuple[str, tuple[int, ...]] = (namespace, ())
+
+    def keep_features(self, features: torch.Tensor | None) -> None:
+        """Append the features of the next positions (a prefill chunk's, or a verdict's root and accepted path)."""
+        if self.features is not None and features is not None:
+            self.features.extend(features.unbind(0))
 
     @property
     def seq_id(self) -> int:
@@ -300,6 +315,9 @@ class TargetShardActor:
         self._batcher: _VerifyBatcher | None = None  # batched replicas, rank 0
         self._prefix_caching = prefix_caching
         self._cache: PrefixCache | None = None  # batched replicas with prefix caching, rank 0
+        # rank 0, with the cache: target features per position, per (namespace, feature layers) — what a hidden-state
+        # drafter's request takes beside the cached KV of the same prefix
+        self._features = PrefixStore[torch.Tensor](FEATURE_STORE_POSITIONS)
 
     # -----------------------------------------------------------------------------------------
     # Set-up (called by the replica spawner on every rank)
@@ -437,8 +455,9 @@ class TargetShardActor:
 
         A batched replica with a prefix cache copies the longest prefix of the prompt that requests of
         ``cache_namespace`` cached, before its first chunk and again before each (another request may have prefilled
-        more of it since); not for a request with ``feature_layers``, whose drafter needs every prompt position's
-        features from this prefill.
+        more of it since). A request with ``feature_layers`` takes no more of it than rank 0 keeps the features of (its
+        drafter still gets every prompt position's: those of the cached prefix from rank 0's store of them, kept from
+        the requests that computed them, prompt and answer).
 
         A batched replica first waits until its KV pool has the tokens the request reserves (its prompt and output, and
         its widest draft: ``tree_nodes`` for trees); one that could never fit is refused at once
@@ -475,6 +494,8 @@ class TargetShardActor:
             self.compute.run(self._abandon, request_id)
             raise
         self.compute.run(self._register, request_id)
+        if request.features is not None:  # every prompt position's: those of the cached prefix too
+            chunks = [torch.stack(request.features)] if request.features else []
         features = (torch.cat(chunks).cpu() if chunks else torch.empty(0, 0)) if feature_layers else None
         return Started(features, request.cached_tokens)
 
@@ -496,8 +517,9 @@ class TargetShardActor:
             if request_id in self._requests or request_id in self._prefilling:
                 raise ValueError(f"request {request_id!r} is already running")
             sequence: ShardedSequence | PooledSequence
-            cache, reuses = self._cache, self._cache is not None and not feature_layers
-            hit = cache.lookup(namespace, prompt_ids[:-1]) if cache is not None and reuses else None
+            cache = self._cache
+            key = (namespace, tuple(feature_layers))
+            hit = self._lookup(key, prompt_ids[:-1]) if cache is not None else None
             if self._pool is not None:
                 if reserve <= self._pool.pool.capacity:  # (one that could never fit raises on allocating)
                     fits, hit = cache.admit(reserve, hit) if cache is not None else (self._pool.pool.fits(reserve), hit)
@@ -518,9 +540,24 @@ class TargetShardActor:
                 feature_layers,
             )
             request = self._prefilling[request_id] = _Request(sequence, verifier, namespace)
-            request.reuses = reuses
+            request.reuses = cache is not None
+            if cache is not None and feature_layers:
+                request.features, request.feature_key = [], key
             self._reuse(request, hit)
             return request
+
+    def _lookup(
+        self, key: tuple[str, tuple[int, ...]], tokens: Sequence[int], exclude: int | None = None
+    ) -> Hit | None:
+        """The prefix cache's longest prefix of ``tokens`` in the key's namespace; for a request that reads features
+        (the key's layers), no longer than the features kept of it."""
+        assert self._cache is not None
+        namespace, layers = key
+        hit = self._cache.lookup(namespace, tokens, exclude=exclude)
+        if hit is None or not layers:
+            return hit
+        held = len(self._features.peek(key, tokens))
+        return Hit(hit.seq_id, min(hit.length, held)) if held else None
 
     def _reuse(self, request: _Request, hit: Hit | None = None) -> None:
         """Copy a prefix-cache hit (if any) into the request's span and offer what it caches to other requests; once its
@@ -530,6 +567,11 @@ class TargetShardActor:
             return
         committed = request.verifier.committed
         request.cached_tokens += cache.adopt(request.seq_id, request.namespace, committed, hit)
+        if request.features is not None:
+            length = request.sequence.length
+            if hit is not None and len(request.features) < length:  # the hit's features, as far as it was copied
+                request.features = self._features.get(request.feature_key, committed[:length])
+            self._features.put(request.feature_key, committed, request.features)
         if not request.verifier.unprefilled:
             cache.record(len(committed) - 1, request.cached_tokens)
 
@@ -540,7 +582,7 @@ class TargetShardActor:
         with self._lock:
             if self._cache is not None and request.reuses:
                 tokens = request.verifier.committed[:-1]
-                hit = self._cache.lookup(request.namespace, tokens, exclude=request.seq_id)
+                hit = self._lookup(request.feature_key, tokens, exclude=request.seq_id)
                 if hit is not None and hit.length > request.sequence.length:
                     self._reuse(request, hit)
                 if not request.verifier.unprefilled:
@@ -548,8 +590,10 @@ class TargetShardActor:
             capture = request.verifier.new_capture()
             block = request.verifier.prefill_block(request.seq_id, self._prefill_tokens)
             self._pool.forward_batch([block], last_only=True, capture=[capture])
+            features = capture.take() if capture is not None else None
+            request.keep_features(features)
             self._reuse(request)
-            return capture.take() if capture is not None else None
+            return features
 
     def _register(self, request_id: str) -> None:
         """On the compute thread: a prefilled request joins the steps."""
@@ -611,7 +655,9 @@ class TargetShardActor:
                 self._pool, [(request.verifier, proposal, request.seq_id) for _, request, proposal in items]
             )
             allreduce = self._allreduce_seconds() - before
-            for (request_id, _, _), outcome in zip(items, step.outcomes, strict=True):
+            for (request_id, request, _), outcome in zip(items, step.outcomes, strict=True):
+                if not isinstance(outcome, Exception):
+                    request.keep_features(outcome.features)
                 results[request_id] = (
                     outcome  # that request's own failure: it alone ends
                     if isinstance(outcome, Exception)
@@ -641,6 +687,8 @@ class TargetShardActor:
             if self._cache is not None and retain and sequence.length < len(committed):  # not amid a failed block
                 tokens = committed[: sequence.length]
                 self._cache.retain(sequence.seq_id, request.namespace, tokens)
+                if request.features is not None:  # (a verdict cut at a stop may have given more than were kept)
+                    self._features.put(request.feature_key, committed, request.features[: len(committed) - 1])
             else:
                 if self._cache is not None:
                     self._cache.withdraw(sequence.seq_id)
@@ -694,6 +742,7 @@ class TargetShardActor:
                 return 0
             held = self._cache.retained_tokens
             self._cache.clear()
+            self._features.clear()
         with self._room:
             self._room.notify_all()
         return held

@@ -73,6 +73,11 @@ class PrefixStore(Generic[State]):
         self.hit_positions += length
         return stored.states[:length]
 
+    def peek(self, namespace: Hashable, tokens: Sequence[int]) -> list[State]:
+        """What :meth:`get` would hand out, without marking it used or counting it."""
+        item, length = self.index.longest(namespace, tokens)
+        return [] if item is None else self._stored[item].states[:length]
+
     def clear(self) -> None:
         for item in list(self._stored):
             self._drop(item)

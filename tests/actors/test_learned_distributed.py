@@ -89,6 +89,8 @@ def config_for(name: str, models: Path, spec: str) -> ReplicaConfig:
         # asked for, but a hidden-state drafter waits for each verdict's features (so its seeded runs match the
         # engine's); layer-skip would draft ahead, which changes a seed's text (README: overlap mode)
         overlap=kind != "layerskip",
+        # the EAGLE replicas are batched: rank 0's prefix cache serves their requests, features and all
+        max_num_seqs=4 if kind.startswith("eagle") else 1,
     )
 
 
@@ -162,3 +164,34 @@ def test_a_request_may_still_choose_ngram(running: Running) -> None:
     config = GenerationConfig(max_new_tokens=20, gamma=3, drafter="ngram")
     got = running.coordinator.generate(prompt, SamplingParams(), config)
     assert got.output_ids == greedy_reference(running.pair, prompt, 20)
+
+
+def test_a_repeated_prompt_and_its_next_turn_come_from_the_prefix_cache(running: Running) -> None:
+    """Batched replicas (EAGLE here) reuse the KV of a repeated prompt and of the last turn (prompt and answer), their
+    drafter gets the cached prefix's features from rank 0, and the drafts and output are what they are cold; a
+    one-at-a-time replica keeps no cache."""
+    pair, coordinator = running.pair, running.coordinator
+    prompt = max(pair.prompts, key=len)
+    config = GenerationConfig(max_new_tokens=12, gamma=3, ignore_eos=True, cache_namespace=f"turns-{running.kind}")
+    first = coordinator.generate(prompt, SamplingParams(), config)
+    again = coordinator.generate(prompt, SamplingParams(), config)
+    follow = [*prompt, *first.output_ids, 5, 6, 7]
+    seeded = SamplingParams(temperature=1.0, top_k=30, seed=4)
+    turn = coordinator.generate(follow, seeded, config)
+    cached = [result.stats.cached_tokens for result in (first, again, turn)]
+    if running.kind.startswith("eagle"):
+        assert cached == [0, len(prompt) - 1, len(prompt) + len(first.output_ids) - 1]
+    else:
+        assert cached == [0, 0, 0]
+    assert first.output_ids == again.output_ids
+    for got, (text, params) in (
+        (first, (prompt, SamplingParams())),
+        (again, (prompt, SamplingParams())),
+        (turn, (follow, seeded)),
+    ):
+        want = running.engine.generate(text, params, config)
+        assert got.output_ids == want.output_ids
+        assert (got.stats.drafted_tokens, got.stats.accepted_tokens) == (
+            want.stats.drafted_tokens,
+            want.stats.accepted_tokens,
+        )  # the same features reached the drafter
