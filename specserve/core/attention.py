@@ -62,7 +62,7 @@ def grouped_sdpa_attention(
     """transformers' attention-function contract; see the module docstring."""
     ragged = _RAGGED.get()
     if ragged is not None:
-        return ragged.attend(query, key, value, scaling), None
+        return ragged.attend(query, key, value, scaling, kwargs.get("sliding_window")), None
     group = int(getattr(module, "num_key_value_groups", 1))
     batch, heads, q_length, head_dim = query.shape
     if (
@@ -98,6 +98,7 @@ class RaggedRow:
     stop: int
     queries: int
     mask: torch.Tensor | None  # [queries, stop - start] additive; None: every query sees the whole span
+    positions: torch.Tensor | None = None  # [queries]: the block's positions (its keys' too), for sliding windows
 
 
 @dataclass
@@ -106,8 +107,9 @@ class RaggedBatch:
     attended through it, so the caller can check the model's attention went through this module."""
 
     rows: Sequence[RaggedRow]
+    dtype: torch.dtype = torch.float32  # of a mask built here (a row's window, when the row has no mask of its own)
     calls: int = 0
-    _folded: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _folded: dict[tuple[int, int, int | None], torch.Tensor] = field(default_factory=dict)
 
     def attend(
         self,
@@ -115,8 +117,11 @@ class RaggedBatch:
         key: torch.Tensor,  # [1, kv_heads, arena, d]
         value: torch.Tensor,
         scaling: float | None,
+        window: int | None = None,
     ) -> torch.Tensor:  # [batch, width, heads, d]
-        """One layer's attention, row by row over each row's own span of the arena.
+        """One layer's attention, row by row over each row's own span of the arena; a sliding-window layer's
+        (``window``) sees, of each row, only the keys fewer than ``window`` positions behind each query
+        (:mod:`specserve.core.windows`).
 
         The query heads of a group are folded into the query dimension position-major — row ``pos · group +
         member`` — so a row's real queries are the first ``queries · group`` of its fold, and one copy folds the
@@ -137,20 +142,30 @@ class RaggedBatch:
                 folded[b : b + 1, :, :real],
                 key[:, :, row.start : row.stop],
                 value[:, :, row.start : row.stop],
-                attn_mask=self._mask(b, row, group),
+                attn_mask=self._mask(b, row, group, window),
                 scale=scaling,
             )
         # [batch, kv_heads, width, group, d] -> [batch, width, heads, d], head h = kv head h // group, member h % group
         return out.view(batch, kv_heads, width, group, -1).permute(0, 2, 1, 3, 4).reshape(batch, width, heads, -1)
 
-    def _mask(self, b: int, row: RaggedRow, group: int) -> torch.Tensor | None:
-        """The row's mask repeated for the ``group`` query heads folded into its query dimension (built once per
-        forward, shared by the layers)."""
+    def _mask(self, b: int, row: RaggedRow, group: int, window: int | None = None) -> torch.Tensor | None:
+        """The row's mask (with the layer's ``window``) repeated for the ``group`` query heads folded into its query
+        dimension (built once per forward and window, shared by the layers)."""
+        span = row.stop - row.start
+        if window is not None and row.positions is not None and span > window:
+            folded = self._folded.get((b, group, window))
+            if folded is None:
+                from specserve.core.windows import window_mask
+
+                mask = row.mask if row.mask is not None else torch.zeros(row.queries, span, dtype=self.dtype)
+                windowed = window_mask(mask.to(row.positions.device), row.positions, window)
+                folded = self._folded[(b, group, window)] = windowed.repeat_interleave(group, dim=0)
+            return folded
         if row.mask is None:
             return None
-        folded = self._folded.get((b, group))
+        folded = self._folded.get((b, group, None))
         if folded is None:
-            folded = self._folded[(b, group)] = row.mask.repeat_interleave(group, dim=0)
+            folded = self._folded[(b, group, None)] = row.mask.repeat_interleave(group, dim=0)
         return folded
 
 

@@ -355,9 +355,15 @@ class PoolView(Cache):
         self.columns = columns.flatten().to(pool.keys[0].device)  # row-major: row b's columns, then row b + 1's
         super().__init__(layers=[_PoolLayer(self, i) for i in range(len(pool.keys))])
 
-    def rows(self, masks: Sequence[torch.Tensor | None]) -> list[RaggedRow]:
-        """Per row, its span after this step's block and its mask (``[k, length + k]`` additive, or ``None``)."""
+    def rows(
+        self, masks: Sequence[torch.Tensor | None], positions: Sequence[torch.Tensor] | None = None
+    ) -> list[RaggedRow]:
+        """Per row, its span after this step's block, its mask (``[k, length + k]`` additive, or ``None``) and, for a
+        model with sliding windows, its block's positions (``[k]``)."""
+        where = positions if positions is not None else [None] * len(masks)
         return [
-            RaggedRow(start, start + length + k, k, mask)
-            for start, length, k, mask in zip(self.starts, self.lengths, self.blocks, masks, strict=True)
+            RaggedRow(start, start + length + k, k, mask, row_positions)
+            for start, length, k, mask, row_positions in zip(
+                self.starts, self.lengths, self.blocks, masks, where, strict=True
+            )
         ]

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import SafetensorError
-from transformers.cache_utils import DynamicCache
 
 from specserve.core.attention import RaggedBatch, ragged_batch, register_attention, use_grouped_attention
 from specserve.core.buckets import VerifyBuckets
 from specserve.core.checkpoint_dir import ModelLoadError, check_checkpoint_dir
 from specserve.core.kv_pool import KVPool
 from specserve.core.tree import DraftTree
+from specserve.core.windows import LayerWindows, full_cache, layer_windows, unsupported_attention
 
 if TYPE_CHECKING:  # transformers' modelling code is imported where a model is loaded, not by every importer
     from transformers import PreTrainedModel
@@ -83,7 +83,7 @@ class KVCache:
     """The KV cache of one sequence; ``length`` positions are cached."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.inner = DynamicCache(config=model.config)
+        self.inner = full_cache(model.config)  # a sliding-window layer keeps every position too: the masks apply it
 
     @property
     def length(self) -> int:
@@ -193,7 +193,7 @@ class CausalLM:
             eos_token_ids=eos_ids,
             architecture=type(model).__name__,
         )
-        _check_full_attention(model, self.info)
+        self.windows = _attention_windows(model, self.info)
         # transformers 5.x renamed ``past_key_values`` to ``cache``; older models keep the old name.
         forward_params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
@@ -287,10 +287,12 @@ class CausalLM:
             return cache.forward_block(BatchBlock.tree(0, root, tree), capture=capture)
         prefix = cache.length
         ids = torch.cat([torch.tensor([root], dtype=torch.long), tree.tokens.to("cpu", torch.long)])
+        positions = tree.position_ids(prefix, self.device)
+        mask = tree.attention_mask(prefix, self.dtype, self.device)
         kwargs = {
             self._cache_kwarg: cache.inner,
-            "attention_mask": tree.attention_mask(prefix, self.dtype, self.device),
-            "position_ids": tree.position_ids(prefix, self.device),
+            "attention_mask": self.windows.mask_argument(mask, positions[0]),
+            "position_ids": positions,
         }
         return self._call(ids.to(self.device)[None], [ids.shape[0]], [capture], kwargs)[0]
 
@@ -308,9 +310,15 @@ class CausalLM:
         if prefix < 0:
             raise ValueError(f"the cache ({cache.length}) cannot hold the root and {start} nodes")
         mask = tree.attention_mask(prefix, self.dtype, self.device)[:, :, 1 + start :]
-        positions = tree.position_ids(prefix, self.device)[:, 1 + start :]
+        block = tree.position_ids(prefix, self.device)  # [1, n + 1]: the root's and every node's
+        positions = block[:, 1 + start :]
         ids = tree.tokens[start:].to(self.device, torch.long)[None]
-        kwargs = {self._cache_kwarg: cache.inner, "attention_mask": mask, "position_ids": positions}
+        keys = torch.cat([torch.arange(prefix, device=self.device), block[0]])  # the cache's, then the new nodes'
+        kwargs = {
+            self._cache_kwarg: cache.inner,
+            "attention_mask": self.windows.mask_argument(mask, positions[0], keys),
+            "position_ids": positions,
+        }
         return self.model(input_ids=ids, use_cache=True, **kwargs).logits[0]
 
     @torch.inference_mode()
@@ -366,7 +374,9 @@ class CausalLM:
         }
         if last_only:  # [rows, 1]: per row, the column of its last real token
             kwargs["logits_to_keep"] = torch.tensor([[k - 1] for k in sizes], device=self.device)
-        with ragged_batch(RaggedBatch(view.rows(masks))) as ragged:
+        rows_positions = [positions[row, :k].to(self.device) for row, k in enumerate(sizes)]
+        ragged_rows = view.rows(masks, rows_positions if self.windows.active else None)
+        with ragged_batch(RaggedBatch(ragged_rows, self.dtype)) as ragged:
             logits = self._call(ids.to(self.device), sizes, captures, kwargs)
         if ragged.calls != len(pool.keys):
             raise RuntimeError(
@@ -449,21 +459,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _check_full_attention(model: PreTrainedModel, info: ModelInfo) -> None:
-    """Refuse a model whose sliding-window attention would act inside its context.
-
-    KV rollback and compaction, tree masks and the batched engine's ragged attention all assume that every
-    position sees every earlier one: transformers' sliding-window cache layers cannot be rolled back once full,
-    and the masks specserve builds have no window, so such a model would fail mid-request or, batched, attend
-    outside its window. A window at least as long as the context never acts, so that model runs as it is.
-    """
-    layers = DynamicCache(config=model.config).layers  # the layers :class:`KVCache` would build
-    windows = [int(getattr(layer, "sliding_window", 0)) for layer in layers if getattr(layer, "is_sliding", False)]
-    if windows and min(windows) < info.max_positions:
+def _attention_windows(model: PreTrainedModel, info: ModelInfo) -> LayerWindows:
+    """The model's sliding windows (:mod:`specserve.core.windows`); refuses attention specserve cannot reproduce."""
+    try:
+        windows = layer_windows(model.config, info.max_positions)
+    except ValueError as exc:
         raise ModelLoadError(
-            f"{info.architecture} uses sliding-window attention ({min(windows)} positions, in {len(windows)} of its "
-            f"{len(layers)} layers) inside its {info.max_positions}-token context; specserve needs full attention "
-            "(its KV rollback, tree masks and batched attention have no window). Use a checkpoint without a sliding "
-            'window (config.json "sliding_window": null, e.g. Mistral-7B-v0.3 rather than v0.1); the supported '
-            "families are listed in docs/checkpoints.md (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Granite)"
+            f"{info.architecture} has {exc}; specserve serves full and sliding-window attention layers only (the "
+            "supported families are listed in docs/checkpoints.md)"
+        ) from exc
+    missing = unsupported_attention(model)
+    if missing is not None:
+        raise ModelLoadError(
+            f"{info.architecture} uses {missing}, which specserve's attention does not reproduce yet (the supported "
+            "families are listed in docs/checkpoints.md)"
         )
+    return windows

@@ -471,6 +471,11 @@ class StaticTarget(StaticSlots):
     """A :class:`~specserve.core.model.CausalLM`'s static-shape forwards (the target's, or a draft model's)."""
 
     def __init__(self, model: CausalLM, options: StaticOptions, backend: GraphBackend | None = None) -> None:
+        if model.windows.active:
+            raise UserError(
+                f"{model.info.architecture} attends within a sliding window, which the static-shape engine's masks do "
+                "not apply yet; serve it without --static-shapes"
+            )
         config = model.model.config
         super().__init__(config, model.dtype, model.device, model.info.max_positions, options, backend)
         self.model = model
