@@ -25,16 +25,46 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from specserve.core.draft import Draft, Drafter, check_chain_call
-
-if TYPE_CHECKING:
-    from specserve.drafters.eagle import EagleDrafter
+from specserve.core.draft import ChainBatcher, Draft, Drafter, check_chain_call
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class HeadDrafter(Protocol):
+    """What a batcher needs of an EAGLE drafter (:class:`~specserve.drafters.eagle.EagleDrafter`): its head's slots and
+    the request's slot of them, its catch-up, its token choice and its chain."""
+
+    batcher: ChainBatcher
+    slots: Any  # HeadSlots: run_rows, graphed
+
+    @property
+    def head_cache(self) -> Any: ...  # StaticKVCache | None
+
+    @property
+    def sampled(self) -> bool: ...
+
+    @property
+    def generator(self) -> torch.Generator | None: ...
+
+    def chain_budget(self, budget: int) -> int: ...
+
+    def unfed(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def fed(self) -> None: ...
+
+    def drafted(self) -> None: ...
+
+    def choose_chain_token(self, logits: torch.Tensor, index: int, probs: list[torch.Tensor]) -> int: ...
+
+    def chain_draft(self, tokens: Sequence[int], probs: Sequence[torch.Tensor]) -> Draft: ...
+
+    def propose_chain(self, budget: int) -> Draft: ...
+
 
 SHORT_CATCH_UP = 8  # a catch-up of at most this many positions shares the first drafting round with the others
 
@@ -43,7 +73,7 @@ SHORT_CATCH_UP = 8  # a catch-up of at most this many positions shares the first
 class _Row:
     """One request's chain while it is drafted."""
 
-    drafter: EagleDrafter
+    drafter: HeadDrafter
     budget: int
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
@@ -113,16 +143,14 @@ class EagleChains:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         caches = [row.drafter.head_cache for row in rows]
         assert all(cache is not None for cache in caches)
-        slots = rows[0].drafter.slots
-        return slots.run_rows(caches, [t for t, _ in feeds], [f for _, f in feeds])  # type: ignore[arg-type]
+        logits, hidden = rows[0].drafter.slots.run_rows(caches, [t for t, _ in feeds], [f for _, f in feeds])
+        return logits, hidden
 
     def _check(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[_Row]:
-        from specserve.drafters.eagle import EagleDrafter
-
         check_chain_call(drafters, budgets)
         rows = []
         for drafter, budget in zip(drafters, budgets, strict=True):
-            if not isinstance(drafter, EagleDrafter) or drafter.batcher is not self:
+            if not isinstance(drafter, HeadDrafter) or drafter.batcher is not self:
                 raise ValueError(f"{drafter!r} is not an EAGLE drafter of this batcher (use the head's fresh())")
             if drafter.head_cache is None:
                 raise RuntimeError("call start() before proposing")
