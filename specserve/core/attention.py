@@ -29,6 +29,11 @@ causal or tree part of its block; none for one query, which sees the whole span)
 target (``bench/ragged_attention.py``) this costs about what one padded SDPA call over per-sequence slots
 did: within 25 % either way from 1 to 32 rows, cheaper for wide blocks, since no row attends over another's
 padding.
+
+**Soft-capped logits and sinks.** Gemma 2 caps its attention logits (``tanh(s / cap) · cap``) and gpt-oss gives
+every head a sink logit; SDPA can express neither, so transformers runs those models eagerly. They run
+:func:`grouped_sdpa_attention` too (:func:`use_grouped_attention`), which computes their attention as transformers'
+eager functions do (:func:`eager_attention`), with the mask, or row by row in a ragged batch.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 ATTENTION = "specserve_grouped_sdpa"
+EAGER_ATTENTION = "specserve_grouped_eager"  # the same function, for models transformers runs eagerly (eager masks)
 
 
 def grouped_sdpa_attention(
@@ -60,9 +66,12 @@ def grouped_sdpa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract; see the module docstring."""
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     ragged = _RAGGED.get()
     if ragged is not None:
-        return ragged.attend(query, key, value, scaling, kwargs.get("sliding_window")), None
+        return ragged.attend(query, key, value, scaling, kwargs.get("sliding_window"), softcap, sinks), None
+    if softcap is not None or sinks is not None:
+        return eager_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
     group = int(getattr(module, "num_key_value_groups", 1))
     batch, heads, q_length, head_dim = query.shape
     if (
@@ -87,6 +96,52 @@ def grouped_sdpa_attention(
     )
     out = out.reshape(batch, heads, q_length, value.shape[-1]).transpose(1, 2).contiguous()
     return out, None
+
+
+def eager_attention(
+    query: torch.Tensor,  # [batch, heads, q, d]
+    key: torch.Tensor,  # [batch, kv_heads, kv, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,  # [batch or 1, 1, q, >= kv], additive or boolean (True: attend); None: causal
+    scaling: float | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]
+) -> torch.Tensor:  # [batch, q, heads, d]
+    """Attention as transformers' eager functions compute it for what SDPA cannot express: soft-capped logits (Gemma
+    2: ``tanh(s / cap) · cap`` before the mask, the softmax in float32) and attention sinks (gpt-oss: a per-head logit
+    that joins each query's softmax and takes a share of it, with no value)."""
+    batch, heads, q_length, head_dim = query.shape
+    group = heads // key.shape[1]
+    keys, values = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * (head_dim**-0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    kv_length = keys.shape[2]
+    if attention_mask is None:  # transformers leaves a causal block's mask out: its last query sees every key
+        if q_length > 1:
+            allowed = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device).tril(kv_length - q_length)
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    else:
+        mask = attention_mask[..., :kv_length]
+        low = torch.finfo(scores.dtype).min
+        scores = scores.masked_fill(~mask, low) if mask.dtype == torch.bool else scores + mask
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).expand(batch, -1, q_length, -1).to(scores.dtype)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.nn.functional.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    else:
+        probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs.to(values.dtype), values).transpose(1, 2).contiguous()
+
+
+def needs_eager_attention(model: torch.nn.Module) -> bool:
+    """Whether the model's attention has soft-capped logits or sinks (:func:`eager_attention`)."""
+    config: Any = getattr(model, "config", None)
+    text: Any = config.get_text_config(decoder=True) if config is not None else None
+    if getattr(text, "attn_logit_softcapping", None):
+        return True
+    return any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules())
 
 
 @dataclass(frozen=True)
@@ -118,6 +173,8 @@ class RaggedBatch:
         value: torch.Tensor,
         scaling: float | None,
         window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [batch, width, heads, d]
         """One layer's attention, row by row over each row's own span of the arena; a sliding-window layer's
         (``window``) sees, of each row, only the keys fewer than ``window`` positions behind each query
@@ -125,9 +182,25 @@ class RaggedBatch:
 
         The query heads of a group are folded into the query dimension position-major — row ``pos · group +
         member`` — so a row's real queries are the first ``queries · group`` of its fold, and one copy folds the
-        whole batch."""
+        whole batch. Soft-capped logits and sinks (``softcap``, ``sinks``) go row by row through
+        :func:`eager_attention` instead, unfolded."""
         self.calls += 1
         batch, heads, width, head_dim = query.shape
+        if softcap is not None or sinks is not None:
+            rows_out = query.new_zeros(batch, width, heads, value.shape[-1])
+            for b, row in enumerate(self.rows):
+                k = row.queries
+                mask = self._row_mask(b, row, window)
+                rows_out[b : b + 1, :k] = eager_attention(
+                    query[b : b + 1, :, :k],
+                    key[:, :, row.start : row.stop],
+                    value[:, :, row.start : row.stop],
+                    None if mask is None else mask[None, None],
+                    scaling,
+                    softcap,
+                    sinks,
+                )
+            return rows_out
         kv_heads = key.shape[1]
         group = heads // kv_heads
         folded = (
@@ -151,22 +224,27 @@ class RaggedBatch:
     def _mask(self, b: int, row: RaggedRow, group: int, window: int | None = None) -> torch.Tensor | None:
         """The row's mask (with the layer's ``window``) repeated for the ``group`` query heads folded into its query
         dimension (built once per forward and window, shared by the layers)."""
-        span = row.stop - row.start
-        if window is not None and row.positions is not None and span > window:
-            folded = self._folded.get((b, group, window))
-            if folded is None:
-                from specserve.core.windows import window_mask
-
-                mask = row.mask if row.mask is not None else torch.zeros(row.queries, span, dtype=self.dtype)
-                windowed = window_mask(mask.to(row.positions.device), row.positions, window)
-                folded = self._folded[(b, group, window)] = windowed.repeat_interleave(group, dim=0)
-            return folded
-        if row.mask is None:
+        mask = self._row_mask(b, row, window)
+        if mask is None:
             return None
-        folded = self._folded.get((b, group, None))
+        folded = self._folded.get((b, group, window))
         if folded is None:
-            folded = self._folded[(b, group, None)] = row.mask.repeat_interleave(group, dim=0)
+            folded = self._folded[(b, group, window)] = mask.repeat_interleave(group, dim=0)
         return folded
+
+    def _row_mask(self, b: int, row: RaggedRow, window: int | None) -> torch.Tensor | None:
+        """The row's additive mask ``[queries, span]`` with the layer's ``window`` applied (``None``: it sees its whole
+        span); built once per forward and window."""
+        span = row.stop - row.start
+        if window is None or row.positions is None or span <= window:
+            return row.mask
+        windowed = self._folded.get((b, 0, window))
+        if windowed is None:
+            from specserve.core.windows import window_mask
+
+            mask = row.mask if row.mask is not None else torch.zeros(row.queries, span, dtype=self.dtype)
+            windowed = self._folded[(b, 0, window)] = window_mask(mask.to(row.positions.device), row.positions, window)
+        return windowed
 
 
 _RAGGED: ContextVar[RaggedBatch | None] = ContextVar("specserve_ragged_batch", default=None)
@@ -189,29 +267,36 @@ def register_attention() -> None:
     seconds of CPU to import, and a process that serves no model (an HTTP edge, a model-free drafter) never needs
     it."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
     AttentionInterface.register(ATTENTION, grouped_sdpa_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
+    AttentionInterface.register(EAGER_ATTENTION, grouped_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(EAGER_ATTENTION, eager_mask)
 
 
 def use_grouped_attention(model: PreTrainedModel) -> None:
-    """Switch ``model`` to :func:`grouped_sdpa_attention` when it runs transformers' ``sdpa`` (other
-    implementations are left as they are)."""
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+    """Switch ``model`` to :func:`grouped_sdpa_attention` when it runs transformers' ``sdpa``, or ``eager`` for
+    soft-capped logits or sinks (:func:`needs_eager_attention`); other implementations are left as they are."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation == "sdpa":
         register_attention()
         model.set_attn_implementation(ATTENTION)
+    elif implementation == "eager" and needs_eager_attention(model):
+        register_attention()
+        model.set_attn_implementation(EAGER_ATTENTION)
 
 
 @contextmanager
 def native_attention(model: PreTrainedModel | None) -> Iterator[None]:
-    """Within the block, ``model`` runs transformers' own ``sdpa`` again (if it ran :data:`ATTENTION`; ``None``:
-    nothing to switch)."""
-    if model is None or getattr(model.config, "_attn_implementation", None) != ATTENTION:
+    """Within the block, ``model`` runs transformers' own ``sdpa`` (or ``eager``, for soft-capped logits or sinks)
+    again (if it ran :data:`ATTENTION`; ``None``: nothing to switch)."""
+    ours = getattr(model.config, "_attn_implementation", None) if model is not None else None
+    if model is None or ours not in (ATTENTION, EAGER_ATTENTION):
         yield
         return
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("sdpa" if ours == ATTENTION else "eager")
     try:
         yield
     finally:
-        model.set_attn_implementation(ATTENTION)
+        model.set_attn_implementation(ours)

@@ -31,7 +31,7 @@ from specserve.core.buckets import VerifyBuckets
 from specserve.core.checkpoint_dir import ModelLoadError, check_checkpoint_dir
 from specserve.core.kv_pool import KVPool
 from specserve.core.tree import DraftTree
-from specserve.core.windows import LayerWindows, full_cache, layer_windows, unsupported_attention
+from specserve.core.windows import LayerWindows, full_cache, layer_windows
 
 if TYPE_CHECKING:  # transformers' modelling code is imported where a model is loaded, not by every importer
     from transformers import PreTrainedModel
@@ -460,7 +460,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _attention_windows(model: PreTrainedModel, info: ModelInfo) -> LayerWindows:
-    """The model's sliding windows (:mod:`specserve.core.windows`); refuses attention specserve cannot reproduce."""
+    """The model's sliding windows (:mod:`specserve.core.windows`); refuses layers that are not attention."""
     try:
         windows = layer_windows(model.config, info.max_positions)
     except ValueError as exc:
@@ -468,10 +468,4 @@ def _attention_windows(model: PreTrainedModel, info: ModelInfo) -> LayerWindows:
             f"{info.architecture} has {exc}; specserve serves full and sliding-window attention layers only (the "
             "supported families are listed in docs/checkpoints.md)"
         ) from exc
-    missing = unsupported_attention(model)
-    if missing is not None:
-        raise ModelLoadError(
-            f"{info.architecture} uses {missing}, which specserve's attention does not reproduce yet (the supported "
-            "families are listed in docs/checkpoints.md)"
-        )
     return windows

@@ -17,8 +17,7 @@ positions, not W), and applies the window in the masks, by position:
   attention function) per row, from the row's query and key positions (:mod:`specserve.core.attention`).
 
 Tree nodes sit at their depth's position, so a node sees an ancestor, or a cached position, exactly as the last token
-of its root-to-node path would in a chain. Does not trim KV, and does not reproduce attention-logit soft-capping or
-attention sinks (:func:`unsupported_attention` says so at load).
+of its root-to-node path would in a chain. Does not trim KV.
 """
 
 from __future__ import annotations
@@ -107,16 +106,3 @@ def window_mask(
         key_positions = torch.cat([torch.arange(kv - q, device=mask.device), positions])
     far = positions[:, None] - key_positions.to(mask.device)[None, :] >= window
     return mask.masked_fill(far, torch.finfo(mask.dtype).min)
-
-
-def unsupported_attention(model: torch.nn.Module) -> str | None:
-    """What of a model's attention specserve does not reproduce yet (soft-capped attention logits, Gemma 2's; attention
-    sinks, gpt-oss's), or ``None``."""
-    config: Any = getattr(model, "config", None)
-    text: Any = config.get_text_config(decoder=True) if config is not None else None
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    if softcap:
-        return f"attention-logit soft-capping ({softcap})"
-    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
-        return "attention sinks"
-    return None

@@ -14,9 +14,9 @@ vocabulary) and a 1-layer draft of the same family sharing its embeddings, first
 
 Sliding-window families run with windows (16 positions) shorter than the tests' text, so the window acts: every
 layer windowed (Mistral v0.1, Phi-3-mini-4k) and full and windowed layers alternating (Qwen2 with
-``use_sliding_window``, Gemma 3). Families whose attention specserve cannot reproduce yet (Gemma 2's soft-capped
-attention logits, gpt-oss's attention sinks, Qwen3-Next's linear-attention layers) are refused when they load, saying
-what. docs/checkpoints.md documents the result.
+``use_sliding_window``, Gemma 2 and 3, gpt-oss), with Gemma 2's soft-capped attention logits and gpt-oss's attention
+sinks and experts. Families with layers specserve does not serve yet (Qwen3-Next's linear attention) are refused when
+they load, saying what. docs/checkpoints.md documents the result.
 """
 
 from __future__ import annotations
@@ -88,6 +88,16 @@ FAMILIES = {
     "qwen2-sliding": Family(
         "Qwen2Config", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "Qwen2ForCausalLM"
     ),
+    # soft-capped attention logits (tanh(s / 50) * 50, transformers' eager attention), local and global layers
+    "gemma2": Family(
+        "Gemma2Config", {"head_dim": 8, "sliding_window": 16, "query_pre_attn_scalar": 8}, "Gemma2ForCausalLM"
+    ),
+    # attention sinks, windowed and full layers, a mixture of 4 experts (top 2)
+    "gpt-oss": Family(
+        "GptOssConfig",
+        {"head_dim": 8, "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "GptOssForCausalLM",
+    ),
     "gemma3": Family(  # local and global layers alternating, each with its own RoPE base; q/k norms; the query
         # scale of head_dim (as the published models: theirs is 256 = head_dim) keeps the tiny model's attention sharp
         "Gemma3TextConfig",
@@ -96,20 +106,8 @@ FAMILIES = {
     ),
 }
 
-# Attention specserve does not reproduce yet: refused at load, saying what (the message's start).
+# Layers specserve does not serve yet: refused at load, saying what.
 REFUSED = {
-    "gemma2": (
-        Family("Gemma2Config", {"head_dim": 8, "sliding_window": 16}, "Gemma2ForCausalLM"),
-        "Gemma2ForCausalLM uses attention-logit soft-capping",
-    ),
-    "gpt-oss": (
-        Family(
-            "GptOssConfig",
-            {"head_dim": 8, "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
-            "GptOssForCausalLM",
-        ),
-        "GptOssForCausalLM uses attention sinks",
-    ),
     "qwen3-next": (  # Gated DeltaNet layers between the attention ones
         Family(
             "Qwen3NextConfig",
@@ -146,7 +144,9 @@ def build(family: Family, num_layers: int, seed: int) -> PreTrainedModel:
         eos_token_id=EOS_ID,
         **family.options,
     )
-    model = AutoModelForCausalLM.from_config(config).double().eval()
+    # float64: a mixture of experts runs its experts one by one (torch's grouped matmul takes no float64), as
+    # CausalLM.load does
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager").double().eval()
     randomise_(model, seed)
     with torch.no_grad():
         model.get_output_embeddings().weight[EOS_ID] *= 2.0  # greedy decoding reaches EOS in some contexts
@@ -188,7 +188,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     )
     target_dir, draft_dir = save(target_model, root / "target"), save(draft_model, root / "draft")
 
-    reference = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=torch.float64).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        target_dir, local_files_only=True, dtype=torch.float64, experts_implementation="eager"
+    ).eval()
     greedy = {prompt: hf_greedy_ids(reference, prompt, NEW_TOKENS) for prompt in PROMPTS}
     tokens = [token for ids in greedy.values() for token in ids]
     assert len(set(tokens)) > 8, f"{request.param}: degenerate greedy continuations would make the checks vacuous"
