@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -41,6 +42,7 @@ from conftest import (
     hf_greedy_ids,
     randomise_,
 )
+from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 from test_tensor_parallel import assert_matches_reference
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -56,6 +58,7 @@ from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
 
 NEW_TOKENS = 16
+ALPHA = 1e-3  # a chi-square test's error probability
 DYNAMIC = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))
 PROMPTS = ((5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7), (40, 41, 40, 41, 40, 41, 40), (17, 33, 60, 9), (70, 71, 72))
 SHAPE = {"chain": None, "tree": DYNAMIC}
@@ -178,8 +181,12 @@ class Checkpoint:
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
-    family = FAMILIES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
+    return make_checkpoint(request.param, tmp_path_factory)
+
+
+def make_checkpoint(name: str, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    family = FAMILIES[name]
+    root = tmp_path_factory.mktemp(name)
     target_model = build(family, num_layers=2, seed=0)
     draft_model = build(family, num_layers=1, seed=1)
     shared = target_model.state_dict()  # the draft copies the target's embeddings, first block, norm and head
@@ -193,10 +200,10 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     ).eval()
     greedy = {prompt: hf_greedy_ids(reference, prompt, NEW_TOKENS) for prompt in PROMPTS}
     tokens = [token for ids in greedy.values() for token in ids]
-    assert len(set(tokens)) > 8, f"{request.param}: degenerate greedy continuations would make the checks vacuous"
+    assert len(set(tokens)) > 8, f"{name}: degenerate greedy continuations would make the checks vacuous"
     target = CausalLM.load(target_dir, dtype="float64")
     draft = CausalLM.load(draft_dir, dtype="float64")
-    return Checkpoint(request.param, target, draft, reference, greedy)
+    return Checkpoint(name, target, draft, reference, greedy)
 
 
 def test_a_saved_checkpoint_loads_as_its_family(checkpoint: Checkpoint) -> None:
@@ -253,6 +260,25 @@ def test_tensor_parallel_is_exact_or_refused(checkpoint: Checkpoint) -> None:
     assert FAMILIES[checkpoint.name].architecture in message
     assert "Llama, Mistral, Qwen2, Qwen3 and Granite" in message and "tensor parallel size 1" in message
     check_shardable(model, 1)  # and it runs unsharded, as the tests above show
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt-oss"])  # a sliding-window family; a mixture of experts with sinks
+def test_sampled_output_follows_the_targets_law_past_the_window(
+    name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """T = 1 through the batched engine with draft-model chains, after a prompt longer than the 16-position window: the
+    joint law of the two emitted tokens is transformers' own (chi-square over 2,500 seeds, error probability 1e-3 per
+    family), and the first seeds emit what the single-request engine emits."""
+    checkpoint = make_checkpoint(name, tmp_path_factory)
+    prompt = [5 + (7 * i) % 60 for i in range(20)]
+    params = SamplingParams(temperature=1.0, top_k=24)
+    config = GenerationConfig(max_new_tokens=2, gamma=3, ignore_eos=True)
+    engine = BatchedEngine(checkpoint.target, checkpoint.new_drafter, max_num_seqs=32)
+    runs = batched_runs(engine, prompt, params, config, 2500)
+    reference = SimpleNamespace(model=checkpoint.reference)  # transformers alone, its own sliding-window masks
+    assert two_token_fit([run.output_ids for run in runs], reference, prompt, params) > ALPHA
+    single = SpeculativeEngine(checkpoint.target, checkpoint.new_drafter("default"))
+    check_single_engine_agrees(single, runs, prompt, params, config)
 
 
 def test_every_runnable_family_is_covered_here() -> None:
