@@ -15,7 +15,9 @@ vocabulary) and a 1-layer draft of the same family sharing its embeddings, first
 Sliding-window families run with windows (16 positions) shorter than the tests' text, so the window acts: every
 layer windowed (Mistral v0.1, Phi-3-mini-4k) and full and windowed layers alternating (Qwen2 with
 ``use_sliding_window``, Gemma 2 and 3, gpt-oss), with Gemma 2's soft-capped attention logits and gpt-oss's attention
-sinks and experts. Families with layers specserve does not serve yet (Qwen3-Next's linear attention) are refused when
+sinks and experts. Mixtures of experts (gpt-oss, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3 with multi-head latent
+attention) also show that a padded batched step sends every real token to the experts it gets alone. Families with
+layers specserve does not serve yet (Qwen3-Next's linear attention) are refused when
 they load, saying what. docs/checkpoints.md documents the result.
 """
 
@@ -49,10 +51,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM, ModelLoadError
+from specserve.core.kv_pool import KVPool
+from specserve.core.model import BatchBlock, CausalLM, ModelLoadError
 from specserve.core.sampling import SamplingParams
 from specserve.core.tensor_parallel import SHARDABLE_MODEL_TYPES, TensorParallelError, check_shardable
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.tree import DraftTree, TreeBudget, TreeSpec
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
@@ -107,6 +110,49 @@ FAMILIES = {
         {"head_dim": 8, "sliding_window": 16, "sliding_window_pattern": 2, "query_pre_attn_scalar": 8},
         "Gemma3ForCausalLM",
     ),
+    # mixtures of experts: 4 experts, each token routed to 2
+    "qwen3-moe": Family(
+        "Qwen3MoeConfig",
+        {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+        "Qwen3MoeForCausalLM",
+    ),
+    "mixtral": Family("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}, "MixtralForCausalLM"),
+    # a dense first layer, then routed experts in groups (2 groups, the best 1 searched) beside a shared expert
+    "glm4-moe": Family(
+        "Glm4MoeConfig",
+        {
+            "head_dim": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+        },
+        "Glm4MoeForCausalLM",
+    ),
+    # multi-head latent attention (queries and keys/values through low-rank projections, a decoupled RoPE part,
+    # values narrower than keys) and DeepSeek's grouped routing with a shared expert
+    "deepseek-v3": Family(
+        "DeepseekV3Config",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 1,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 6,
+            "num_key_value_heads": 4,  # MLA expands its latent to every head: no grouped-query sharing
+        },
+        "DeepseekV3ForCausalLM",
+    ),
 }
 
 # Layers specserve does not serve yet: refused at load, saying what.
@@ -134,18 +180,15 @@ REFUSED = {
 
 
 def build(family: Family, num_layers: int, seed: int) -> PreTrainedModel:
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = getattr(transformers, family.config_class)(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=MAX_POSITIONS,
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
-        **family.options,
+        **{**shape, **family.options},
     )
     # float64: a mixture of experts runs its experts one by one (torch's grouped matmul takes no float64), as
     # CausalLM.load does
@@ -279,6 +322,73 @@ def test_sampled_output_follows_the_targets_law_past_the_window(
     assert two_token_fit([run.output_ids for run in runs], reference, prompt, params) > ALPHA
     single = SpeculativeEngine(checkpoint.target, checkpoint.new_drafter("default"))
     check_single_engine_agrees(single, runs, prompt, params, config)
+
+
+MIXTURES = [name for name in FAMILIES if name in ("gpt-oss", "qwen3-moe", "mixtral", "glm4-moe", "deepseek-v3")]
+
+
+class ExpertChoices:
+    """Records, per MoE layer, the experts each token of a forward was sent to: every family hands its experts module
+    (``mlp.experts``) the flattened tokens' chosen expert indices (``[tokens, top_k]``) as its second argument."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.calls: list[torch.Tensor] = []
+        experts = [module for name, module in model.named_modules() if name.endswith("mlp.experts")]
+        assert experts, f"{type(model).__name__}: no experts module found"
+        self.handles = [module.register_forward_pre_hook(self._record) for module in experts]
+
+    def _record(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self.calls.append(args[1].detach().sort(dim=-1).values.clone())  # the set of experts, as sorted indices
+
+    def take(self, width: int) -> list[torch.Tensor]:
+        """Per MoE layer, ``[rows, width, top_k]``: the forward's tokens as rows of ``width`` columns."""
+        calls, self.calls = self.calls, []
+        return [call.reshape(-1, width, call.shape[-1]) for call in calls]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+def test_a_batched_step_routes_each_real_token_to_the_experts_it_gets_alone(
+    name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Rows of different lengths and prefixes in one forward (the short ones padded), a tree block among them: every
+    real token's chosen experts, in every MoE layer, are those it is sent to when its sequence runs alone."""
+    checkpoint = make_checkpoint(name, tmp_path_factory)
+    target = checkpoint.target
+    prompts = [list(prompt) for prompt in PROMPTS]
+    tree = DraftTree(torch.tensor([21, 22, 23, 24]), (-1, -1, 0, 1))
+    blocks_of = [
+        lambda seq: BatchBlock.chain(seq, torch.tensor([9, 10, 11, 12, 13])),
+        lambda seq: BatchBlock.chain(seq, torch.tensor([30])),
+        lambda seq: BatchBlock.tree(seq, 50, tree),
+        lambda seq: BatchBlock.chain(seq, torch.tensor([61, 62])),
+    ]
+    choices = ExpertChoices(target.model)
+    try:
+        pool = KVPool(target.model, capacity=4 * 32)
+        seqs = [pool.allocate(32) for _ in prompts]
+        target.forward_batch(pool, [BatchBlock.chain(s, torch.tensor(p)) for s, p in zip(seqs, prompts, strict=True)])
+        choices.take(max(map(len, prompts)))
+        blocks = [make(seq) for make, seq in zip(blocks_of, seqs, strict=True)]
+        target.forward_batch(pool, blocks)
+        batched = choices.take(max(block.size for block in blocks))
+        for row, (prompt, block) in enumerate(zip(prompts, blocks, strict=True)):
+            cache = target.new_cache()
+            target.forward(cache, torch.tensor(prompt))
+            choices.take(len(prompt))
+            if block.ancestry is None:
+                target.forward(cache, block.tokens)
+            else:
+                target.forward_tree(cache, int(block.tokens[0]), tree)
+            alone = choices.take(block.size)
+            assert len(alone) == len(batched) > 0
+            for layer, (together, solo) in enumerate(zip(batched, alone, strict=True)):
+                assert torch.equal(together[row, : block.size], solo[0]), f"{name}: row {row}, MoE layer {layer}"
+    finally:
+        choices.close()
 
 
 def test_every_runnable_family_is_covered_here() -> None:
