@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from specserve.core.attention import RaggedRow
 from specserve.core.errors import UserError
+from specserve.core.windows import RECURRENT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -74,8 +75,14 @@ def kv_widths(config: Any) -> tuple[int, int, int]:
 
 
 def _layout(model: PreTrainedModel) -> tuple[int, int, int, int, torch.dtype, torch.device]:
-    """Layers, KV heads (a tensor-parallel rank's share), key and value widths, dtype and device of ``model``'s KV."""
+    """Layers, KV heads (a tensor-parallel rank's share), key and value widths, dtype and device of ``model``'s KV.
+    Raises :class:`~specserve.core.errors.UserError` for a model with recurrent layers, which the pool does not hold."""
     config = model.config
+    if RECURRENT in get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]:
+        raise UserError(
+            f"{type(model).__name__} has recurrent (linear-attention or state-space) layers, whose state the batched "
+            "KV pool does not hold yet; serve it one request at a time (--max-num-seqs 1)"
+        )
     heads, key_width, value_width = kv_widths(config)
     shard = getattr(model, "tensor_parallel", None)  # a tensor-parallel rank holds its share of the KV heads
     if shard is not None:

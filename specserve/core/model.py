@@ -1,14 +1,13 @@
 """Adapter over a local Hugging Face causal LM: load, forward a block of tokens with a KV cache, roll back.
 
-The adapter is the one place that knows transformers' cache API. In transformers 5.x a
-``DynamicCache`` grows on every forward and ``Cache.crop(n)`` takes a *negative* count of tokens
-to drop; :meth:`KVCache.rollback` hides that behind "keep the first ``length`` positions".
+One sequence's cache is a :class:`~specserve.core.kv_cache.KVCache` (rollback by cropping), or for a hybrid model with
+recurrent layers a :class:`~specserve.core.recurrent.RecurrentKVCache` (rollback by checkpoint and recompute).
 Positions of a new block follow from the cache length, so a block of k tokens after a rollback
 is positioned exactly as a fresh forward over the kept prefix would be.
 
 A draft *tree* is verified in one forward by giving the model a 4-D additive attention mask and
-explicit position ids (:meth:`CausalLM.forward_tree`), and the rejected branches are dropped
-from the cache afterwards (:meth:`KVCache.compact`). No modeling code is forked: the model is
+explicit position ids (:meth:`CausalLM.forward_tree`; a recurrent model's path by path), and the rejected branches are
+dropped from the cache afterwards (:meth:`KVCache.compact`). No modeling code is forked: the model is
 whatever ``AutoModelForCausalLM`` builds from the directory's ``config.json``. Does not know
 about drafting, verification or sampling.
 """
@@ -16,7 +15,6 @@ about drafting, verification or sampling.
 from __future__ import annotations
 
 import inspect
-import itertools
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,9 +27,11 @@ from safetensors import SafetensorError
 from specserve.core.attention import RaggedBatch, ragged_batch, register_attention, use_grouped_attention
 from specserve.core.buckets import VerifyBuckets
 from specserve.core.checkpoint_dir import ModelLoadError, check_checkpoint_dir
+from specserve.core.kv_cache import KVCache
 from specserve.core.kv_pool import KVPool
+from specserve.core.recurrent import RecurrentKVCache
 from specserve.core.tree import DraftTree
-from specserve.core.windows import LayerWindows, full_cache, layer_windows
+from specserve.core.windows import LayerWindows, layer_windows
 
 if TYPE_CHECKING:  # transformers' modelling code is imported where a model is loaded, not by every importer
     from transformers import PreTrainedModel
@@ -77,61 +77,6 @@ class BlockCache(Protocol):
     def rollback(self, length: int) -> None: ...
 
     def compact(self, keep: Sequence[int]) -> None: ...
-
-
-class KVCache:
-    """The KV cache of one sequence; ``length`` positions are cached."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.inner = full_cache(model.config)  # a sliding-window layer keeps every position too: the masks apply it
-
-    @property
-    def length(self) -> int:
-        return int(self.inner.get_seq_length())
-
-    def rollback(self, length: int) -> None:
-        """Keep the first ``length`` cached positions and drop the rest."""
-        current = self.length
-        if not 0 <= length <= current:
-            raise ValueError(f"cannot roll back a cache of length {current} to {length}")
-        if length < current:
-            self.inner.crop(length - current)  # transformers 5.x: negative = tokens to remove
-
-    @torch.inference_mode()  # the cached tensors are inference tensors: updated in place only in this mode
-    def compact(self, keep: Sequence[int]) -> None:
-        """Keep only the cached positions in ``keep`` (strictly increasing), moved to positions 0 .. len - 1.
-
-        After a tree verify pass this drops the rejected branches: the prefix stays where it is
-        and the accepted path's entries move down to follow it.
-        """
-        keep = list(keep)
-        current = self.length
-        ordered = all(a < b for a, b in itertools.pairwise(keep))
-        if not ordered or (keep and not 0 <= keep[0] <= keep[-1] < current):
-            raise ValueError(f"positions to keep must be strictly increasing and below {current}, got {keep}")
-        unchanged = next((i for i, p in enumerate(keep) if p != i), len(keep))
-        moved = keep[unchanged:]
-        if moved:
-            index = None
-            for layer in self.inner.layers:
-                for name in ("keys", "values"):
-                    tensor = getattr(layer, name, None)
-                    if not isinstance(tensor, torch.Tensor):
-                        raise TypeError(f"cache layer {type(layer).__name__} holds no key/value tensors")
-                    if index is None or index.device != tensor.device:
-                        index = torch.tensor(moved, dtype=torch.long, device=tensor.device)
-                    tensor[:, :, unchanged : unchanged + len(moved)] = tensor.index_select(2, index)
-        self.rollback(len(keep))
-
-    def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of the cached keys and values, per layer ([batch, heads, length, head_dim] each)."""
-        copies = []
-        for layer in self.inner.layers:
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
-                raise TypeError(f"cache layer {type(layer).__name__} holds no key/value tensors")
-            copies.append((keys.clone(), values.clone()))
-        return copies
 
 
 def select_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int]) -> torch.Tensor:
@@ -237,7 +182,20 @@ class CausalLM:
         return TargetDescription(self.info, self.tokenizer, self.device)
 
     def new_cache(self) -> KVCache:
+        """A cache for one sequence: a hybrid model's (recurrent layers: :mod:`specserve.core.recurrent`) also rolls
+        back its recurrent states."""
+        if self.windows.recurrent:
+            return RecurrentKVCache(self.model, self._run_rows)
         return KVCache(self.model)
+
+    @torch.inference_mode()
+    def _run_rows(self, cache: Any, input_ids: torch.Tensor, positions: torch.Tensor, outputs: str) -> Any:
+        """One plain model call for :class:`~specserve.core.recurrent.RecurrentKVCache` (``outputs``: "feed",
+        "logits" or "hidden")."""
+        kwargs = {self._cache_kwarg: cache, "position_ids": positions.to(self.device), "use_cache": True}
+        if outputs == "feed":
+            kwargs["logits_to_keep"] = 1
+        return self.model(input_ids=input_ids.to(self.device), output_hidden_states=outputs == "hidden", **kwargs)
 
     @torch.inference_mode()
     def forward(
@@ -249,6 +207,17 @@ class CausalLM:
     ) -> torch.Tensor:  # [k, vocab] (or [1, vocab] when last_only) logits, in the model's dtype
         """Append ``input_ids`` to the cache and return their next-token logits (and, with ``capture``, keep
         every token's features there)."""
+        if isinstance(cache, RecurrentKVCache):
+            cache.before_chain(input_ids)
+            positions = cache.length + torch.arange(input_ids.shape[0], device=self.device)[None]
+            kwargs = {
+                self._cache_kwarg: cache.inner,
+                "logits_to_keep": 1 if last_only else 0,
+                "position_ids": positions,
+            }
+            logits = self._call(input_ids.to(self.device)[None], [input_ids.shape[0]], [capture], kwargs)[0]
+            cache.after_chain(input_ids)
+            return logits
         if not isinstance(cache, KVCache):  # a static-shape cache: padded to its bucket, perhaps replayed as a graph
             return cache.forward_block(BatchBlock.chain(0, input_ids), last_only=last_only, capture=capture)
         kwargs = {self._cache_kwarg: cache.inner, "logits_to_keep": 1 if last_only else 0}
@@ -275,7 +244,11 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward_tree(
-        self, cache: KVCache | BlockCache, root: int, tree: DraftTree, capture: FeatureCapture | None = None
+        self,
+        cache: KVCache | BlockCache,
+        root: int,
+        tree: DraftTree,
+        capture: FeatureCapture | None = None,
     ) -> torch.Tensor:
         """Append the block ``[root] + tree nodes`` to the cache in one forward with tree attention.
 
@@ -283,6 +256,11 @@ class CausalLM:
         row ``i + 1`` after node ``i`` — each equal to a plain forward over the node's root-to-node
         path. The cache then holds the whole block; :meth:`KVCache.compact` keeps the accepted path.
         """
+        if isinstance(cache, RecurrentKVCache):  # recurrent layers read a block in order: the tree path by path
+            logits, hidden = cache.forward_tree(root, tree, hidden=capture is not None)
+            if capture is not None:
+                capture.value = select_features(hidden, capture.layers)
+            return logits
         if not isinstance(cache, KVCache):
             return cache.forward_block(BatchBlock.tree(0, root, tree), capture=capture)
         prefix = cache.length
@@ -306,6 +284,8 @@ class CausalLM:
         """
         if not 0 <= start < tree.size:
             raise ValueError(f"start must be in 0..{tree.size - 1} (nodes already cached), got {start}")
+        if isinstance(cache, RecurrentKVCache):
+            return cache.extend_tree(tree, start)
         prefix = cache.length - 1 - start  # the cache holds prefix + root + nodes[:start]
         if prefix < 0:
             raise ValueError(f"the cache ({cache.length}) cannot hold the root and {start} nodes")
@@ -465,7 +445,8 @@ def _attention_windows(model: PreTrainedModel, info: ModelInfo) -> LayerWindows:
         windows = layer_windows(model.config, info.max_positions)
     except ValueError as exc:
         raise ModelLoadError(
-            f"{info.architecture} has {exc}; specserve serves full and sliding-window attention layers only (the "
+            f"{info.architecture} has {exc}; specserve serves full and sliding-window attention and linear-attention "
+            "(recurrent) layers only (the "
             "supported families are listed in docs/checkpoints.md)"
         ) from exc
     return windows

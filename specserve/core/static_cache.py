@@ -476,6 +476,11 @@ class StaticTarget(StaticSlots):
                 f"{model.info.architecture} attends within a sliding window, which the static-shape engine's masks do "
                 "not apply yet; serve it without --static-shapes"
             )
+        if model.windows.recurrent:
+            raise UserError(
+                f"{model.info.architecture} has recurrent (linear-attention or state-space) layers, whose state the "
+                "static-shape engine does not hold; serve it without --static-shapes"
+            )
         config = model.model.config
         super().__init__(config, model.dtype, model.device, model.info.max_positions, options, backend)
         self.model = model

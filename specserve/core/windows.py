@@ -30,6 +30,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
+# Layers that keep a recurrent state rather than keys and values (Gated DeltaNet, Mamba-2): no window, no mask of their
+# own; :mod:`specserve.core.recurrent` rolls them back
+RECURRENT = "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,11 @@ class LayerWindows:
     @property
     def active(self) -> bool:
         return any(window is not None for window in self.windows)
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state (a hybrid model: :mod:`specserve.core.recurrent`)."""
+        return RECURRENT in self.types
 
     @property
     def uniform(self) -> int | None:
@@ -69,12 +77,14 @@ class LayerWindows:
 
 def layer_windows(config: Any, max_positions: int) -> LayerWindows:
     """The windows of a model's decoder layers from its ``config`` (a window of at least ``max_positions`` never acts:
-    ``None``). Raises ``ValueError`` for a layer type that is neither full nor sliding-window attention."""
+    ``None``). Raises ``ValueError`` for a layer type that is neither full nor sliding-window attention nor
+    recurrent."""
     text = config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(text)
     windows: list[int | None] = []
     for layer_type, options in zip(types, kwargs, strict=True):
-        if layer_type in (FULL, "dummy"):  # (a dummy layer keeps no cache of its own: an MLP-only or KV-sharing one)
+        # a dummy layer keeps no cache of its own (an MLP-only or KV-sharing one); a recurrent one keeps a state
+        if layer_type in (FULL, "dummy", RECURRENT):
             windows.append(None)
         elif layer_type == SLIDING:
             window = int(options["sliding_window"])
@@ -89,7 +99,8 @@ def layer_windows(config: Any, max_positions: int) -> LayerWindows:
 
 def full_cache(config: Any) -> DynamicCache:
     """transformers' ``DynamicCache`` for ``config`` with every sliding-window layer replaced by a full one (it keeps
-    every position; the masks apply the window)."""
+    every position; the masks apply the window). A recurrent layer keeps transformers' own
+    (``LinearAttentionLayer``)."""
     cache = DynamicCache(config=config)
     cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
     return cache

@@ -115,6 +115,11 @@ def decoder_stack(model: torch.nn.Module) -> tuple[Any, torch.nn.ModuleList]:
 def early_exit_model(target: CausalLM, layers: int, exit_head: ExitHead | None = None) -> CausalLM:
     """A view of ``target`` that runs its first ``layers`` decoder layers, then ``exit_head`` (when given),
     its final norm and LM head. ``exit_head`` is moved to the target's device and dtype."""
+    if target.windows.recurrent:
+        raise UserError(
+            f"layer-skip drafting shares the target's cache, which {target.info.architecture}'s recurrent layers "
+            "cannot share (their state is the target's own); draft with a draft model or n-gram lookup"
+        )
     model = target.model
     inner, blocks = decoder_stack(model)
     total = len(blocks)

@@ -63,7 +63,7 @@ class DraftModelDrafter:
         self._static.capture(last_only=(True,))  # the one-token steps and the catch-up blocks, once per load
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
-        if self._cache is not None and not isinstance(self._cache, KVCache):
+        if isinstance(self._cache, StaticKVCache):  # a static slot goes back to its owner
             self._cache.release()
         self._cache = self.model.new_cache() if self._static is None else self._static.new_cache()
         self._trees = None

@@ -24,7 +24,7 @@ they load, saying what. docs/checkpoints.md documents the result.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -51,6 +51,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.errors import UserError
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, ModelLoadError
 from specserve.core.sampling import SamplingParams
@@ -72,6 +73,8 @@ class Family:
     config_class: str  # the transformers config class
     options: dict[str, Any]  # beyond the shared tiny shape
     architecture: str  # the class AutoModelForCausalLM builds
+    draft_options: dict[str, Any] = field(default_factory=dict)  # the draft's, over ``options``
+    draft_layers: int = 1
 
 
 # Families that run: each option is what makes the tiny model exercise the family's peculiarity.
@@ -153,33 +156,71 @@ FAMILIES = {
         },
         "DeepseekV3ForCausalLM",
     ),
+    # hybrids: a recurrent layer, then an attention one; the 2-layer draft has them the other way round (its own
+    # recurrent layer rolled back too), sharing the target's embeddings, norm and head
+    "qwen3-next": Family(  # Gated DeltaNet (linear attention with a short convolution), experts
+        "Qwen3NextConfig",
+        {
+            "head_dim": 8,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+        },
+        "Qwen3NextForCausalLM",
+        draft_options={"layer_types": ["full_attention", "linear_attention"]},
+        draft_layers=2,
+    ),
+    "granite-4": Family(  # Mamba-2 (state-space) layers between attention ones
+        "GraniteMoeHybridConfig",
+        {
+            "layer_types": ["mamba", "attention"],
+            "mamba_n_heads": 8,
+            "mamba_d_head": 8,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "num_local_experts": 0,
+            "shared_intermediate_size": 64,
+        },
+        "GraniteMoeHybridForCausalLM",
+        draft_options={"layer_types": ["attention", "mamba"]},
+        draft_layers=2,
+    ),
+    "nemotron-h": Family(  # Mamba-2 and attention layers, each a block of its own
+        "NemotronHConfig",
+        {
+            "hybrid_override_pattern": "M*",
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 8,
+            "n_groups": 1,
+            "ssm_state_size": 8,
+            "conv_kernel": 4,
+            "expand": 2,
+            "head_dim": 8,
+        },
+        "NemotronHForCausalLM",
+        draft_options={"hybrid_override_pattern": "*M"},
+        draft_layers=2,
+    ),
 }
 
 # Layers specserve does not serve yet: refused at load, saying what.
 REFUSED = {
-    "qwen3-next": (  # Gated DeltaNet layers between the attention ones
-        Family(
-            "Qwen3NextConfig",
-            {
-                "head_dim": 8,
-                "linear_num_value_heads": 4,
-                "linear_num_key_heads": 2,
-                "linear_key_head_dim": 8,
-                "linear_value_head_dim": 8,
-                "num_experts": 4,
-                "num_experts_per_tok": 2,
-                "moe_intermediate_size": 16,
-                "shared_expert_intermediate_size": 16,
-                "full_attention_interval": 2,
-            },
-            "Qwen3NextForCausalLM",
-        ),
-        "Qwen3NextForCausalLM has layers of type 'linear_attention'",
+    "llama4-chunked": (  # attention in chunks of 16 positions in 3 of every 4 layers
+        Family("Llama4TextConfig", {"head_dim": 8, "attention_chunk_size": 16, "no_rope_layers": [1, 0]}, ""),
+        "has layers of type 'chunked_attention'",
     ),
 }
 
 
-def build(family: Family, num_layers: int, seed: int) -> PreTrainedModel:
+def build(family: Family, num_layers: int, seed: int, draft: bool = False) -> PreTrainedModel:
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = getattr(transformers, family.config_class)(
         vocab_size=VOCAB,
@@ -188,7 +229,7 @@ def build(family: Family, num_layers: int, seed: int) -> PreTrainedModel:
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
-        **{**shape, **family.options},
+        **{**shape, **family.options, **(family.draft_options if draft else {})},
     )
     # float64: a mixture of experts runs its experts one by one (torch's grouped matmul takes no float64), as
     # CausalLM.load does
@@ -231,7 +272,7 @@ def make_checkpoint(name: str, tmp_path_factory: pytest.TempPathFactory) -> Chec
     family = FAMILIES[name]
     root = tmp_path_factory.mktemp(name)
     target_model = build(family, num_layers=2, seed=0)
-    draft_model = build(family, num_layers=1, seed=1)
+    draft_model = build(family, num_layers=family.draft_layers, seed=1, draft=True)
     shared = target_model.state_dict()  # the draft copies the target's embeddings, first block, norm and head
     draft_model.load_state_dict(
         {k: shared[k].clone() if k in shared else v for k, v in draft_model.state_dict().items()}
@@ -260,7 +301,7 @@ def test_a_saved_checkpoint_loads_as_its_family(checkpoint: Checkpoint) -> None:
     text = "f(x)=x*2;return[x]"
     assert checkpoint.target.tokenizer is not None
     assert checkpoint.target.tokenizer(text)["input_ids"] == char_tokenizer()(text)["input_ids"]
-    assert checkpoint.draft.model.config.num_hidden_layers == 1
+    assert checkpoint.draft.model.config.num_hidden_layers == FAMILIES[checkpoint.name].draft_layers
 
 
 @pytest.mark.parametrize("shape", list(SHAPE))
@@ -280,6 +321,10 @@ def test_batched_engine_equals_transformers(checkpoint: Checkpoint) -> None:
         GenerationConfig(max_new_tokens=NEW_TOKENS, tree=DYNAMIC),
         GenerationConfig(max_new_tokens=NEW_TOKENS, drafter="none"),
     ]
+    if checkpoint.target.windows.recurrent:  # the batched pool holds no recurrent state: refused, saying what to do
+        with pytest.raises(UserError, match=r"recurrent \(linear-attention or state-space\) layers.*--max-num-seqs 1"):
+            BatchedEngine(checkpoint.target, checkpoint.new_drafter, max_num_seqs=3, max_seq_len=48)
+        return
     # three slots for four requests: the last waits for the first to finish
     engine = BatchedEngine(checkpoint.target, checkpoint.new_drafter, max_num_seqs=3, max_seq_len=48, prefill_tokens=8)
     prompts = {
@@ -324,7 +369,7 @@ def test_sampled_output_follows_the_targets_law_past_the_window(
     check_single_engine_agrees(single, runs, prompt, params, config)
 
 
-MIXTURES = [name for name in FAMILIES if name in ("gpt-oss", "qwen3-moe", "mixtral", "glm4-moe", "deepseek-v3")]
+MIXTURES = ["gpt-oss", "qwen3-moe", "mixtral", "glm4-moe", "deepseek-v3"]  # (Qwen3-Next's are not batched: hybrid)
 
 
 class ExpertChoices:
@@ -392,7 +437,7 @@ def test_a_batched_step_routes_each_real_token_to_the_experts_it_gets_alone(
 
 
 def test_every_runnable_family_is_covered_here() -> None:
-    tested = {build(family, 1, 0).config.model_type for family in FAMILIES.values()}
+    tested = {build(family, 2, 0).config.model_type for family in FAMILIES.values()}
     assert set(SHARDABLE_MODEL_TYPES) <= tested, "a model type tensor parallelism accepts must be tested here"
 
 

@@ -1,0 +1,178 @@
+"""Hybrid models' recurrent layers under speculation: after every verify cycle the cache is what a fresh prefill of
+the committed text leaves (specserve.core.recurrent).
+
+The tiny Qwen3-Next (Gated DeltaNet) and Granite-4 (Mamba-2) checkpoints of test_architectures.py run through the
+target verifier with scripted proposals: chains and trees whose first j tokens are the target's own greedy choice
+(transformers' ``generate`` on the reloaded checkpoint decides it) and the rest wrong, for every j from none to all,
+so cycles reject at every depth and accept whole blocks. After each cycle every recurrent layer's recurrent and
+convolution states and every attention layer's keys and values equal those of a new cache that read the committed
+text in one forward — to 1e-5: the models are float64, but transformers' Gated DeltaNet and Mamba-2 kernels compute
+in float32 whatever the model's dtype — and the committed text is the target's greedy continuation. Also: a
+rollback before the checkpoint (a stop string), which reads the kept text again; the batched KV pool's and tensor
+parallelism's one-line refusals. And at T = 1 through dynamic trees the output follows the target's law (chi-square).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from stats_helpers import split_seeds, two_token_fit
+from test_architectures import ALPHA, DYNAMIC, Checkpoint, make_checkpoint
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from specserve.core.batch_engine import BatchedEngine
+from specserve.core.draft import Draft
+from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.errors import UserError
+from specserve.core.kv_pool import KVPool
+from specserve.core.recurrent import RecurrentKVCache, recurrent_layers
+from specserve.core.sampling import SamplingParams
+from specserve.core.static_cache import StaticTarget
+from specserve.core.static_options import StaticOptions
+from specserve.core.target import LocalSequence, TargetVerifier
+from specserve.core.tensor_parallel import TensorParallelError, check_shardable
+from specserve.core.tree import DraftTree
+from specserve.drafters.layerskip import early_exit_model
+
+HYBRIDS = ["qwen3-next", "granite-4"]
+PROMPT = [17, 33, 60, 9, 41, 40]
+GAMMA = 3
+# transformers' Gated DeltaNet and Mamba-2 kernels compute in float32 whatever the model's dtype, and a block read in
+# one forward rounds differently from the same tokens read over several: states agree to float32's rounding (they are
+# O(0.1-1)); an error in the rollback moves them by the size of a token's update
+TOLERANCE = 1e-5
+FAMILY_FOR_LAW = "qwen3-next"
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return make_checkpoint(request.param, tmp_path_factory)
+
+
+def reference_greedy(checkpoint: Checkpoint, text: list[int], count: int) -> list[int]:
+    """The target's next ``count`` greedy tokens after ``text``, by transformers' forward over the whole text each
+    time (no cache; EOS does not stop it)."""
+    text = list(text)
+    for _ in range(count):
+        with torch.no_grad():
+            text.append(int(checkpoint.reference(torch.tensor([text])).logits[0, -1].argmax()))
+    return text[-count:]
+
+
+def wrong(token: int) -> int:
+    return (token + 1) % 90 + 3  # never the greedy token, never EOS (2)
+
+
+def assert_cache_is_a_fresh_prefill(checkpoint: Checkpoint, cache: RecurrentKVCache, text: list[int]) -> None:
+    tolerance = TOLERANCE
+    fresh = checkpoint.target.new_cache()
+    assert isinstance(fresh, RecurrentKVCache)
+    checkpoint.target.forward(fresh, torch.tensor(text))
+    assert cache.length == len(text) and not cache.pending
+    assert recurrent_layers(cache.inner), "a hybrid checkpoint must have recurrent layers"
+    for index, (ours, theirs) in enumerate(zip(cache.inner.layers, fresh.inner.layers, strict=True)):
+        if isinstance(ours, LinearAttentionCacheLayerMixin):
+            assert isinstance(theirs, LinearAttentionCacheLayerMixin)
+            for name in ("recurrent_states", "conv_states"):
+                got, want = getattr(ours, name)[0], getattr(theirs, name)[0]
+                assert torch.allclose(got, want, atol=tolerance, rtol=0), f"layer {index} {name} after {len(text)}"
+        else:
+            assert torch.allclose(ours.keys, theirs.keys, atol=tolerance, rtol=0), f"layer {index} keys"
+            assert torch.allclose(ours.values, theirs.values, atol=tolerance, rtol=0), f"layer {index} values"
+
+
+def scripted_cycles(
+    checkpoint: Checkpoint,
+    make_proposal: callable,
+    cycles: int,  # type: ignore[valid-type]
+) -> tuple[TargetVerifier, list[int]]:
+    """Runs ``cycles`` verify cycles whose proposal ``make_proposal(greedy, j)`` builds from the target's next greedy
+    tokens, with j of them kept right; checks the cache after the prefill and every cycle."""
+    sequence = LocalSequence(checkpoint.target)
+    verifier = TargetVerifier(sequence, PROMPT, SamplingParams(), torch.Generator(), max_new_tokens=64)
+    verifier.prefill()
+    cache = sequence.cache
+    assert isinstance(cache, RecurrentKVCache)
+    assert_cache_is_a_fresh_prefill(checkpoint, cache, PROMPT[:-1])
+    accepted = []
+    for cycle, right in zip(range(cycles), itertools.cycle(range(GAMMA + 1)), strict=False):
+        greedy = reference_greedy(checkpoint, verifier.committed, GAMMA + 1)
+        outcome = verifier.verify(make_proposal(greedy, right))
+        accepted.append(len(outcome.new_tokens) - 1)
+        assert outcome.new_tokens == greedy[: len(outcome.new_tokens)], f"cycle {cycle}"
+        assert_cache_is_a_fresh_prefill(checkpoint, cache, verifier.committed[:-1])
+    return verifier, accepted
+
+
+def test_chain_cycles_leave_the_states_of_a_fresh_prefill(hybrid: Checkpoint) -> None:
+    def chain(greedy: list[int], right: int) -> Draft:
+        tokens = greedy[:right] + [wrong(token) for token in greedy[right:GAMMA]]
+        return Draft(torch.tensor(tokens), None)
+
+    _, accepted = scripted_cycles(hybrid, chain, cycles=8)
+    assert set(accepted) == set(range(GAMMA + 1)), "every depth of rejection, and whole blocks accepted"
+
+
+def test_tree_cycles_leave_the_states_of_a_fresh_prefill(hybrid: Checkpoint) -> None:
+    """A tree of two branches from the root, each three deep: the right one first or second, and as deep as j."""
+
+    def tree(greedy: list[int], right: int) -> DraftTree:
+        good = greedy[:right] + [wrong(token) for token in greedy[right:GAMMA]]
+        bad = [wrong(greedy[0]) + 1, *greedy[1:GAMMA]]  # wrong at its first node
+        first, second = (good, bad) if right % 2 else (bad, good)
+        tokens = torch.tensor(first + second)
+        return DraftTree(tokens, (-1, 0, 1, -1, 3, 4))
+
+    _, accepted = scripted_cycles(hybrid, tree, cycles=8)
+    assert set(accepted) == set(range(GAMMA + 1))
+
+
+def test_a_rollback_before_the_checkpoint_reads_the_kept_text_again(hybrid: Checkpoint) -> None:
+    def chain(greedy: list[int], right: int) -> Draft:
+        return Draft(torch.tensor(greedy[:GAMMA]), None)  # all accepted
+
+    verifier, _ = scripted_cycles(hybrid, chain, cycles=3)
+    cache = verifier.sequence.cache  # type: ignore[attr-defined]
+    verifier.stop_at(2)  # a stop string matched early in the output: back past the last cycle's checkpoint
+    assert_cache_is_a_fresh_prefill(hybrid, cache, verifier.committed[:-1])
+
+
+def test_the_batched_pool_and_tensor_parallelism_refuse_recurrent_layers(hybrid: Checkpoint) -> None:
+    with pytest.raises(UserError, match=r"recurrent .* layers.*--max-num-seqs 1"):
+        KVPool(hybrid.target.model, capacity=64)
+    with pytest.raises(UserError, match="--max-num-seqs 1"):
+        BatchedEngine(hybrid.target, hybrid.new_drafter, max_num_seqs=2, max_seq_len=48)
+    with pytest.raises(TensorParallelError, match="tensor parallel size 1"):
+        check_shardable(hybrid.target.model, 2)
+
+
+def test_sampled_output_through_trees_follows_the_targets_law(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """T = 1 with the draft model's dynamic trees, drafted and verified path by path (Qwen3-Next: Gated DeltaNet, and
+    experts): the joint law of the two emitted tokens is transformers' own (chi-square over 2,500 seeds, error
+    probability 1e-3)."""
+    checkpoint = make_checkpoint(FAMILY_FOR_LAW, tmp_path_factory)
+    prompt = [5 + (7 * i) % 60 for i in range(12)]
+    params = SamplingParams(temperature=1.0, top_k=24)
+    config = GenerationConfig(max_new_tokens=2, tree=DYNAMIC, ignore_eos=True)
+
+    def draw(seeds: range) -> list[list[int]]:
+        engine = SpeculativeEngine(checkpoint.target, checkpoint.new_drafter("model"))
+        return [engine.generate(prompt, replace(params, seed=seed), config).output_ids for seed in seeds]
+
+    outputs = split_seeds(draw, 2500)
+    reference = SimpleNamespace(model=checkpoint.reference)
+    assert two_token_fit(outputs, reference, prompt, params) > ALPHA
+
+
+def test_layer_skip_drafting_is_refused_for_a_hybrid(hybrid: Checkpoint) -> None:
+    with pytest.raises(UserError, match="recurrent layers cannot share"):
+        early_exit_model(hybrid.target, 1)
+
+
+def test_static_shapes_are_refused_for_a_hybrid(hybrid: Checkpoint) -> None:
+    with pytest.raises(UserError, match=r"recurrent .* layers.*without --static-shapes"):
+        StaticTarget(hybrid.target, StaticOptions(cuda_graphs=False))
