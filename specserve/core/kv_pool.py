@@ -148,6 +148,9 @@ class KVPool:
         )
         self.capacity = capacity
         self.scratch = scratch
+        # multi-head latent attention caches a latent the model expands to keys and values for every position a layer
+        # returns: a step then returns only its rows' spans, gathered, not the whole arena (PoolView)
+        self.gathers = bool(getattr(model.config, "kv_lora_rank", None))
         self._spans: dict[int, _Span] = {}
 
     # -----------------------------------------------------------------------------------------
@@ -327,6 +330,9 @@ class _PoolLayer(CacheLayerMixin):
         heads, columns = keys.shape[0], self.view.columns
         keys.index_copy_(1, columns, key_states.transpose(0, 1).reshape(heads, columns.numel(), -1))
         values.index_copy_(1, columns, value_states.transpose(0, 1).reshape(heads, columns.numel(), -1))
+        gathered = self.view.gathered
+        if gathered is not None:  # only the rows' spans, one after another (PoolView.rows numbers them so)
+            return keys.index_select(1, gathered)[None], values.index_select(1, gathered)[None]
         return keys[None], values[None]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -344,7 +350,10 @@ class PoolView(Cache):
 
     Row b writes its block at columns ``starts[b] + lengths[b] ..`` of the arena; a padding query of a
     shorter block writes into the scratch columns. Every layer returns its whole arena: the caller's
-    :class:`~specserve.core.attention.RaggedBatch` (:meth:`rows`) attends each row over its own span.
+    :class:`~specserve.core.attention.RaggedBatch` (:meth:`rows`) attends each row over its own span. A latent pool
+    (multi-head latent attention, whose model expands every position a layer returns into every head's keys and
+    values) returns only the rows' spans instead, gathered one after another, so a step expands its own positions,
+    not the whole pool's.
     """
 
     def __init__(
@@ -360,6 +369,12 @@ class PoolView(Cache):
             columns[b, :k] = torch.arange(start + length, start + length + k)
             columns[b, k:] = pool.capacity + torch.arange(width - k) % pool.scratch
         self.columns = columns.flatten().to(pool.keys[0].device)  # row-major: row b's columns, then row b + 1's
+        # a latent pool (multi-head latent attention) returns each row's span after this step, gathered in row order
+        self.gathered: torch.Tensor | None = None
+        if pool.gathers:
+            spans = zip(starts, lengths, blocks, strict=True)
+            self.gathered = torch.cat([torch.arange(start, start + n + k) for start, n, k in spans])
+            self.gathered = self.gathered.to(pool.keys[0].device)
         super().__init__(layers=[_PoolLayer(self, i) for i in range(len(pool.keys))])
 
     def rows(
@@ -368,9 +383,13 @@ class PoolView(Cache):
         """Per row, its span after this step's block, its mask (``[k, length + k]`` additive, or ``None``) and, for a
         model with sliding windows, its block's positions (``[k]``)."""
         where = positions if positions is not None else [None] * len(masks)
+        starts = self.starts
+        if self.gathered is not None:  # the layers return the rows' spans one after another
+            spans = (length + k for length, k in zip(self.lengths, self.blocks, strict=True))
+            starts = list(itertools.accumulate(spans, initial=0))
         return [
             RaggedRow(start, start + length + k, k, mask, row_positions)
             for start, length, k, mask, row_positions in zip(
-                self.starts, self.lengths, self.blocks, masks, where, strict=True
+                starts, self.lengths, self.blocks, masks, where, strict=False
             )
         ]

@@ -436,6 +436,42 @@ def test_a_batched_step_routes_each_real_token_to_the_experts_it_gets_alone(
         choices.close()
 
 
+def test_a_latent_pool_expands_only_the_positions_of_its_steps_rows(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Multi-head latent attention in the batched pool: each layer expands the latent (``kv_b_proj``) of the step's
+    rows' positions only, not of the pool's whole capacity, and the logits equal those over the whole arena."""
+    checkpoint = make_checkpoint("deepseek-v3", tmp_path_factory)
+    target = checkpoint.target
+    expanded: list[int] = []
+    projections = [module for name, module in target.model.named_modules() if name.endswith("kv_b_proj")]
+    handles = [
+        module.register_forward_hook(lambda m, args, out: expanded.append(args[0].shape[-2])) for module in projections
+    ]
+    prompts = [list(prompt) for prompt in PROMPTS[:3]]
+    logits = {}
+    try:
+        for gathers in (True, False):
+            pool = KVPool(target.model, capacity=400)
+            assert pool.gathers
+            pool.gathers = gathers
+            seqs = [pool.allocate(100) for _ in prompts]
+            target.forward_batch(
+                pool, [BatchBlock.chain(s, torch.tensor(p)) for s, p in zip(seqs, prompts, strict=True)]
+            )
+            expanded.clear()
+            blocks = [
+                BatchBlock.chain(seqs[0], torch.tensor([9, 10, 11])),
+                BatchBlock.chain(seqs[2], torch.tensor([30])),
+            ]
+            logits[gathers] = target.forward_batch(pool, blocks)
+            step = [len(prompts[0]) + 3, len(prompts[2]) + 1]
+            assert expanded == [sum(step) if gathers else 400 + pool.scratch] * len(projections), expanded
+    finally:
+        for handle in handles:
+            handle.remove()
+    for gathered, whole in zip(logits[True], logits[False], strict=True):
+        assert torch.allclose(gathered, whole, atol=1e-10, rtol=0)
+
+
 def test_every_runnable_family_is_covered_here() -> None:
     tested = {build(family, 2, 0).config.model_type for family in FAMILIES.values()}
     assert set(SHARDABLE_MODEL_TYPES) <= tested, "a model type tensor parallelism accepts must be tested here"
