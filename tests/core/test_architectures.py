@@ -57,6 +57,9 @@ from specserve.core.model import BatchBlock, CausalLM, ModelLoadError
 from specserve.core.sampling import SamplingParams
 from specserve.core.tensor_parallel import SHARDABLE_MODEL_TYPES, TensorParallelError, check_shardable
 from specserve.core.tree import DraftTree, TreeBudget, TreeSpec
+from specserve.drafters.eagle import EagleDrafter
+from specserve.drafters.eagle3 import Eagle3Config, Eagle3Head
+from specserve.drafters.eagle_head import target_layer_shape
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
@@ -470,6 +473,43 @@ def test_a_latent_pool_expands_only_the_positions_of_its_steps_rows(tmp_path_fac
             handle.remove()
     for gathered, whole in zip(logits[True], logits[False], strict=True):
         assert torch.allclose(gathered, whole, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt-oss", "deepseek-v3", "qwen3-next"])  # windows, sinks, MLA, hybrid
+def test_an_eagle3_head_drafts_for_the_family_exactly(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A random head in the published EAGLE-3 architecture over the family's own features (the inputs of its two
+    layers and the output): greedy output equals transformers' ``generate`` with chains and dynamic trees, alone, and
+    in a batch of mixed requests for the families that batch (a hybrid's features come from its path-by-path tree
+    forward)."""
+    checkpoint = make_checkpoint(name, tmp_path_factory)
+    target = checkpoint.target
+    shape = target_layer_shape(target.model)  # the aux layers of a 2-layer target: the embeddings and both layers
+    width = shape["hidden_size"]
+    config = Eagle3Config(feature_layers=(0, 1, 2), target_hidden_size=width, draft_vocab_size=VOCAB, **shape)
+    head = Eagle3Head(config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3 + (parameter.dim() == 1))
+    drafter = EagleDrafter.for_target(head.eval(), target)
+    for shape, tree in SHAPE.items():
+        config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3, tree=tree)
+        for prompt, expected in checkpoint.greedy.items():
+            result = SpeculativeEngine(target, drafter.fresh()).generate(list(prompt), SamplingParams(), config)
+            assert result.output_ids == expected, f"{name}, EAGLE-3 {shape}, prompt {prompt}"
+    if target.windows.recurrent:
+        return
+    engine = BatchedEngine(target, lambda _: drafter.fresh(), max_num_seqs=3, max_seq_len=48, prefill_tokens=8)
+    configs = [
+        GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3),
+        GenerationConfig(max_new_tokens=NEW_TOKENS, tree=DYNAMIC),
+    ]
+    prompts = {
+        engine.submit(list(prompt), SamplingParams(), configs[i % 2]): prompt for i, prompt in enumerate(PROMPTS)
+    }
+    outputs = {prompts[request_id]: result.output_ids for request_id, result in finish_all(engine).items()}
+    assert outputs == checkpoint.greedy
+    assert_pool_empty(engine)
 
 
 def test_every_runnable_family_is_covered_here() -> None:
