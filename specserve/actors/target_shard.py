@@ -63,6 +63,7 @@ from specserve.actors.rank_commands import (
 )
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft import Proposal
+from specserve.core.errors import UserError
 from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, memory_tokens, pool_tokens
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
@@ -291,6 +292,11 @@ class TargetShardActor:
         self.rank, self.world_size = rank, world_size
         self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
         check_shardable(self.target.model, world_size)
+        if self.target.windows.recurrent:  # (not in the distributed runtime's rank commands yet)
+            raise UserError(
+                f"{self.target.info.architecture}'s recurrent layers are served by the in-process engine only: serve "
+                "it with tp_degree 1, no overlap and the drafter colocated"
+            )
         self.all_reduce: DeterministicAllReduce | None = None  # set once the process group exists
         self._commands = RankCommands(world_size)
         self._lock = threading.Lock()

@@ -151,7 +151,8 @@ class BatchedEngine(GenerationFrontend):
         )
         self.buckets = None if static is None else static.buckets_for(target.device.type)
         self.ops = LocalPool(target, self.pool, self.buckets)
-        self.cache = PrefixCache(self.pool) if prefix_caching else None
+        # a hybrid's recurrent states are not kept per position, so none of its prefixes is reused
+        self.cache = PrefixCache(self.pool) if prefix_caching and self.pool.states is None else None
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}
@@ -181,6 +182,11 @@ class BatchedEngine(GenerationFrontend):
                 "kv_pool_tokens); shorten the prompt or max_new_tokens"
             )
         check_can_draft(drafter, config.tree, config.drafter)
+        if self.pool.states is not None and (config.tree is not None or probe_nodes(drafter) > 0):
+            raise InvalidRequest(
+                f"{self.target.info.architecture}'s recurrent layers read a block in order, so a batched replica "
+                "verifies chains only; draft chains, or serve draft trees one request at a time (--max-num-seqs 1)"
+            )
         self.schedules(config.policy, config.budget)  # raises for a policy this engine cannot run
         request = _Request(next(self._ids), prompt_ids, params, config, drafter, time.perf_counter())
         self._waiting.append(request)

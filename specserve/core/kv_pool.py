@@ -38,10 +38,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
 
 from specserve.core.attention import RaggedRow
 from specserve.core.errors import UserError
+from specserve.core.pool_states import PoolStates
 from specserve.core.windows import RECURRENT
 
 if TYPE_CHECKING:
@@ -74,25 +81,29 @@ def kv_widths(config: Any) -> tuple[int, int, int]:
     return int(heads), int(head_dim), int(head_dim)
 
 
+def layer_kinds(model: PreTrainedModel) -> tuple[list[int], list[int]]:
+    """The indices of ``model``'s decoder layers that cache keys and values, and of those that keep a recurrent state
+    (a hybrid's: :mod:`specserve.core.pool_states`); a layer with neither (an MLP-only one) is in neither."""
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    attention = [i for i, kind in enumerate(types) if kind not in (RECURRENT, "dummy")]
+    return attention, [i for i, kind in enumerate(types) if kind == RECURRENT]
+
+
 def _layout(model: PreTrainedModel) -> tuple[int, int, int, int, torch.dtype, torch.device]:
-    """Layers, KV heads (a tensor-parallel rank's share), key and value widths, dtype and device of ``model``'s KV.
-    Raises :class:`~specserve.core.errors.UserError` for a model with recurrent layers, which the pool does not hold."""
+    """Layers with keys and values, KV heads (a tensor-parallel rank's share), key and value widths, dtype and device
+    of ``model``'s KV."""
     config = model.config
-    if RECURRENT in get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0]:
-        raise UserError(
-            f"{type(model).__name__} has recurrent (linear-attention or state-space) layers, whose state the batched "
-            "KV pool does not hold yet; serve it one request at a time (--max-num-seqs 1)"
-        )
     heads, key_width, value_width = kv_widths(config)
     shard = getattr(model, "tensor_parallel", None)  # a tensor-parallel rank holds its share of the KV heads
     if shard is not None:
         heads = shard.num_kv_heads
     parameter = next(model.parameters())
-    return config.num_hidden_layers, heads, key_width, value_width, parameter.dtype, parameter.device
+    return len(layer_kinds(model)[0]), heads, key_width, value_width, parameter.dtype, parameter.device
 
 
 def token_bytes(model: PreTrainedModel) -> int:
-    """Bytes one token position takes in a pool of ``model``'s keys and values (this rank's share of the heads)."""
+    """Bytes one token position takes in a pool of ``model``'s keys and values (this rank's share of the heads; a
+    hybrid's recurrent states, per sequence and not per position, are not counted)."""
     layers, heads, key_width, value_width, dtype, _ = _layout(model)
     return layers * heads * (key_width + value_width) * torch.empty((), dtype=dtype).element_size()
 
@@ -151,6 +162,11 @@ class KVPool:
         # multi-head latent attention caches a latent the model expands to keys and values for every position a layer
         # returns: a step then returns only its rows' spans, gathered, not the whole arena (PoolView)
         self.gathers = bool(getattr(model.config, "kv_lora_rank", None))
+        attention, recurrent = layer_kinds(model)
+        self.num_layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+        self.arena_of = {layer: index for index, layer in enumerate(attention)}  # model layer -> keys / values index
+        # a hybrid model's recurrent layers: their states per sequence, checkpointed (pool_states)
+        self.states = PoolStates(recurrent) if recurrent else None
         self._spans: dict[int, _Span] = {}
 
     # -----------------------------------------------------------------------------------------
@@ -189,11 +205,15 @@ class KVPool:
             start = self.capacity - self.free_tokens
         sequence = next(i for i in itertools.count() if i not in self._spans)  # the lowest free id
         self._spans[sequence] = _Span(start, tokens)
+        if self.states is not None:
+            self.states.add(sequence)
         return sequence
 
     def free(self, sequence: int) -> None:
         self._span(sequence)
         del self._spans[sequence]
+        if self.states is not None:
+            self.states.remove(sequence)
 
     def length(self, sequence: int) -> int:
         return self._span(sequence).length
@@ -207,12 +227,25 @@ class KVPool:
         if not 0 <= length <= span.length:
             raise ValueError(f"cannot roll sequence {sequence} of length {span.length} back to {length}")
         span.length = length
+        if self.states is not None:
+            self.states.rollback(sequence, length)
+
+    def rewind_to_checkpoint(self, sequence: int) -> list[int]:
+        """A hybrid's sequence before a step: its KV cut back to its recurrent states' checkpoint; the tokens past it,
+        which the step reads again before the sequence's block (:meth:`PoolStates.pending`)."""
+        assert self.states is not None, "only a pool with recurrent layers has checkpoints"
+        span = self._span(sequence)
+        pending = self.states.pending(sequence, span.length)
+        span.length = self.states.start(sequence)
+        return pending
 
     @torch.inference_mode()
     def compact(self, sequence: int, keep: Sequence[int]) -> None:
         """Keep only the positions ``keep`` (strictly increasing) of ``sequence``, moved to ``0 .. len(keep) - 1``."""
         keep = list(keep)
         span = self._span(sequence)
+        if self.states is not None and keep != list(range(len(keep))):
+            raise ValueError("a pool with recurrent layers keeps a prefix of a sequence only; its blocks are chains")
         if any(b <= a for a, b in itertools.pairwise(keep)) or (keep and not 0 <= keep[0] <= keep[-1] < span.length):
             raise ValueError(f"positions to keep must be strictly increasing and below {span.length}, got {keep}")
         unchanged = next((i for i, p in enumerate(keep) if p != i), len(keep))
@@ -235,6 +268,8 @@ class KVPool:
                 f"cannot copy positions {start}..{stop} of sequence {source} (length {src.length}) to sequence "
                 f"{target} (length {dst.length}, reserved {dst.reserved})"
             )
+        if self.states is not None:
+            raise ValueError("a pool with recurrent layers keeps no state per position: its prefixes are not copied")
         for tensor in (*self.keys, *self.values):
             tensor[:, dst.start + start : dst.start + stop] = tensor[:, src.start + start : src.start + stop]
         dst.length = stop
@@ -303,7 +338,8 @@ class KVPool:
             span.length += k
         if width is not None and width < max(blocks):
             raise ValueError(f"a step {width} columns wide cannot hold a block of {max(blocks)}")
-        return PoolView(self, starts, lengths, list(blocks), width)
+        recurrent = self.states.step_layers(sequences) if self.states is not None else {}
+        return PoolView(self, starts, lengths, list(blocks), width, recurrent)
 
 
 class _PoolLayer(CacheLayerMixin):
@@ -357,7 +393,13 @@ class PoolView(Cache):
     """
 
     def __init__(
-        self, pool: KVPool, starts: list[int], lengths: list[int], blocks: list[int], width: int | None = None
+        self,
+        pool: KVPool,
+        starts: list[int],
+        lengths: list[int],
+        blocks: list[int],
+        width: int | None = None,
+        recurrent: dict[int, LinearAttentionLayer] | None = None,
     ) -> None:
         self.pool = pool
         self.starts = starts
@@ -375,7 +417,13 @@ class PoolView(Cache):
             spans = zip(starts, lengths, blocks, strict=True)
             self.gathered = torch.cat([torch.arange(start, start + n + k) for start, n, k in spans])
             self.gathered = self.gathered.to(pool.keys[0].device)
-        super().__init__(layers=[_PoolLayer(self, i) for i in range(len(pool.keys))])
+        self.width = width
+        self.recurrent = recurrent or {}  # a hybrid's recurrent layers: the rows' states (pool_states)
+        layers: list[Any] = []
+        for layer in range(pool.num_layers):
+            arena = pool.arena_of.get(layer)
+            layers.append(_PoolLayer(self, arena) if arena is not None else self.recurrent.get(layer, DummyLayer()))
+        super().__init__(layers=layers)
 
     def rows(
         self, masks: Sequence[torch.Tensor | None], positions: Sequence[torch.Tensor] | None = None

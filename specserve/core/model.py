@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from specserve.core.attention import RaggedBatch, ragged_batch, register_attention, use_grouped_attention
 from specserve.core.buckets import VerifyBuckets
 from specserve.core.checkpoint_dir import ModelLoadError, check_checkpoint_dir
+from specserve.core.errors import UserError
 from specserve.core.kv_cache import KVCache
 from specserve.core.kv_pool import KVPool
 from specserve.core.recurrent import RecurrentKVCache
@@ -328,6 +329,10 @@ class CausalLM:
         captures: list[FeatureCapture | None] = [None] * len(blocks) if capture is None else list(capture)
         if len(captures) != len(blocks):
             raise ValueError(f"{len(captures)} feature captures for {len(blocks)} blocks: give one per block")
+        given = blocks
+        reread = [0] * len(blocks)  # per row, tokens read again before its block (a hybrid's recurrent checkpoint)
+        if pool.states is not None:
+            blocks, reread = _after_checkpoints(pool, blocks)
         sizes = [block.size for block in blocks]
         width = max(sizes) if buckets is None else buckets.width(max(sizes))
         view = pool.view([block.seq_id for block in blocks], sizes, width)
@@ -358,13 +363,23 @@ class CausalLM:
         ragged_rows = view.rows(masks, rows_positions if self.windows.active else None)
         with ragged_batch(RaggedBatch(ragged_rows, self.dtype)) as ragged:
             logits = self._call(ids.to(self.device), sizes, captures, kwargs)
+        if pool.states is not None:
+            read = [block.tokens.tolist() for block in blocks]
+            pool.states.after_step([block.seq_id for block in blocks], read, width, view.recurrent)
+            for row_capture, skip in zip(captures, reread, strict=True):
+                if row_capture is not None and skip and row_capture.value is not None:
+                    row_capture.value = row_capture.value[skip:]
         if ragged.calls != len(pool.keys):
             raise RuntimeError(
                 f"{self.info.architecture} attended through specserve's ragged attention in {ragged.calls} of its "
                 f"{len(pool.keys)} layers; batched forwards need a model whose attention goes through transformers' "
                 f"AttentionInterface, loaded with attn_implementation='sdpa'"
             )
-        return [logits[row, : 1 if last_only else k] for row, k in enumerate(sizes)]
+        if last_only:
+            return [logits[row, :1] for row in range(len(blocks))]
+        return [
+            logits[row, skip : skip + block.size] for row, (skip, block) in enumerate(zip(reread, given, strict=True))
+        ]
 
 
 @dataclass(frozen=True)
@@ -410,6 +425,23 @@ class BatchBlock:
         if self.ancestry is not None:
             return self.ancestry
         return torch.ones(self.size, self.size, dtype=torch.bool).tril()
+
+
+def _after_checkpoints(pool: KVPool, blocks: Sequence[BatchBlock]) -> tuple[list[BatchBlock], list[int]]:
+    """A hybrid's step (:mod:`specserve.core.pool_states`): each sequence's KV cut back to its recurrent checkpoint and
+    its block extended in front by the tokens past it; the blocks, and how many tokens each row reads again."""
+    extended, reread = [], []
+    for block in blocks:
+        if block.offsets != tuple(range(block.size)) or not bool(block.attends().equal(block.attends().tril())):
+            raise UserError(
+                "a hybrid model's recurrent layers read a block in order, so its batched steps take chains only; "
+                "verify draft trees one request at a time (--max-num-seqs 1)"
+            )
+        pending = pool.rewind_to_checkpoint(block.seq_id)
+        tokens = torch.cat([torch.tensor(pending, dtype=torch.long), block.tokens.to("cpu", torch.long)])
+        extended.append(BatchBlock.chain(block.seq_id, tokens))
+        reread.append(len(pending))
+    return extended, reread
 
 
 @dataclass(frozen=True)

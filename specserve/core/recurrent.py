@@ -18,9 +18,9 @@ many were accepted — and it reads its block in order, blind to a tree mask. :c
   compaction that keeps the accepted path (or a rollback into the block) feeds that path.
 
 Checkpointing every position instead would need the recurrent kernels to hand back each position's state, which
-transformers' do not. What recompute costs is measured in BENCHMARKS.md. Not here: the batched KV pool
-(:class:`~specserve.core.kv_pool.KVPool` refuses recurrent models) and the prefix cache, which keeps keys and values
-per position and no recurrent state, so no hybrid prefix is reused.
+transformers' do not. What recompute costs is measured in BENCHMARKS.md. Not here: the batched KV pool's states
+(:mod:`specserve.core.pool_states`) and the prefix cache, which keeps keys and values per position and no recurrent
+state, so no hybrid prefix is reused.
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
 """Hybrid models' recurrent layers under speculation: after every verify cycle the cache is what a fresh prefill of
-the committed text leaves (specserve.core.recurrent).
+the committed text leaves (specserve.core.recurrent, and the batched pool's checkpoints: specserve.core.pool_states).
 
 The tiny Qwen3-Next (Gated DeltaNet) and Granite-4 (Mamba-2) checkpoints of test_architectures.py run through the
 target verifier with scripted proposals: chains and trees whose first j tokens are the target's own greedy choice
-(transformers' ``generate`` on the reloaded checkpoint decides it) and the rest wrong, for every j from none to all,
+(transformers' forward over the reloaded checkpoint decides it) and the rest wrong, for every j from none to all,
 so cycles reject at every depth and accept whole blocks. After each cycle every recurrent layer's recurrent and
 convolution states and every attention layer's keys and values equal those of a new cache that read the committed
 text in one forward — to 1e-5: the models are float64, but transformers' Gated DeltaNet and Mamba-2 kernels compute
 in float32 whatever the model's dtype — and the committed text is the target's greedy continuation. Also: a
-rollback before the checkpoint (a stop string), which reads the kept text again; the batched KV pool's and tensor
-parallelism's one-line refusals. And at T = 1 through dynamic trees the output follows the target's law (chi-square).
+rollback before the checkpoint (a stop string), which reads the kept text again. The batched engine (requests joining
+and leaving, chunked prefills, drafters mixed): greedy output is the target's, and after every step every running
+sequence's checkpoint equals a fresh prefill of the tokens it is after; seeded sampling equals the single-request
+engine's. At T = 1 through dynamic trees the output follows the target's law (chi-square). And the one-line refusals:
+trees in a batched replica, tensor parallelism, static shapes, layer-skip drafting.
 """
 
 from __future__ import annotations
@@ -20,15 +23,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from stats_helpers import split_seeds, two_token_fit
+from conftest import assert_pool_empty
+from stats_helpers import batched_runs, check_single_engine_agrees, split_seeds, two_token_fit
 from test_architectures import ALPHA, DYNAMIC, Checkpoint, make_checkpoint
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Draft
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.errors import UserError
-from specserve.core.kv_pool import KVPool
+from specserve.core.errors import InvalidRequest, UserError
 from specserve.core.recurrent import RecurrentKVCache, recurrent_layers
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_cache import StaticTarget
@@ -141,11 +144,66 @@ def test_a_rollback_before_the_checkpoint_reads_the_kept_text_again(hybrid: Chec
     assert_cache_is_a_fresh_prefill(hybrid, cache, verifier.committed[:-1])
 
 
-def test_the_batched_pool_and_tensor_parallelism_refuse_recurrent_layers(hybrid: Checkpoint) -> None:
-    with pytest.raises(UserError, match=r"recurrent .* layers.*--max-num-seqs 1"):
-        KVPool(hybrid.target.model, capacity=64)
-    with pytest.raises(UserError, match="--max-num-seqs 1"):
-        BatchedEngine(hybrid.target, hybrid.new_drafter, max_num_seqs=2, max_seq_len=48)
+def test_the_batched_engine_keeps_every_checkpoint_a_fresh_prefills_and_decodes_greedily(hybrid: Checkpoint) -> None:
+    """Eight requests through three slots, prompts prefilled in chunks of 4, draft-model and n-gram chains and plain
+    decoding mixed: output equals the target's greedy continuation, and after every step each running sequence's
+    recurrent checkpoint (the states of its first tokens, kept by the pool) equals a fresh prefill of those tokens."""
+    engine = BatchedEngine(hybrid.target, hybrid.new_drafter, max_num_seqs=3, max_seq_len=64, prefill_tokens=4)
+    assert engine.cache is None  # no state per position: nothing to reuse
+    drafters = ["default", "ngram", "none"]
+    prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(8)]
+    ids = {
+        engine.submit(
+            prompt, SamplingParams(), GenerationConfig(max_new_tokens=12, gamma=3, drafter=drafters[i % 3])
+        ): prompt
+        for i, prompt in enumerate(prompts)
+    }
+    states = engine.pool.states
+    assert states is not None
+    outputs: dict[int, list[int]] = {}
+    checked = 0
+    while engine.has_work:
+        for request_id, chunk in engine.step():
+            if isinstance(chunk, Exception):
+                raise chunk
+            if chunk.result is not None:
+                outputs[request_id] = chunk.result.output_ids
+        for sequence in list(engine.pool._spans):  # every running sequence's checkpoint
+            tokens, saved = states.checkpoint(sequence)
+            if not tokens:
+                continue
+            fresh = hybrid.target.new_cache()
+            hybrid.target.forward(fresh, torch.tensor(tokens))
+            for index, (conv, state) in saved.items():
+                layer = fresh.inner.layers[index]
+                assert torch.allclose(conv, layer.conv_states[0], atol=TOLERANCE, rtol=0), f"conv {index}"
+                assert torch.allclose(state, layer.recurrent_states[0], atol=TOLERANCE, rtol=0), f"state {index}"
+            checked += 1
+    assert checked > 20
+    for request_id, prompt in ids.items():
+        assert outputs[request_id] == reference_greedy(hybrid, prompt, 12)[: len(outputs[request_id])]
+        assert len(outputs[request_id]) == 12 or outputs[request_id][-1] == 2
+    assert_pool_empty(engine)
+
+
+def test_seeded_sampling_in_a_batch_equals_the_single_request_engine(hybrid: Checkpoint) -> None:
+    prompt = [5 + (7 * i) % 60 for i in range(9)]
+    params = SamplingParams(temperature=1.0, top_k=24)
+    config = GenerationConfig(max_new_tokens=6, gamma=3, ignore_eos=True)
+    engine = BatchedEngine(hybrid.target, hybrid.new_drafter, max_num_seqs=4, max_seq_len=32)
+    runs = batched_runs(engine, prompt, params, config, 16)
+    check_single_engine_agrees(
+        SpeculativeEngine(hybrid.target, hybrid.new_drafter("default")), runs, prompt, params, config
+    )
+
+
+def test_draft_trees_and_probes_are_refused_by_a_batched_hybrid_replica(hybrid: Checkpoint) -> None:
+    engine = BatchedEngine(hybrid.target, hybrid.new_drafter, max_num_seqs=2, max_seq_len=48)
+    with pytest.raises(InvalidRequest, match=r"verifies chains only.*--max-num-seqs 1"):
+        engine.submit([5, 6, 7], SamplingParams(), GenerationConfig(max_new_tokens=4, tree=DYNAMIC))
+
+
+def test_tensor_parallelism_refuses_recurrent_layers(hybrid: Checkpoint) -> None:
     with pytest.raises(TensorParallelError, match="tensor parallel size 1"):
         check_shardable(hybrid.target.model, 2)
 
