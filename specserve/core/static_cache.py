@@ -22,7 +22,9 @@ The step is one function of tensors only — the block's tokens, positions, what
 (:mod:`specserve.core.graphs`: a CUDA device and ``cuda_graphs``) every (slot, width, outputs, reach) is captured
 once and replayed; the step then attends over all ``columns`` positions under the mask, as the graph's shapes must
 not depend on the length. Eagerly (a CPU, no graphs, a block wider than every bucket) it attends over the cached
-length and the block only.
+length and the block only. A model with sliding windows gets them in the same masks, by position
+(:mod:`specserve.core.windows`: one mask per layer type when full and windowed layers alternate); a hybrid model's
+recurrent layers are refused.
 
 Does not verify or sample (the verifier does, on the logits it gets back) and serves one model in one process;
 the batched engine's pool is :mod:`specserve.core.kv_pool`.
@@ -404,8 +406,9 @@ class StaticSlots:
         slot.visible = self.columns if graphed else slot.length + width
 
         # eagerly, an unpadded chain is an ordinary causal block: transformers builds its mask and positions, as for
-        # a growing cache (a mask built here costs a one-token draft step about 10 % on a CPU)
-        causal = not graphed and width == k and block.sees is None
+        # a growing cache (a mask built here costs a one-token draft step about 10 % on a CPU); a sliding window is
+        # applied in the masks built here
+        causal = not graphed and width == k and block.sees is None and not self.windowed
 
         def step(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
             return self._step(slot, tensors, last_only, hidden, causal)
@@ -414,6 +417,15 @@ class StaticSlots:
         outputs = self.graphs.run(key, step, inputs) if graphed else step(inputs)
         slot.length += k
         return outputs, graphed
+
+    windowed = False  # whether the model attends within sliding windows (window_masks applies them)
+
+    def window_masks(
+        self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The ``attention_mask`` a step passes for its additive ``mask`` (``[1, 1, width, visible]``; the queries'
+        and the columns' positions): the mask itself, for a model without sliding windows."""
+        return mask
 
     def _scalar(self, value: int) -> torch.Tensor:
         """``[value]`` on the device, kept."""
@@ -451,7 +463,7 @@ class StaticSlots:
         ids, offsets, sees, length, reach, last, *rows = tensors
         width, window, device = ids.shape[0], sees.shape[1], ids.device
         slot.columns = length + torch.arange(width, device=device)
-        shape: dict[str, torch.Tensor] = {}
+        shape: dict[str, Any] = {}
         if not causal:
             columns = torch.arange(slot.visible, device=device)
             relative = columns[None, :] - (length - reach)  # [1, visible]: column - the window's first column
@@ -459,7 +471,8 @@ class StaticSlots:
             row_sees = sees.gather(1, relative.clamp(0, window - 1).expand(width, -1))
             allowed = (relative < 0) | (in_window & row_sees)
             mask = torch.zeros(width, slot.visible, dtype=self.dtype, device=device)
-            shape["attention_mask"] = mask.masked_fill_(~allowed, self._low)[None, None]
+            mask = mask.masked_fill_(~allowed, self._low)[None, None]
+            shape["attention_mask"] = self.window_masks(mask, length + offsets, columns)
             shape["position_ids"] = (length + offsets)[None]
         try:
             return self._call(_SlotCache(slot), ids, rows, shape, last, last_only, hidden)
@@ -471,11 +484,6 @@ class StaticTarget(StaticSlots):
     """A :class:`~specserve.core.model.CausalLM`'s static-shape forwards (the target's, or a draft model's)."""
 
     def __init__(self, model: CausalLM, options: StaticOptions, backend: GraphBackend | None = None) -> None:
-        if model.windows.active:
-            raise UserError(
-                f"{model.info.architecture} attends within a sliding window, which the static-shape engine's masks do "
-                "not apply yet; serve it without --static-shapes"
-            )
         if model.windows.recurrent:
             raise UserError(
                 f"{model.info.architecture} has recurrent (linear-attention or state-space) layers, whose state the "
@@ -484,9 +492,18 @@ class StaticTarget(StaticSlots):
         config = model.model.config
         super().__init__(config, model.dtype, model.device, model.info.max_positions, options, backend)
         self.model = model
+        self.windowed = model.windows.active
         self._model: Any = model.model
         if options.compile:
             self._model = torch.compile(model.model, dynamic=False)
+
+    def window_masks(
+        self, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The step's mask with the model's sliding windows applied, by position (per layer type when full and windowed
+        layers alternate: :meth:`~specserve.core.windows.LayerWindows.mask_argument`). A pad query (at the cached
+        length) sees only itself, which is in every window."""
+        return self.model.windows.mask_argument(mask, query_positions, key_positions)
 
     @torch.inference_mode()
     def forward_block(

@@ -23,6 +23,7 @@ they load, saying what. docs/checkpoints.md documents the result.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from conftest import (
     hf_greedy_ids,
     randomise_,
 )
+from static_helpers import BUCKETS, RecordingGraphs
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 from test_tensor_parallel import assert_matches_reference
 from transformers import AutoModelForCausalLM, PreTrainedModel
@@ -51,9 +53,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.graphs import GraphCache
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, ModelLoadError
 from specserve.core.sampling import SamplingParams
+from specserve.core.static_options import StaticOptions
 from specserve.core.tensor_parallel import SHARDABLE_MODEL_TYPES, TensorParallelError, check_shardable
 from specserve.core.tree import DraftTree, TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
@@ -507,6 +511,31 @@ def test_an_eagle3_head_drafts_for_the_family_exactly(name: str, tmp_path_factor
     outputs = {prompts[request_id]: result.output_ids for request_id, result in finish_all(engine).items()}
     assert outputs == checkpoint.greedy
     assert_pool_empty(engine)
+
+
+WINDOWED = ["mistral-v0.1", "gemma2", "gemma3", "gpt-oss"]
+
+
+# every windowed family eagerly; through the graph path (slow to record on the CPU) one with alternating windows and
+# one with sinks
+@pytest.mark.parametrize(
+    ("name", "mode"), [*((name, "eager") for name in WINDOWED), ("gemma3", "graphs"), ("gpt-oss", "graphs")]
+)
+def test_static_shapes_apply_each_layers_window(name: str, mode: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The static-shape engine (preallocated slots, blocks padded to buckets; on the CPU the graph path through the
+    stand-in backend) past the window: greedy output equals transformers' ``generate`` with the draft model and with
+    n-gram lookup, chains and dynamic trees."""
+    checkpoint = make_checkpoint(name, tmp_path_factory)
+    for drafter, (shape, tree) in itertools.product(("model", "ngram"), SHAPE.items()):
+        config = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3, tree=tree)
+        engine = SpeculativeEngine(
+            checkpoint.target, checkpoint.new_drafter(drafter), static=StaticOptions(buckets=BUCKETS)
+        )
+        assert engine.static is not None
+        engine.static.graphs = GraphCache(RecordingGraphs() if mode == "graphs" else None)
+        for prompt, expected in checkpoint.greedy.items():
+            result = engine.generate(list(prompt), SamplingParams(), config)
+            assert result.output_ids == expected, f"{name} static {mode}, {drafter} {shape}, prompt {prompt}"
 
 
 def test_every_runnable_family_is_covered_here() -> None:
