@@ -151,8 +151,7 @@ class BatchedEngine(GenerationFrontend):
         )
         self.buckets = None if static is None else static.buckets_for(target.device.type)
         self.ops = LocalPool(target, self.pool, self.buckets)
-        # a hybrid's recurrent states are not kept per position, so none of its prefixes is reused
-        self.cache = PrefixCache(self.pool) if prefix_caching and self.pool.states is None else None
+        self.cache = PrefixCache(self.pool) if prefix_caching else None
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}

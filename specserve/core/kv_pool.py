@@ -263,16 +263,19 @@ class KVPool:
         exactly ``start`` positions now and ``stop`` after (a prefix cache hit: the keys and values of the same
         tokens at the same positions)."""
         src, dst = self._span(source), self._span(target)
+        kept = self.states is None or self.states.reusable(source, stop) == stop
         if source == target or not 0 <= start <= stop <= src.length or dst.length != start or stop > dst.reserved:
             raise ValueError(
                 f"cannot copy positions {start}..{stop} of sequence {source} (length {src.length}) to sequence "
                 f"{target} (length {dst.length}, reserved {dst.reserved})"
             )
-        if self.states is not None:
-            raise ValueError("a pool with recurrent layers keeps no state per position: its prefixes are not copied")
+        if not kept:
+            raise ValueError(f"sequence {source}'s recurrent states are not kept after {stop} tokens: nothing to copy")
         for tensor in (*self.keys, *self.values):
             tensor[:, dst.start + start : dst.start + stop] = tensor[:, src.start + start : src.start + stop]
         dst.length = stop
+        if self.states is not None:  # a hybrid's: up to the source's recurrent checkpoint, whose states it takes
+            self.states.adopt(source, target, stop)
 
     def shrink(self, sequence: int, reserved: int) -> None:
         """Give back the reserved positions of ``sequence`` past ``reserved`` (at least its length, and 1)."""

@@ -16,7 +16,8 @@ row's block), so its row starts from the checkpoint: no forward of its own, a fe
 :meth:`step_layers` hands transformers one ``LinearAttentionLayer`` per recurrent layer holding the rows' checkpoints
 stacked, and :meth:`after_step` records what the rows' states became. Chains only: a tree block's recurrent layers
 would read its nodes in order, not by the tree (the single-request engine verifies trees path by path). The prefix
-cache does not reuse a hybrid's KV (no state is kept per position).
+cache reuses a sequence's keys and values only up to its checkpoint, whose states the reader takes (:meth:`adopt`):
+no state is kept per position, so a hit shorter than the checkpoint reuses nothing.
 """
 
 from __future__ import annotations
@@ -75,6 +76,20 @@ class PoolStates:
         window, recurrent state; none before the first step)."""
         record = self._records[sequence]
         return record.tokens[: record.length], record.states
+
+    def reusable(self, sequence: int, matched: int) -> int:
+        """How much of a sequence whose first ``matched`` tokens another request shares that request can take from
+        it: up to the sequence's checkpoint, if the match reaches it (its recurrent states are kept there only)."""
+        length = self._records[sequence].length
+        return length if length <= matched else 0
+
+    def adopt(self, source: int, target: int, length: int) -> None:
+        """``target`` takes ``source``'s checkpoint after its first ``length`` tokens (its keys and values copied):
+        a prefix cache hit."""
+        src, dst = self._records[source], self._records[target]
+        if src.length != length:
+            raise ValueError(f"sequence {source}'s recurrent states are kept after {src.length} tokens, not {length}")
+        dst.tokens, dst.length, dst.states, dst.candidate = src.tokens[:length], length, dict(src.states), None
 
     def step_layers(self, sequences: Sequence[int]) -> dict[int, LinearAttentionLayer]:
         """Per recurrent layer, the cache layer a batched step over ``sequences`` (its rows, in order) hands

@@ -15,7 +15,9 @@ after the copy — so eviction never waits for a reader. Retained entries are ev
 needs room (:meth:`PrefixCache.make_room`): a full pool evicts before it refuses.
 
 The cached keys and values of a token sequence do not depend on the request that computed them (only on the tokens
-and the model), so a request that copies them continues exactly as one that computed them itself.
+and the model), so a request that copies them continues exactly as one that computed them itself. A hybrid model's
+recurrent states are kept only at each sequence's checkpoint (:mod:`specserve.core.pool_states`), so a hit on one
+reaches exactly that far, or is no hit.
 
 The engines' side is three calls: :meth:`PrefixCache.admit` (room for a newcomer, keeping the entry it will copy),
 :meth:`PrefixCache.adopt` (copy a hit in, and offer what the sequence caches now) and :meth:`PrefixCache.retain` or
@@ -93,6 +95,8 @@ class PrefixCache:
         """The longest cached prefix of ``tokens`` in ``namespace`` (``exclude``: a sequence not to use, such as the
         asker's own), or ``None``."""
         seq_id, length = self.index.longest(namespace, tokens)
+        if seq_id is not None and self.pool.states is not None:  # a hybrid's: as far as its recurrent state is kept
+            length = self.pool.states.reusable(seq_id, length)
         if seq_id is None or seq_id == exclude or length == 0:
             return None
         self._entries[seq_id].last_used = next(self._clock)

@@ -23,7 +23,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import assert_pool_empty
 from stats_helpers import batched_runs, check_single_engine_agrees, split_seeds, two_token_fit
 from test_architectures import ALPHA, DYNAMIC, Checkpoint, make_checkpoint
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
@@ -33,6 +32,7 @@ from specserve.core.draft import Draft
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import InvalidRequest, UserError
 from specserve.core.recurrent import RecurrentKVCache, recurrent_layers
+from specserve.core.request import GenerationResult
 from specserve.core.sampling import SamplingParams
 from specserve.core.static_cache import StaticTarget
 from specserve.core.static_options import StaticOptions
@@ -144,31 +144,20 @@ def test_a_rollback_before_the_checkpoint_reads_the_kept_text_again(hybrid: Chec
     assert_cache_is_a_fresh_prefill(hybrid, cache, verifier.committed[:-1])
 
 
-def test_the_batched_engine_keeps_every_checkpoint_a_fresh_prefills_and_decodes_greedily(hybrid: Checkpoint) -> None:
-    """Eight requests through three slots, prompts prefilled in chunks of 4, draft-model and n-gram chains and plain
-    decoding mixed: output equals the target's greedy continuation, and after every step each running sequence's
-    recurrent checkpoint (the states of its first tokens, kept by the pool) equals a fresh prefill of those tokens."""
-    engine = BatchedEngine(hybrid.target, hybrid.new_drafter, max_num_seqs=3, max_seq_len=64, prefill_tokens=4)
-    assert engine.cache is None  # no state per position: nothing to reuse
-    drafters = ["default", "ngram", "none"]
-    prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(8)]
-    ids = {
-        engine.submit(
-            prompt, SamplingParams(), GenerationConfig(max_new_tokens=12, gamma=3, drafter=drafters[i % 3])
-        ): prompt
-        for i, prompt in enumerate(prompts)
-    }
+def run_checking_checkpoints(hybrid: Checkpoint, engine: BatchedEngine) -> dict[int, GenerationResult]:
+    """Runs the engine's requests to the end; after every step, each running sequence's recurrent checkpoint (the
+    states of its first tokens, kept by the pool) equals a fresh prefill of those tokens. The results by request."""
     states = engine.pool.states
     assert states is not None
-    outputs: dict[int, list[int]] = {}
+    results: dict[int, GenerationResult] = {}
     checked = 0
     while engine.has_work:
         for request_id, chunk in engine.step():
             if isinstance(chunk, Exception):
                 raise chunk
             if chunk.result is not None:
-                outputs[request_id] = chunk.result.output_ids
-        for sequence in list(engine.pool._spans):  # every running sequence's checkpoint
+                results[request_id] = chunk.result
+        for sequence in list(engine.pool._spans):  # every sequence the pool holds: running, or kept by the cache
             tokens, saved = states.checkpoint(sequence)
             if not tokens:
                 continue
@@ -179,11 +168,47 @@ def test_the_batched_engine_keeps_every_checkpoint_a_fresh_prefills_and_decodes_
                 assert torch.allclose(conv, layer.conv_states[0], atol=TOLERANCE, rtol=0), f"conv {index}"
                 assert torch.allclose(state, layer.recurrent_states[0], atol=TOLERANCE, rtol=0), f"state {index}"
             checked += 1
-    assert checked > 20
+    assert checked > 0
+    return results
+
+
+def test_the_batched_engine_keeps_every_checkpoint_a_fresh_prefills_and_decodes_greedily(hybrid: Checkpoint) -> None:
+    """Eight requests through three slots, prompts prefilled in chunks of 4, draft-model and n-gram chains and plain
+    decoding mixed: output equals the target's greedy continuation, and every checkpoint is a fresh prefill's."""
+    engine = BatchedEngine(hybrid.target, hybrid.new_drafter, max_num_seqs=3, max_seq_len=64, prefill_tokens=4)
+    drafters = ["default", "ngram", "none"]
+    prompts = [[(7 * i + 3 * j) % 90 + 3 for j in range(5 + i)] for i in range(8)]
+    ids = {
+        engine.submit(
+            prompt, SamplingParams(), GenerationConfig(max_new_tokens=12, gamma=3, drafter=drafters[i % 3])
+        ): prompt
+        for i, prompt in enumerate(prompts)
+    }
+    results = run_checking_checkpoints(hybrid, engine)
     for request_id, prompt in ids.items():
-        assert outputs[request_id] == reference_greedy(hybrid, prompt, 12)[: len(outputs[request_id])]
-        assert len(outputs[request_id]) == 12 or outputs[request_id][-1] == 2
-    assert_pool_empty(engine)
+        output = results[request_id].output_ids
+        assert output == reference_greedy(hybrid, prompt, 12)[: len(output)]
+        assert len(output) == 12 or output[-1] == 2
+
+
+def test_the_next_turn_reuses_the_last_checkpoint_from_the_prefix_cache(hybrid: Checkpoint) -> None:
+    """A conversation's second turn (the first turn's prompt and answer, then more) takes the first turn's keys and
+    values up to its recurrent checkpoint, and its states there, from the prefix cache; a prompt that shares less than
+    the checkpoint reuses nothing; outputs are the target's greedy ones, and every checkpoint a fresh prefill's."""
+    engine = BatchedEngine(hybrid.target, hybrid.new_drafter, max_num_seqs=2, max_seq_len=64, prefill_tokens=8)
+    config = GenerationConfig(max_new_tokens=10, gamma=3, ignore_eos=True)
+    first = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    request = engine.submit(first, SamplingParams(), config)
+    answer = run_checking_checkpoints(hybrid, engine)[request].output_ids
+    turn = [*first, *answer, 40, 41, 42]
+    short = [*first[:3], 50, 51]  # shares 3 tokens: less than any checkpoint
+    ids = {engine.submit(prompt, SamplingParams(), config): prompt for prompt in (turn, short)}
+    results = run_checking_checkpoints(hybrid, engine)
+    for request_id, prompt in ids.items():
+        assert results[request_id].output_ids == reference_greedy(hybrid, prompt, 10)
+    reused = {tuple(prompt): results[request_id].stats.cached_tokens for request_id, prompt in ids.items()}
+    assert reused[tuple(short)] == 0
+    assert len(first) <= reused[tuple(turn)] < len(turn) - 1, reused
 
 
 def test_seeded_sampling_in_a_batch_equals_the_single_request_engine(hybrid: Checkpoint) -> None:
