@@ -49,7 +49,7 @@ from transformers.cache_utils import (
 from specserve.core.attention import RaggedRow
 from specserve.core.errors import UserError
 from specserve.core.pool_states import PoolStates
-from specserve.core.windows import RECURRENT
+from specserve.core.windows import PARALLEL, RECURRENT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -85,6 +85,11 @@ def layer_kinds(model: PreTrainedModel) -> tuple[list[int], list[int]]:
     """The indices of ``model``'s decoder layers that cache keys and values, and of those that keep a recurrent state
     (a hybrid's: :mod:`specserve.core.pool_states`); a layer with neither (an MLP-only one) is in neither."""
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    if PARALLEL in types:
+        raise UserError(
+            f"{type(model).__name__} runs attention and a recurrent mixer side by side in its layers, which the "
+            "batched KV pool does not hold yet; serve it one request at a time (--max-num-seqs 1)"
+        )
     attention = [i for i, kind in enumerate(types) if kind not in (RECURRENT, "dummy")]
     return attention, [i for i, kind in enumerate(types) if kind == RECURRENT]
 

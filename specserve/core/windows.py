@@ -33,6 +33,8 @@ FULL = "full_attention"
 # Layers that keep a recurrent state rather than keys and values (Gated DeltaNet, Mamba-2): no window, no mask of their
 # own; :mod:`specserve.core.recurrent` rolls them back
 RECURRENT = "linear_attention"
+# Layers that run attention and a recurrent mixer side by side (Falcon-H1): full attention's KV and a state
+PARALLEL = "hybrid"
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class LayerWindows:
     @property
     def recurrent(self) -> bool:
         """Whether some layer keeps a recurrent state (a hybrid model: :mod:`specserve.core.recurrent`)."""
-        return RECURRENT in self.types
+        return RECURRENT in self.types or PARALLEL in self.types
 
     @property
     def uniform(self) -> int | None:
@@ -84,7 +86,7 @@ def layer_windows(config: Any, max_positions: int) -> LayerWindows:
     windows: list[int | None] = []
     for layer_type, options in zip(types, kwargs, strict=True):
         # a dummy layer keeps no cache of its own (an MLP-only or KV-sharing one); a recurrent one keeps a state
-        if layer_type in (FULL, "dummy", RECURRENT):
+        if layer_type in (FULL, "dummy", RECURRENT, PARALLEL):
             windows.append(None)
         elif layer_type == SLIDING:
             window = int(options["sliding_window"])

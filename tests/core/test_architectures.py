@@ -53,6 +53,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.errors import UserError
 from specserve.core.graphs import GraphCache
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, ModelLoadError
@@ -215,6 +216,20 @@ FAMILIES = {
         draft_options={"hybrid_override_pattern": "*M"},
         draft_layers=2,
     ),
+    "falcon-h1": Family(  # attention and Mamba-2 side by side in every layer
+        "FalconH1Config",
+        {
+            "head_dim": 8,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 8,
+            "mamba_d_ssm": 64,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+        },
+        "FalconH1ForCausalLM",
+    ),
 }
 
 # Layers specserve does not serve yet: refused at load, saying what.
@@ -327,6 +342,10 @@ def test_batched_engine_equals_transformers(checkpoint: Checkpoint) -> None:
         GenerationConfig(max_new_tokens=NEW_TOKENS, tree=DYNAMIC),
         GenerationConfig(max_new_tokens=NEW_TOKENS, drafter="none"),
     ]
+    if "hybrid" in checkpoint.target.windows.types:  # attention and Mamba-2 in one layer: one request at a time
+        with pytest.raises(UserError, match=r"side by side.*--max-num-seqs 1"):
+            BatchedEngine(checkpoint.target, checkpoint.new_drafter, max_num_seqs=3, max_seq_len=48)
+        return
     if checkpoint.target.windows.recurrent:  # a hybrid's batched steps verify chains (core/pool_states.py)
         configs[2] = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=4)
     # three slots for four requests: the last waits for the first to finish
