@@ -137,9 +137,9 @@ def hf_greedy_ids(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens:
     return out[0, len(prompt) :].tolist()
 
 
-def finish_all(engine: Any) -> dict[int, Any]:
-    """Step a :class:`~specserve.core.batch_engine.BatchedEngine` until every submitted request has finished; each
-    one's :class:`~specserve.core.engine.GenerationResult` by request id."""
+def finish_all(engine: Any, after_step: Callable[[], None] | None = None) -> dict[int, Any]:
+    """Step a :class:`~specserve.core.batch_engine.BatchedEngine` until every submitted request has finished (calling
+    ``after_step`` after each step); each one's :class:`~specserve.core.engine.GenerationResult` by request id."""
     results: dict[int, Any] = {}
     while engine.has_work:
         for request_id, chunk in engine.step():
@@ -147,6 +147,8 @@ def finish_all(engine: Any) -> dict[int, Any]:
                 raise chunk
             if chunk.result is not None:
                 results[request_id] = chunk.result
+        if after_step is not None:
+            after_step()
     return results
 
 

@@ -186,6 +186,11 @@ class KVPool:
     def num_sequences(self) -> int:
         return len(self._spans)
 
+    @property
+    def sequences(self) -> list[int]:
+        """The ids of the sequences the pool holds."""
+        return list(self._spans)
+
     def fits(self, tokens: int) -> bool:
         """Whether :meth:`allocate` of ``tokens`` would succeed now."""
         return tokens <= self.free_tokens

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import assert_pool_empty, finish_all
 from stats_helpers import batched_runs, check_single_engine_agrees, split_seeds, two_token_fit
 from test_architectures import ALPHA, DYNAMIC, Checkpoint, make_checkpoint
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
@@ -152,19 +153,14 @@ def test_a_rollback_before_the_checkpoint_reads_the_kept_text_again(any_hybrid: 
 
 
 def run_checking_checkpoints(hybrid: Checkpoint, engine: BatchedEngine) -> dict[int, GenerationResult]:
-    """Runs the engine's requests to the end; after every step, each running sequence's recurrent checkpoint (the
-    states of its first tokens, kept by the pool) equals a fresh prefill of those tokens. The results by request."""
+    """Runs the engine's requests to the end; after every step, each sequence's recurrent checkpoint in the pool (the
+    states of its first tokens) equals a fresh prefill of those tokens. The results by request."""
     states = engine.pool.states
     assert states is not None
-    results: dict[int, GenerationResult] = {}
-    checked = 0
-    while engine.has_work:
-        for request_id, chunk in engine.step():
-            if isinstance(chunk, Exception):
-                raise chunk
-            if chunk.result is not None:
-                results[request_id] = chunk.result
-        for sequence in list(engine.pool._spans):  # every sequence the pool holds: running, or kept by the cache
+    checked = []
+
+    def check() -> None:
+        for sequence in engine.pool.sequences:  # running, or kept by the prefix cache
             tokens, saved = states.checkpoint(sequence)
             if not tokens:
                 continue
@@ -174,8 +170,10 @@ def run_checking_checkpoints(hybrid: Checkpoint, engine: BatchedEngine) -> dict[
                 layer = fresh.inner.layers[index]
                 assert torch.allclose(conv, layer.conv_states[0], atol=TOLERANCE, rtol=0), f"conv {index}"
                 assert torch.allclose(state, layer.recurrent_states[0], atol=TOLERANCE, rtol=0), f"state {index}"
-            checked += 1
-    assert checked > 0
+            checked.append(sequence)
+
+    results = finish_all(engine, check)
+    assert checked
     return results
 
 
@@ -196,6 +194,7 @@ def test_the_batched_engine_keeps_every_checkpoint_a_fresh_prefills_and_decodes_
         output = results[request_id].output_ids
         assert output == reference_greedy(hybrid, prompt, 12)[: len(output)]
         assert len(output) == 12 or output[-1] == 2
+    assert_pool_empty(engine)
 
 
 def test_the_next_turn_reuses_the_last_checkpoint_from_the_prefix_cache(hybrid: Checkpoint) -> None:
