@@ -17,7 +17,8 @@ chose (mean and histogram), accepted tokens per cycle. For the hybrids, what exa
 checkpoint's size, and the time of a rollback after a k = 5 verify block that kept m of its tokens (restore the
 states, crop the attention KV, read the m kept tokens again), beside T_verify.
 
-Plain ``torch.set_num_threads(--threads)`` (1 by default); writes ``--out`` (JSON) and prints a table.
+Plain ``torch.set_num_threads(--threads)`` (1 by default); writes ``--out`` (JSON) and prints a table. With
+``--batched``, the same prompts are also decoded all at once through the batched engine, plain and adaptive n-gram.
 
     python bench/families.py --out bench/results/families.json
 """
@@ -37,6 +38,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from specserve.benchmarks.timing import median_forward_seconds
+from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.model import CausalLM
 from specserve.core.recurrent import RecurrentKVCache, StateCheckpoint
@@ -141,6 +143,35 @@ def decode(lm: CausalLM, prompts: list[list[int]], new_tokens: int, speculate: b
     }
 
 
+def decode_batched(lm: CausalLM, prompts: list[list[int]], new_tokens: int, speculate: bool) -> dict[str, Any]:
+    """Greedy decoding of every prompt at once through the batched engine (every prompt a slot): plain, or n-gram
+    lookup under the adaptive policy. A hybrid's batched steps read each row's tokens past its recurrent checkpoint
+    again (core/pool_states.py)."""
+
+    def new_drafter(name: str) -> NgramDrafter | NoDrafter:
+        return NgramDrafter(max_ngram=3, min_ngram=1) if speculate else NoDrafter()
+
+    engine = BatchedEngine(lm, new_drafter, schedules=schedules(), max_num_seqs=len(prompts), max_seq_len=512)
+    config = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True, policy="adaptive" if speculate else "fixed")
+    finish_batch(engine, [prompts[0][:8]], GenerationConfig(max_new_tokens=4))  # warm up
+    start = time.perf_counter()
+    outputs = finish_batch(engine, prompts, config)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": sum(map(len, outputs)) / seconds, "outputs": outputs}
+
+
+def finish_batch(engine: BatchedEngine, prompts: list[list[int]], config: GenerationConfig) -> list[list[int]]:
+    ids = [engine.submit(prompt, SamplingParams(), config) for prompt in prompts]
+    results: dict[int, list[int]] = {}
+    while engine.has_work:
+        for request_id, chunk in engine.step():
+            if isinstance(chunk, Exception):
+                raise chunk
+            if chunk.result is not None:
+                results[request_id] = chunk.result.output_ids
+    return [results[request_id] for request_id in ids]
+
+
 def rollback_costs(lm: CausalLM, k: int, repeats: int) -> dict[str, Any]:
     """A hybrid's exact rollback after a verify block of ``k`` tokens that kept ``m`` of them, m = 0 .. k."""
     generator = torch.Generator().manual_seed(1)
@@ -182,6 +213,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batched", action="store_true", help="also decode the prompts at once, batched")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -204,6 +236,19 @@ def main() -> None:
             "gamma_histogram": spec["gamma_histogram"],
             "accepted_per_cycle": spec["accepted_per_cycle"],
         }
+        if args.batched:
+            batch_plain = decode_batched(lm, prompts, args.new_tokens, speculate=False)
+            batch_spec = decode_batched(lm, prompts, args.new_tokens, speculate=True)
+            assert batch_plain["outputs"] == plain["outputs"] == batch_spec["outputs"], (
+                f"{name}: batched outputs differ"
+            )
+            entry["batched_plain_tokens_per_s"] = batch_plain["tokens_per_s"]
+            entry["batched_speculative_tokens_per_s"] = batch_spec["tokens_per_s"]
+            print(
+                f"{name:16s} batched ({len(prompts)} at once): plain {batch_plain['tokens_per_s']:6.1f} tok/s, "
+                f"adaptive n-gram {batch_spec['tokens_per_s']:6.1f} tok/s",
+                flush=True,
+            )
         if lm.windows.recurrent:
             entry["rollback"] = rollback_costs(lm, 5, args.repeats)
         results["families"][name] = entry
