@@ -209,7 +209,7 @@ class CausalLM:
         """Append ``input_ids`` to the cache and return their next-token logits (and, with ``capture``, keep
         every token's features there)."""
         if isinstance(cache, RecurrentKVCache):
-            cache.before_chain(input_ids)
+            cache.before_chain()
             positions = cache.length + torch.arange(input_ids.shape[0], device=self.device)[None]
             kwargs = {
                 self._cache_kwarg: cache.inner,

@@ -121,8 +121,8 @@ class RecurrentKVCache(KVCache):
 
     # Chains -------------------------------------------------------------------------------------
 
-    def before_chain(self, input_ids: torch.Tensor) -> None:
-        """Called before a chain forward appends ``input_ids``: a pending block that is a chain is fed first (a tree
+    def before_chain(self) -> None:
+        """Called before a chain forward: a pending block that is a chain is fed first (a tree
         block cannot be appended after), and the state is checkpointed if the cache has settled since."""
         if self.pending:
             chain = self._pending_chain(len(self.pending))

@@ -84,6 +84,18 @@ class Family:
     draft_layers: int = 1
 
 
+# GLM-4.5's and DeepSeek-V3's mixture: a dense first layer, then 4 routed experts in 2 groups (the best 1 searched),
+# each token sent to 2, beside a shared expert
+GROUPED_ROUTING = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+}
+
 # Families that run: each option is what makes the tiny model exercise the family's peculiarity.
 FAMILIES = {
     "llama": Family("LlamaConfig", {"tie_word_embeddings": False}, "LlamaForCausalLM"),
@@ -130,16 +142,7 @@ FAMILIES = {
     # a dense first layer, then routed experts in groups (2 groups, the best 1 searched) beside a shared expert
     "glm4-moe": Family(
         "Glm4MoeConfig",
-        {
-            "head_dim": 8,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "first_k_dense_replace": 1,
-            "n_group": 2,
-            "topk_group": 1,
-            "n_shared_experts": 1,
-        },
+        {"head_dim": 8, **GROUPED_ROUTING},
         "Glm4MoeForCausalLM",
     ),
     # multi-head latent attention (queries and keys/values through low-rank projections, a decoupled RoPE part,
@@ -147,13 +150,7 @@ FAMILIES = {
     "deepseek-v3": Family(
         "DeepseekV3Config",
         {
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "first_k_dense_replace": 1,
-            "n_group": 2,
-            "topk_group": 1,
-            "n_shared_experts": 1,
+            **GROUPED_ROUTING,
             "q_lora_rank": 24,
             "kv_lora_rank": 16,
             "qk_rope_head_dim": 4,
