@@ -89,6 +89,9 @@ COMMANDS: dict[str, Command] = {
     "datastore": Command(
         "specserve.training.datastore", "build a token datastore (suffix array) for the REST drafter, rest:FILE"
     ),
+    "replay": Command(
+        "specserve.replay", "re-run a shadow check's repro bundle in one process: confirm or clear it", threads=True
+    ),
     "serve": Command("specserve.serve.command", "serve the OpenAI-compatible API on Ray Serve until Ctrl-C"),
     "cluster": Command(
         "specserve.cluster.command", "a local multi-node Ray cluster on this machine (up, down, status)"

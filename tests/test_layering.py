@@ -149,9 +149,10 @@ LEVELS = (
     # heads by running the engine itself) and a subcommand never imports the CLI, so the level has no cycle.
     Level(
         "tools",
-        ("specserve.training", "specserve.benchmarks", "specserve.generate", "specserve.cli"),
+        ("specserve.training", "specserve.benchmarks", "specserve.generate", "specserve.replay", "specserve.cli"),
         peers={
-            "specserve.cli": ("specserve.training", "specserve.benchmarks", "specserve.generate"),
+            "specserve.cli": ("specserve.training", "specserve.benchmarks", "specserve.generate", "specserve.replay"),
+            "specserve.replay": ("specserve.generate",),
             "specserve.benchmarks": ("specserve.training",),
         },
     ),

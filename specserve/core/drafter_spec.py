@@ -103,6 +103,17 @@ def probe_nodes_of(spec: str) -> int:
     return settings[0] * (settings[1] - 1) if settings is not None else 0
 
 
+def drafter_kind(spec: str) -> str:
+    """What kind of drafter ``spec`` names, as a short metrics tag: a built-in's name (``ngram``, ``lookahead``...),
+    a prefixed form's prefix (``eagle``, ``medusa``, ``layerskip``, ``rest``, ``text``), ``mtp``, or ``draft_model``."""
+    if spec in BUILTIN_DRAFTERS or spec == MTP_SPEC:
+        return spec
+    for prefix in (LOOKAHEAD_PREFIX, REST_PREFIX, *DIRECTORY_PREFIXES):
+        if spec.startswith(prefix):
+            return prefix.rstrip(":")
+    return "draft_model"
+
+
 def absolute_spec(spec: str) -> str:
     """``spec`` with the directory it names made absolute when that directory exists here: a draft model
     directory, or the DIR of ``eagle:DIR``, ``medusa:DIR`` and ``layerskip:DIR``. ``none``, ``ngram``, ``suffix``,

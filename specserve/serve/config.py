@@ -89,6 +89,20 @@ class ServeConfig(ReplicaConfig):
         description="how long a request whose replica was lost (a shard or the replica died) waits for a healthy "
         "replica to resume it from its streamed tokens; past it the client gets an error",
     )
+    shadow_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="the share of finished requests a replica decodes again without speculation, when it holds no "
+        "live request, to check token for token that speculation changed nothing (greedy and drafter_invariant "
+        "requests; others are counted skipped); 0 = off. A mismatch is counted "
+        '(specserve_shadow_checks{result="mismatch"}), logged and written as a repro bundle for `specserve replay`',
+    )
+    shadow_dir: str = Field(
+        "",
+        description="where a replica writes shadow-check repro bundles (the newest 100 are kept); empty: "
+        "<the system's temporary directory>/specserve-shadow on the replica's node",
+    )
     api_key: str | None = Field(
         None, description=f"require `Authorization: Bearer <key>`; default: ${API_KEY_ENV} if set, else no key"
     )

@@ -118,9 +118,54 @@ class ServeMetrics:
         self.cache_tokens = Gauge(
             "specserve_prefix_cache_tokens", "KV pool positions the prefix cache holds (free to evict)", TAGS
         )
+        self.inter_token_latency = Histogram(
+            "specserve_inter_token_latency_seconds",
+            "seconds between a request's consecutive chunks, per token of the later chunk (a chunk of k tokens "
+            "after t seconds observes t / k)",
+            LATENCY_BOUNDARIES,
+            TAGS,
+        )
+        # exactness and payoff, watched on live traffic (specserve.serve.shadow, specserve.core.drift)
+        self.shadow_checks = Counter(
+            "specserve_shadow_checks",
+            "finished requests decoded again without speculation and compared token for token: match, mismatch "
+            "(a divergence no float rounding explains), near_tie (the target's two best scores at the divergence were "
+            "within its dtype's rounding), skipped (not reproducible by plain decoding, or never run: see "
+            "specserve_shadow_skipped)",
+            (*TAGS, "drafter", "result"),
+        )
+        self.shadow_skipped = Counter(
+            "specserve_shadow_skipped",
+            "shadow checks not made, by reason: sampled (rejection-sampled, reproducible only with "
+            "drafter_invariant), lossy (a lossy acceptance rule), dropped (the bounded queue was full), preempted "
+            "(live requests interrupted its plain run too often), failed (the plain run ended in an error)",
+            (*TAGS, "drafter", "reason"),
+        )
+        self.shadow_queue = Gauge(
+            "specserve_shadow_queue_length", "shadow checks waiting for the replica to be idle", TAGS
+        )  # fmt: skip
+        self.acceptance_rate = Gauge(
+            "specserve_acceptance_rate",
+            "acceptance of draft position i given every earlier one was accepted: an exponentially weighted average "
+            "over the replica's recent cycles, per drafter",
+            (*TAGS, "drafter", "position"),
+        )
+        self.drift_events = Counter(
+            "specserve_acceptance_drift_events",
+            "change points in a drafter's acceptance at a position (a CUSUM test against the replica's own history), "
+            "by direction (down: the drafter got worse)",
+            (*TAGS, "drafter", "position", "direction"),
+        )
+        self.speedup = Gauge(
+            "specserve_speculation_speedup",
+            "tokens per second now over plain decoding's, from the replica's own measured costs (a drafting cycle's "
+            "time and tokens against a plain step's time); below 1: speculation is not paying",
+            (*TAGS, "drafter"),
+        )
         self._evictions = 0
         self._cache_lock = threading.Lock()
         self.queue(0, 0)  # idle: exported at 0 from the start, not missing until the first request
+        self.shadow_waiting(0)
 
     def queue(self, waiting: int, running: int) -> None:
         self.queue_length.set(waiting, self.tags)
@@ -138,6 +183,35 @@ class ServeMetrics:
             _inc(self.cache_evictions, max(0, stats.evictions - self._evictions), self.tags)
             self._evictions = max(self._evictions, stats.evictions)
             self.cache_tokens.set(stats.retained_tokens, self.tags)
+
+    def inter_token(self, seconds: float, tokens: int, lossy: bool = False) -> None:
+        """A chunk of ``tokens`` tokens arrived ``seconds`` after the request's previous one."""
+        if tokens > 0:
+            self.inter_token_latency.observe(seconds / tokens, self.request_tags(lossy))
+
+    def shadow_check(self, drafter: str, result: str, lossy: bool = False) -> None:
+        """One shadow check's outcome: ``match``, ``mismatch``, ``near_tie`` or ``skipped``."""
+        self.shadow_checks.inc(1, {**self.request_tags(lossy), "drafter": drafter, "result": result})
+
+    def shadow_skip(self, drafter: str, reason: str, lossy: bool = False) -> None:
+        """A shadow check not made (counted as ``result="skipped"`` too), and why."""
+        self.shadow_check(drafter, "skipped", lossy)
+        self.shadow_skipped.inc(1, {**self.request_tags(lossy), "drafter": drafter, "reason": reason})
+
+    def shadow_waiting(self, jobs: int) -> None:
+        self.shadow_queue.set(jobs, self.tags)
+
+    def acceptance(self, drafter: str, rates: list[float | None], speedup: float | None) -> None:
+        """A drafter's smoothed acceptance by position (``None``: not measured yet) and its measured speedup."""
+        tags = {**self.tags, "drafter": drafter}
+        for position, rate in enumerate(rates):
+            if rate is not None:
+                self.acceptance_rate.set(rate, {**tags, "position": str(position)})
+        if speedup is not None:
+            self.speedup.set(speedup, tags)
+
+    def drift(self, drafter: str, position: int, direction: str) -> None:
+        self.drift_events.inc(1, {**self.tags, "drafter": drafter, "position": str(position), "direction": direction})
 
     def request_tags(self, lossy: bool) -> dict[str, str]:
         """The tags of one request's metrics: ``lossy="true"`` when it ran a lossy acceptance rule."""

@@ -62,15 +62,18 @@ from contextlib import aclosing
 from typing import Any
 
 from specserve.cluster.replica_config import InvalidSetting
+from specserve.core.drafter_spec import drafter_kind
 from specserve.core.engine import GenerationConfig, GenerationFrontend, StreamChunk
 from specserve.core.errors import ReplicaLost, UserError
 from specserve.core.prefix_cache import CacheStats
 from specserve.core.prompts import PromptCodec
 from specserve.core.resume import Resume, ResumedOutput, continuation
 from specserve.core.sampling import SamplingParams
+from specserve.core.shadow import ShadowJob
 from specserve.serve.config import ServeConfig
 from specserve.serve.engine_loop import BatchEngine, EngineLoop, merge_chunks
 from specserve.serve.metrics import ServeMetrics
+from specserve.serve.shadow import ShadowChecks
 from specserve.serve.slots import PrioritySlots
 
 __all__ = ["ModelServer", "QueueFull", "build_runner", "load_batched_engine", "merge_chunks", "spawn_coordinator"]
@@ -80,7 +83,8 @@ logger = logging.getLogger("ray.serve")  # Serve writes this logger to the repli
 RunnerFactory = Callable[[ServeConfig], GenerationFrontend]
 MAX_RETRY_AFTER_S = 60
 EXIT_GRACE_S = 0.5  # a lost Serve replica ends its actor this long after releasing its runner
-RESUMED, FRESH = 0, 1  # who takes a freed generation slot first: a resumed request's client is mid-stream
+# who takes a freed generation slot first: a resumed request's client is mid-stream; a shadow check goes last
+RESUMED, FRESH, SHADOW = 0, 1, 2
 
 
 class QueueFull(Exception):
@@ -204,7 +208,43 @@ class ModelServer:
         self._release_lock = threading.Lock()
         self._released = False  # the runner was shut down
         self.exit_when_lost = exit_when_lost  # a Serve replica: end its actor once the lost runner is released
+        self.shadow = self._shadow_checks()
         logger.info("ModelServer %r: %s", self.config.model_name, self.path_description())
+
+    def _shadow_checks(self) -> ShadowChecks | None:
+        c = self.config
+        if c.shadow_fraction <= 0:
+            return None
+        import tempfile
+
+        import torch
+
+        context = {
+            "model": c.model_name,
+            "target": c.target,
+            "draft": c.draft,
+            "dtype": c.dtype,
+            "device": c.device,
+            "path": self.path,
+            "replica": c.replica().model_dump(mode="json"),
+        }
+        return ShadowChecks(
+            c.shadow_fraction,
+            run=lambda prompt, params, generation: self._chunks(prompt, params, generation, SHADOW),
+            busy=lambda: self._held > 0,
+            directory=c.shadow_dir or os.path.join(tempfile.gettempdir(), "specserve-shadow"),
+            context=context,
+            vocab=self.describe().info.vocab_size,
+            dtype=getattr(torch, c.dtype),
+            metrics=self.metrics,
+        )
+
+    def drafter_tag(self, generation: GenerationConfig) -> str:
+        """Who drafted a request, as the metrics name it: ``none`` (speculation off), the request's own drafter, or
+        the kind of the replica's configured one (:func:`~specserve.core.drafter_spec.drafter_kind`)."""
+        if generation.gamma == 0 and generation.tree is None:
+            return "none"
+        return generation.drafter if generation.drafter != "default" else drafter_kind(self.config.draft)
 
     @property
     def path(self) -> str:
@@ -241,6 +281,8 @@ class ModelServer:
             "capacity": self.capacity,
             "finished": dict(self._finished),
         }
+        if self.shadow is not None:
+            out["shadow"] = self.shadow.status()
         if self.loop is not None:
             loop = self.loop.status()
             keys = ("kv", "prefix_cache", "steps", "failed_steps", "failed_requests", "batch_sizes", "active_requests")
@@ -362,6 +404,11 @@ class ModelServer:
                         if self.metrics is not None:
                             self.metrics.finished(finish, chunk.result.stats, params.lossy_acceptance)
                         self._learn(time.perf_counter() - arrived)
+                        if self.shadow is not None and resume is None:  # a resumed output is two replicas' work
+                            self.shadow.offer(
+                                ShadowJob(prompt_ids, params, generation, chunk.result.output_ids, finish,
+                                          self.drafter_tag(generation))
+                            )  # fmt: skip
                     yield chunk
         except UserError:
             finish = "invalid"
@@ -411,14 +458,15 @@ class ModelServer:
     ) -> AsyncGenerator[StreamChunk, None]:
         yield StreamChunk("", [])  # taken: it waits its turn here
         await self._slot.acquire(priority)
+        live = priority != SHADOW  # a shadow check is not a request: the gauges do not count it
         try:
-            self._running += 1
+            self._running += live
             self._report_queue()
             async with aclosing(self._run_on_worker(prompt_ids, params, generation)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
-            self._running -= 1
+            self._running -= live
             self._slot.release()
 
     async def _run_on_worker(
