@@ -11,7 +11,10 @@ Recorded per request when it finishes (counts and per-request histograms; the bu
 cycle is tagged with the cycle's batch size, as a power-of-two bucket, so a dashboard shows γ
 against batch size), at its first token (time to first token), whenever the replica's queue
 changes, and, on a batched replica, after every engine step (requests verified together, tokens
-committed). The queue gauges read 0 from the moment a replica creates its metrics, so an idle
+committed). Shadow checks (:mod:`specserve.serve.shadow`) count their results as they end; a finished
+request's cycles update its drafter's smoothed acceptance by position, budget and measured speedup, and
+count drift events (:mod:`specserve.policies.drift`; these are tagged with the deployment's ``lossy``). The
+queue gauges read 0 from the moment a replica creates its metrics, so an idle
 replica's series are there, at 0, before its first request. Needs a connected Ray: the
 Serve deployment creates a :class:`ServeMetrics`; in-process runs pass none. Does not compute
 anything that :class:`~specserve.core.stats.RequestStats` does not already hold.
@@ -20,6 +23,7 @@ anything that :class:`~specserve.core.stats.RequestStats` does not already hold.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from specserve.core.prefix_cache import CacheStats
@@ -125,7 +129,7 @@ class ServeMetrics:
             LATENCY_BOUNDARIES,
             TAGS,
         )
-        # exactness and payoff, watched on live traffic (specserve.serve.shadow, specserve.core.drift)
+        # exactness and payoff, watched on live traffic (specserve.serve.shadow, specserve.policies.drift)
         self.shadow_checks = Counter(
             "specserve_shadow_checks",
             "finished requests decoded again without speculation and compared token for token: match, mismatch "
@@ -160,6 +164,12 @@ class ServeMetrics:
             "specserve_speculation_speedup",
             "tokens per second now over plain decoding's, from the replica's own measured costs (a drafting cycle's "
             "time and tokens against a plain step's time); below 1: speculation is not paying",
+            (*TAGS, "drafter"),
+        )
+        self.draft_budget = Gauge(
+            "specserve_draft_budget",
+            "the draft budget (gamma, or a tree's nodes) the policy chose per cycle, smoothed over the replica's "
+            "recent cycles, per drafter: an adaptive policy lowers it when acceptance falls",
             (*TAGS, "drafter"),
         )
         self._evictions = 0
@@ -201,12 +211,17 @@ class ServeMetrics:
     def shadow_waiting(self, jobs: int) -> None:
         self.shadow_queue.set(jobs, self.tags)
 
-    def acceptance(self, drafter: str, rates: list[float | None], speedup: float | None) -> None:
-        """A drafter's smoothed acceptance by position (``None``: not measured yet) and its measured speedup."""
+    def acceptance(
+        self, drafter: str, rates: Sequence[float | None], budget: float | None, speedup: float | None
+    ) -> None:
+        """A drafter's smoothed acceptance by position (``None``: not measured yet), its smoothed budget, and its
+        measured speedup (:class:`~specserve.policies.drift.DriftMonitor`)."""
         tags = {**self.tags, "drafter": drafter}
         for position, rate in enumerate(rates):
             if rate is not None:
                 self.acceptance_rate.set(rate, {**tags, "position": str(position)})
+        if budget is not None:
+            self.draft_budget.set(budget, tags)
         if speedup is not None:
             self.speedup.set(speedup, tags)
 

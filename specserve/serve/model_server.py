@@ -59,6 +59,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from dataclasses import asdict
 from typing import Any
 
 from specserve.cluster.replica_config import InvalidSetting
@@ -70,6 +71,8 @@ from specserve.core.prompts import PromptCodec
 from specserve.core.resume import Resume, ResumedOutput, continuation
 from specserve.core.sampling import SamplingParams
 from specserve.core.shadow import ShadowJob
+from specserve.core.stats import RequestStats
+from specserve.policies.drift import DriftMonitor
 from specserve.serve.config import ServeConfig
 from specserve.serve.engine_loop import BatchEngine, EngineLoop, merge_chunks
 from specserve.serve.metrics import ServeMetrics
@@ -209,6 +212,7 @@ class ModelServer:
         self._released = False  # the runner was shut down
         self.exit_when_lost = exit_when_lost  # a Serve replica: end its actor once the lost runner is released
         self.shadow = self._shadow_checks()
+        self.drift = DriftMonitor()  # acceptance by drafter and position, change points, measured speedup
         logger.info("ModelServer %r: %s", self.config.model_name, self.path_description())
 
     def _shadow_checks(self) -> ShadowChecks | None:
@@ -283,6 +287,7 @@ class ModelServer:
         }
         if self.shadow is not None:
             out["shadow"] = self.shadow.status()
+        out["drafters"] = {name: asdict(self.drift.view(name)) for name in self.drift.drafters}
         if self.loop is not None:
             loop = self.loop.status()
             keys = ("kv", "prefix_cache", "steps", "failed_steps", "failed_requests", "batch_sizes", "active_requests")
@@ -404,6 +409,7 @@ class ModelServer:
                         if self.metrics is not None:
                             self.metrics.finished(finish, chunk.result.stats, params.lossy_acceptance)
                         self._learn(time.perf_counter() - arrived)
+                        self._watch(self.drafter_tag(generation), chunk.result.stats)
                         if self.shadow is not None and resume is None:  # a resumed output is two replicas' work
                             self.shadow.offer(
                                 ShadowJob(prompt_ids, params, generation, chunk.result.output_ids, finish,
@@ -563,6 +569,24 @@ class ModelServer:
             return
         if stats is not None:
             self.metrics.prefix_cache(CacheStats(**stats))
+
+    def _watch(self, drafter: str, stats: RequestStats) -> None:
+        """A finished request's cycles into the drift monitor; its events and its drafter's state to the metrics."""
+        try:
+            events = self.drift.observe(drafter, stats.observations)
+        except Exception:  # monitoring must never fail a request
+            logger.exception("the drift monitor failed")
+            return
+        for event in events:
+            logger.warning(
+                "acceptance drift (%s) for drafter %s at draft position %d: %.3f -> %.3f after %d outcomes",
+                event.direction, drafter, event.position, event.reference, event.rate, event.outcomes,
+            )  # fmt: skip
+            if self.metrics is not None:
+                self.metrics.drift(drafter, event.position, event.direction)
+        if self.metrics is not None and drafter != "none":
+            view = self.drift.view(drafter)
+            self.metrics.acceptance(drafter, view.rates, view.budget, view.speedup)
 
     def _report_queue(self) -> None:
         if self.metrics is not None:

@@ -16,6 +16,7 @@ runner path, on the tiny llama pair saved to disk, float64):
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -24,12 +25,15 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import randomise_
 from metric_helpers import record_metrics
 
 import specserve.core.target as target_module
 from specserve.cli import main as cli_main
+from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig
 from specserve.core.logprobs import TokenLogprob
+from specserve.core.model import CausalLM
 from specserve.core.sampling import SamplingParams
 from specserve.core.sampling_params import GrammarSpec
 from specserve.core.shadow import (
@@ -46,7 +50,10 @@ from specserve.core.shadow import (
 )
 from specserve.core.tree_spec import TreeBudget, TreeSpec, TreeTopology
 from specserve.core.verification import ChainVerdict, TokenKind
+from specserve.drafters.registry import request_drafters
 from specserve.generate import build_engine
+from specserve.policies.drift import WARMUP
+from specserve.policies.schedules import schedules
 from specserve.replay import replay
 from specserve.serve.config import ServeConfig
 from specserve.serve.model_server import ModelServer, build_runner
@@ -318,3 +325,79 @@ def test_the_queue_is_bounded_and_sampled_systematically(tmp_path: Path) -> None
     assert checks.counts["skipped:dropped"] == 2
     with pytest.raises(ValueError, match="between 0 and 1"):
         ShadowChecks(1.5, never, lambda: busy, tmp_path, {}, 96, torch.float32)
+
+
+# -----------------------------------------------------------------------------------------
+# Acceptance drift, on a live replica
+
+
+def drift_server(tiny_pairs: dict[str, Any], policy: str) -> tuple[ModelServer, Any]:
+    llama = tiny_pairs["llama"]
+    # a good drafter: the target, slightly perturbed (acceptance ~0.7 at position 0); its weights are replaced mid-run
+    draft = CausalLM(copy.deepcopy(llama.target.model), llama.target.tokenizer)
+    noise = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for weight in draft.model.parameters():
+            weight.add_(0.01 * torch.randn(weight.shape, generator=noise, dtype=weight.dtype))
+    drafters = request_drafters(draft, llama.target, max_num_seqs=4, max_seq_len=128)
+    engine = BatchedEngine(llama.target, drafters, schedules=schedules(), max_num_seqs=4, max_seq_len=128)
+    config = ServeConfig(model_name="tiny", gamma=3, max_num_seqs=4, policy=policy, shadow_fraction=0)
+    return ModelServer(config, lambda c: engine, record_metrics=True), draft
+
+
+def serve_rounds(server: ModelServer, rounds: int, policy: str) -> None:
+    config = GenerationConfig(max_new_tokens=48, gamma=3, ignore_eos=True, policy=policy)
+    prompts = [[5, 6, 7, 8], [11, 12, 11, 12], [30, 31], [40, 41, 42]]
+
+    async def main() -> None:
+        for _ in range(rounds):
+            await asyncio.gather(*(run(server, p, GREEDY, config) for p in prompts))
+
+    asyncio.run(main())
+
+
+def test_a_drafter_gone_bad_raises_a_drift_event_and_a_steady_one_does_not(
+    tiny_pairs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record_metrics(monkeypatch)
+    steady, _ = drift_server(tiny_pairs, "fixed")
+    switched, draft = drift_server(tiny_pairs, "fixed")
+    try:
+        serve_rounds(steady, 24, "fixed")
+        serve_rounds(switched, 12, "fixed")
+        before = switched.drift.view("draft_model")
+        at_switch = switched.drift.outcomes("draft_model", 0)
+        randomise_(draft.model, seed=99)  # the drafter now proposes noise
+        serve_rounds(switched, 12, "fixed")
+    finally:
+        steady.shutdown()
+        switched.shutdown()
+    assert steady.drift.outcomes("draft_model", 0) >= 2 * WARMUP  # the steady run was long enough to test
+    event = next(e for e in switched.drift.events if e.position == 0)
+    assert event.direction == "down" and event.total > at_switch  # after the switch, not before
+    assert event.total - at_switch <= 60  # outcomes at position 0 (cycles) from the switch to the event
+    events: Any = switched.metrics.drift_events  # type: ignore[union-attr]
+    downs = [tags for _, tags in events.updates if tags["direction"] == "down"]
+    assert downs and downs[0]["position"] == "0" and downs[0]["drafter"] == "draft_model"
+    assert not steady.metrics.drift_events.updates  # type: ignore[union-attr]
+    after = switched.drift.view("draft_model")
+    assert after.rates[0] < before.rates[0] and after.speedup < before.speedup  # type: ignore[operator]
+
+
+def test_the_adaptive_policy_drafts_less_when_its_drafter_goes_bad(
+    tiny_pairs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record_metrics(monkeypatch)
+    server, draft = drift_server(tiny_pairs, "adaptive")
+    try:
+        serve_rounds(server, 6, "adaptive")
+        before = server.drift.view("draft_model")
+        randomise_(draft.model, seed=99)
+        serve_rounds(server, 6, "adaptive")
+    finally:
+        server.shutdown()
+    after = server.drift.view("draft_model")
+    assert after.budget < before.budget  # type: ignore[operator]
+    gauge: Any = server.metrics.draft_budget  # type: ignore[union-attr]
+    budgets = [value for value, _ in gauge.updates]
+    assert budgets[-1] < max(budgets)  # the metric shows it
