@@ -40,8 +40,10 @@ runner down at once (its live actors and their resources), so that the replaceme
 without waiting for Serve to stop this replica; a Serve replica (``exit_when_lost``) then ends its own
 actor, which Serve replaces at its next health check (a failing check must fail three times in a row). Given a
 :class:`~specserve.core.resume.Resume`, :meth:`ModelServer.generate` continues a request another replica
-lost, streaming only what its client lacks. Metrics (:class:`~specserve.serve.metrics.ServeMetrics`): per request, and
-on the batched path per engine step (batch size, tokens committed).
+lost, streaming only what its client lacks. Metrics (:class:`~specserve.serve.metrics.ServeMetrics`): per request, per
+chunk (time to first token, inter-token latency), and on the batched path per engine step (batch size, tokens
+committed). Every finished request also feeds the drift monitor (:mod:`specserve.policies.drift`) and is offered to
+the shadow checks (:mod:`specserve.serve.shadow`), which re-decode a sample plainly while the replica is idle.
 
 Does not: parse HTTP or OpenAI requests (the ingress does), place actors itself (the coordinator
 does), or decide how a distributed runtime batches (its coordinator does).
@@ -393,6 +395,7 @@ class ModelServer:
         self._report_queue()
         finish = "cancelled"
         first = True
+        last_tokens = arrived  # when the previous chunk with tokens arrived
         chunks = (
             self._chunks(prompt_ids, params, generation)
             if resume is None
@@ -401,9 +404,14 @@ class ModelServer:
         try:
             async with aclosing(chunks):
                 async for chunk in chunks:
-                    if first and chunk.token_ids and self.metrics is not None:
-                        self.metrics.first_token(time.perf_counter() - arrived, params.lossy_acceptance)
-                        first = False
+                    if chunk.token_ids and self.metrics is not None:
+                        now = time.perf_counter()
+                        if first:
+                            self.metrics.first_token(now - arrived, params.lossy_acceptance)
+                            first = False
+                        else:
+                            self.metrics.inter_token(now - last_tokens, len(chunk.token_ids), params.lossy_acceptance)
+                        last_tokens = now
                     if chunk.result is not None:
                         finish = chunk.result.finish_reason
                         if self.metrics is not None:

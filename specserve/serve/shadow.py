@@ -4,12 +4,12 @@ A :class:`~specserve.serve.model_server.ModelServer` offers every finished reque
 (``shadow_fraction``: every ``1/fraction``-th) of them is kept in a bounded queue. A checkable request
 (greedy, or sampled drafter-invariantly: :func:`~specserve.core.shadow.skip_reason`) waits there; the others
 are counted ``skipped`` at once with their reason. One task on the replica's event loop takes the queue's
-oldest job when the replica holds **no live request**, runs it again plainly through the replica's own runner
-(:func:`~specserve.core.shadow.plain_request`: the batched engine or the distributed runtime, the same path
-its live requests take), and compares token for token as the tokens come (a divergence ends the run at once).
-The moment a live request arrives, the run is closed — at the next step boundary — and its job goes back to
-the head of the queue, so a check never holds a batch slot, a runner slot or the KV a live request needs for
-longer than one step.
+oldest job when the replica has held **no live request** for :data:`QUIET_S`, runs it again plainly through
+the replica's own runner (:func:`~specserve.core.shadow.plain_request`: the batched engine or the distributed
+runtime, the same path its live requests take), and compares token for token as the tokens come (a divergence
+ends the run at once). The moment a live request arrives, the run is closed — at the next step boundary — and
+its job goes back to the head of the queue, so a check never holds a batch slot, a runner slot or the KV a
+live request needs for longer than one step.
 
 Results go to the metrics (``specserve_shadow_checks{result}``, ``specserve_shadow_skipped{reason}``,
 ``specserve_shadow_queue_length``). A ``mismatch`` or ``near_tie`` writes a repro bundle
@@ -42,8 +42,12 @@ from specserve.serve.metrics import ServeMetrics
 
 logger = logging.getLogger("ray.serve")
 
-MAX_PREEMPTIONS = 8  # a job whose plain run live requests interrupted this often is dropped
+MAX_PREEMPTIONS = 32  # a job whose plain run live requests interrupted this often is dropped
 IDLE_POLL_S = 0.01  # how often a waiting check looks whether the replica is idle
+QUIET_S = 0.05
+"""How long the replica must have held no live request before a check starts: a client sending requests one after
+another leaves gaps of a few milliseconds between them, too short to finish a check in, long enough to start one
+that the next request would close at once."""
 
 PlainRun = Callable[[list[int], SamplingParams, GenerationConfig], AsyncIterator[StreamChunk]]
 
@@ -116,8 +120,7 @@ class ShadowChecks:
 
     async def _drain(self) -> None:
         while self._jobs:
-            while self.busy():
-                await asyncio.sleep(IDLE_POLL_S)
+            await self._quiet()
             job, preempted = self._jobs.popleft()
             self._report_queue()
             try:
@@ -134,6 +137,17 @@ class ShadowChecks:
             else:
                 self._jobs.appendleft((job, preempted + 1))
                 self._report_queue()
+
+    async def _quiet(self) -> None:
+        """Until the replica has held no live request for :data:`QUIET_S`."""
+        loop = asyncio.get_running_loop()
+        idle_since = loop.time()
+        while True:
+            if self.busy():
+                idle_since = loop.time()
+            elif loop.time() - idle_since >= QUIET_S:
+                return
+            await asyncio.sleep(IDLE_POLL_S)
 
     async def _check(self, job: ShadowJob) -> bool:
         """Run ``job`` plainly and record the verdict; ``False``: a live request arrived first (nothing recorded)."""

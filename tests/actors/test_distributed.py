@@ -244,3 +244,35 @@ def test_penalties_and_logprobs_cross_the_wire(running: Running) -> None:
             for ours, theirs in zip(got.logprobs, want.logprobs, strict=True):
                 assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-6)
                 assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
+
+
+def test_shadow_checks_run_through_the_distributed_runtime(running: Running, tmp_path: Path) -> None:
+    """A replica on the distributed runtime re-decodes its finished requests plainly (drafter none, through the same
+    shards) when idle: greedy chains and trees and a drafter-invariant sample all match; a rejection-sampled one is
+    skipped."""
+    import asyncio
+
+    from specserve.serve.config import ServeConfig
+    from specserve.serve.model_server import ModelServer
+
+    config = ServeConfig(
+        target=running.coordinator.replica.config.target, dtype="float64", max_num_seqs=1, shadow_fraction=1.0,
+        shadow_dir=str(tmp_path),
+    )  # fmt: skip
+    server = ModelServer(config, lambda c: running.coordinator)  # not shut down: the replica is the module's
+    assert server.shadow is not None
+    chain = GenerationConfig(max_new_tokens=16, gamma=3)
+    tree = GenerationConfig(max_new_tokens=16, tree=TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=6)))
+    invariant = SamplingParams(temperature=1.0, drafter_invariant=True, seed=17)
+    requests = [(SamplingParams(), chain), (SamplingParams(), tree), (invariant, chain)]
+    requests.append((SamplingParams(temperature=1.0, seed=3), chain))
+
+    async def main() -> None:
+        for params, generation in requests:
+            async for _ in server.generate(list(running.pair.prompts[1]), params, generation):
+                pass
+        await server.shadow.drained()  # type: ignore[union-attr]
+
+    asyncio.run(main())
+    counts = server.shadow.counts
+    assert counts["match"] == 3 and counts["skipped:sampled"] == 1 and not counts.get("mismatch"), dict(counts)

@@ -8,7 +8,9 @@ once; a third waits and a fourth is refused with 429, OpenAI's error JSON and ``
 the server keeps serving; clients that close their streams cancel their requests and the engine's
 KV pool is empty again; a request that can never fit a KV slot is a 400 saying so; a repeated prompt, a chat's next
 turn and a ``cache_salt`` are served from the prefix cache as they should; the batch size, tokens per step and the
-prefix cache's counts reach Ray's Prometheus exporter.
+prefix cache's counts reach Ray's Prometheus exporter. The replica shadow-checks every finished request (decoded
+again without speculation when it is idle, beside every other test here): greedy and drafter-invariant requests
+match, and the checks, inter-token latency, acceptance and speedup reach Prometheus.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ def url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
         max_queue=QUEUE,
         max_seq_len=MAX_SEQ_LEN,
         max_batch_tokens=32,
+        shadow_fraction=1.0,  # every finished request is decoded again plainly when the replica is idle
         # max_ongoing_requests left at its default: derived above max_num_seqs + max_queue, so that the replica
         # itself refuses the excess (the 429 test below)
     )
@@ -228,3 +231,42 @@ def test_repeated_prefixes_come_from_the_prefix_cache_within_a_namespace(client:
     status = model_status()
     assert status["prefix_cache"]["hits"] >= hits + 3 and status["kv"]["cached"] > 0
     wait_for(pool_empty, 30, "the KV pool to empty")
+
+
+def test_shadow_checks_match_on_served_traffic_and_reach_prometheus(client: openai.OpenAI, ray_cluster: Any) -> None:
+    before = model_status()["shadow"]
+    invariant = {**NO_EOS, "speculation": {"drafter_invariant": True}}
+    for prompt in PROMPTS:
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, extra_body=NO_EOS)
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=1.0, extra_body=invariant)
+    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=1.0)  # rejection: skipped
+
+    def checked() -> bool:
+        shadow = model_status()["shadow"]
+        return shadow["waiting"] == 0 and shadow.get("match", 0) >= before.get("match", 0) + 2 * len(PROMPTS)
+
+    wait_for(checked, 120, f"the shadow checks of 8 requests (before: {before})")
+    shadow = model_status()["shadow"]
+    assert not shadow.get("mismatch") and not shadow.get("near_tie"), shadow
+    assert shadow.get("skipped:sampled", 0) > before.get("skipped:sampled", 0)
+    assert model_status()["drafters"]["draft_model"]["speedup"] > 0
+    port = ray_cluster.nodes()[0]["MetricsExportPort"]
+    names = {
+        "ray_specserve_shadow_checks_total",
+        "ray_specserve_shadow_skipped_total",
+        "ray_specserve_inter_token_latency_seconds_bucket",
+        "ray_specserve_acceptance_rate",
+        "ray_specserve_speculation_speedup",
+        "ray_specserve_draft_budget",
+    }
+    seen: set[str] = set()
+
+    def exported() -> bool:
+        for line in requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in names and f'model="{MODEL_NAME}"' in line:
+                assert name != "ray_specserve_shadow_checks_total" or 'result="mismatch"' not in line
+                seen.add(name)
+        return seen == names
+
+    wait_for(exported, 60, f"the metrics {sorted(names)} (missing: {sorted(names - seen)})")
