@@ -285,7 +285,7 @@ def load_bundle(path: str | os.PathLike[str]) -> Bundle:
         drafter=body["drafter"],
     )
     known = {
-        "bundle_version", "written", "result", "first_divergence", "prompt_ids", "sampling", "seed", "generation",
+        "bundle_version", "result", "first_divergence", "prompt_ids", "sampling", "seed", "generation",
         "drafter", "policy", "speculative_ids", "speculative_finish_reason", "plain_ids",
     }  # fmt: skip
     context = {key: value for key, value in body.items() if key not in known}

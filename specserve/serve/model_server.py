@@ -243,6 +243,7 @@ class ModelServer:
             vocab=self.describe().info.vocab_size,
             dtype=getattr(torch, c.dtype),
             metrics=self.metrics,
+            on_plain=lambda stats: self._watch("none", stats),  # the drift monitor learns plain steps' cost
         )
 
     def drafter_tag(self, generation: GenerationConfig) -> str:
@@ -587,8 +588,9 @@ class ModelServer:
             return
         for event in events:
             logger.warning(
-                "acceptance drift (%s) for drafter %s at draft position %d: %.3f -> %.3f after %d outcomes",
-                event.direction, drafter, event.position, event.reference, event.rate, event.outcomes,
+                "acceptance drift (%s) for drafter %s at draft position %d: per-request mean %.3f before, %.3f now "
+                "(%d requests since the reference was set)",
+                event.direction, drafter, event.position, event.reference, event.rate, event.requests,
             )  # fmt: skip
             if self.metrics is not None:
                 self.metrics.drift(drafter, event.position, event.direction)

@@ -38,6 +38,7 @@ from specserve.core.engine import GenerationConfig, StreamChunk
 from specserve.core.logprobs import TokenLogprob
 from specserve.core.sampling import SamplingParams
 from specserve.core.shadow import ShadowJob, classify, plain_request, skip_reason, write_bundle
+from specserve.core.stats import RequestStats
 from specserve.serve.metrics import ServeMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -65,11 +66,13 @@ class ShadowChecks:
         metrics: ServeMetrics | None = None,
         max_jobs: int = 64,
         first: bool = False,
+        on_plain: Callable[[RequestStats], None] | None = None,
     ) -> None:
         """``run`` streams a request through the replica's runner; ``busy`` says whether a live request is held;
         ``context`` is what a bundle records of the replica (model, versions are added, dtype, device, settings). Every
         ``1 / fraction``-th request is kept (a systematic sample: a replica's checks are spread evenly over its
-        traffic, and a test knows which), the first one too with ``first``."""
+        traffic, and a test knows which), the first one too with ``first``. ``on_plain`` is handed a finished plain
+        run's statistics."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"shadow_fraction must be between 0 and 1, got {fraction}")
         self.fraction = fraction
@@ -81,6 +84,7 @@ class ShadowChecks:
         self.dtype = dtype
         self.metrics = metrics
         self.max_jobs = max_jobs
+        self.on_plain = on_plain
         self._credit = 1.0 - fraction if first else 0.0  # offers kept: one each time the credit reaches 1
         self._jobs: deque[tuple[ShadowJob, int]] = deque()  # (job, times preempted)
         self._task: asyncio.Task[None] | None = None
@@ -159,6 +163,8 @@ class ShadowChecks:
                 plain.extend(chunk.token_ids)
                 logprobs.extend(chunk.logprobs)
                 if chunk.result is not None:
+                    if self.on_plain is not None:  # a plain run's costs are worth knowing (the speedup's baseline)
+                        self.on_plain(chunk.result.stats)
                     break
                 if plain != job.output_ids[: len(plain)]:
                     break  # diverged (or ran past the speculative output's end): the verdict is known
