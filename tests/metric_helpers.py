@@ -1,7 +1,10 @@
-"""A stand-in for Ray's metric classes that records every update, for tests of what specserve exports."""
+"""A stand-in for Ray's metric classes that records every update, for tests of what specserve exports; and a wait for
+what Ray's Prometheus exporter shows."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,3 +29,22 @@ def record_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in ("Counter", "Gauge", "Histogram"):
         monkeypatch.setattr(ray.util.metrics, name, FakeMetric)
+
+
+def wait_until_exported(
+    port: int, names: set[str], model: str, timeout_s: float = 60.0, also: Callable[[str], bool] = lambda line: True
+) -> None:
+    """Until Ray's Prometheus exporter on ``port`` has a line of every metric in ``names`` tagged ``model`` (and, for
+    which ``also`` holds); fails naming the missing ones."""
+    import requests
+
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while seen != names:
+        for line in requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in names and f'model="{model}"' in line and also(line):
+                seen.add(name)
+        if seen != names:
+            assert time.monotonic() < deadline, f"not exported after {timeout_s:.0f}s: {sorted(names - seen)}"
+            time.sleep(0.1)

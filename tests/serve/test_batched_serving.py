@@ -25,6 +25,7 @@ import openai
 import pytest
 import requests
 from conftest import LONG_CONTEXT as CONTEXT
+from metric_helpers import wait_until_exported
 from serve_helpers import quick_shutdown
 
 from specserve.serve.app import MODEL, application
@@ -186,17 +187,8 @@ def test_batch_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any)
         "ray_specserve_prefix_cache_hit_tokens_total",
         "ray_specserve_prefix_cache_tokens",
     }
-    seen: set[str] = set()
-
-    def exported() -> bool:
-        for line in requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
-            name = line.split("{", 1)[0]
-            tagged = name != "ray_specserve_gamma_bucket" or 'batch_size="' in line
-            if name in names and f'model="{MODEL_NAME}"' in line and tagged:
-                seen.add(name)
-        return seen == names
-
-    wait_for(exported, 60, f"the metrics {sorted(names)} (missing: {sorted(names - seen)})")
+    tagged = lambda line: not line.startswith("ray_specserve_gamma_bucket") or "batch_size=" in line  # noqa: E731
+    wait_until_exported(port, names, MODEL_NAME, also=tagged)
 
 
 def test_repeated_prefixes_come_from_the_prefix_cache_within_a_namespace(client: openai.OpenAI) -> None:
@@ -259,14 +251,6 @@ def test_shadow_checks_match_on_served_traffic_and_reach_prometheus(client: open
         "ray_specserve_speculation_speedup",
         "ray_specserve_draft_budget",
     }
-    seen: set[str] = set()
-
-    def exported() -> bool:
-        for line in requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
-            name = line.split("{", 1)[0]
-            if name in names and f'model="{MODEL_NAME}"' in line:
-                assert name != "ray_specserve_shadow_checks_total" or 'result="mismatch"' not in line
-                seen.add(name)
-        return seen == names
-
-    wait_for(exported, 60, f"the metrics {sorted(names)} (missing: {sorted(names - seen)})")
+    wait_until_exported(port, names, MODEL_NAME)
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    assert 'result="mismatch"' not in text and 'result="match"' in text

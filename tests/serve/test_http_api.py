@@ -24,6 +24,7 @@ import openai
 import pytest
 import requests
 import torch
+from metric_helpers import wait_until_exported
 from serve_helpers import quick_shutdown
 
 from specserve import cli, defaults
@@ -516,17 +517,7 @@ def test_metrics_reach_prometheus(client: openai.OpenAI, ray_cluster: Any) -> No
         "ray_specserve_queue_length",
         "ray_specserve_running_requests",
     }
-    seen: set[str] = set()
-
-    def exported() -> bool:
-        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-        for line in text.splitlines():
-            name = line.split("{", 1)[0]
-            if name in names and f'model="{MODEL_NAME}"' in line and 'lossy="false"' in line:
-                seen.add(name)
-        return seen == names
-
-    wait_for(exported, 60, f"the metrics {sorted(names)} (missing: {sorted(names - seen)})")
+    wait_until_exported(port, names, MODEL_NAME, also=lambda line: 'lossy="false"' in line)
 
 
 # ---------------------------------------------------------------------------------------------
