@@ -89,13 +89,20 @@ class ServeConfig(ReplicaConfig):
         description="how long a request whose replica was lost (a shard or the replica died) waits for a healthy "
         "replica to resume it from its streamed tokens; past it the client gets an error",
     )
+    drafter_invariant: bool = Field(
+        False,
+        description="sample every request at temperature > 0 that does not say otherwise "
+        "(speculation.drafter_invariant) drafter-invariantly: its output is then a function of its seed and the "
+        "target alone, so shadow checks can check it too (rejection-sampled requests are skipped); it accepts fewer "
+        "drafts than rejection sampling (BENCHMARKS.md). Requests under typical acceptance keep their lossy rule",
+    )
     shadow_fraction: float = Field(
         0.01,
         ge=0.0,
         le=1.0,
         description="the share of finished requests a replica decodes again without speculation, when it holds no "
         "live request, to check token for token that speculation changed nothing (greedy and drafter_invariant "
-        "requests; others are counted skipped); 0 = off. A mismatch is counted "
+        "requests; others are counted skipped: see drafter_invariant); 0 = off. A mismatch is counted "
         '(specserve_shadow_checks{result="mismatch"}), logged and written as a repro bundle for `specserve replay`',
     )
     shadow_dir: str = Field(

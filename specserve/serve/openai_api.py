@@ -272,7 +272,7 @@ class OpenAIHandler:
         chat = isinstance(request, ChatCompletionRequest)
         prompt = self.chat_prompt(request.messages) if isinstance(request, ChatCompletionRequest) else request.prompt
         try:  # the schema's bounds imply the engine's checks; should one still fail, it is the client's 400
-            params = request.sampling()
+            params = request.sampling(self.config.drafter_invariant)
             generation = request.generation(
                 self.config.default_max_tokens, self.config.gamma, self.config.policy, tenant
             )

@@ -338,14 +338,19 @@ class _Request(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def sampling(self) -> SamplingParams:
-        """The engine's sampling parameters: a temperature below :data:`GREEDY_BELOW` is greedy, top_k -1 is 0."""
+    def sampling(self, default_invariant: bool = False) -> SamplingParams:
+        """The engine's sampling parameters: a temperature below :data:`GREEDY_BELOW` is greedy, top_k -1 is 0;
+        ``default_invariant``: the deployment samples drafter-invariantly when a request does not say (a request
+        under typical acceptance never does: that rule is lossy, invariance is exact)."""
+        invariant = self.speculation.drafter_invariant
+        if invariant is None:
+            invariant = default_invariant and self.speculation.acceptance != "typical"
         return SamplingParams(
             temperature=self.temperature,  # below GREEDY_BELOW: SamplingParams makes it greedy
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
             seed=self.seed if self.seed is not None else secrets.randbits(63),  # no seed: fresh randomness
-            drafter_invariant=self.speculation.drafter_invariant,
+            drafter_invariant=invariant,
             acceptance=self.speculation.acceptance,
             lossy=self.speculation.lossy,
             typical_epsilon=self.speculation.typical_epsilon,

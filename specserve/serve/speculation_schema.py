@@ -128,11 +128,12 @@ class SpeculationOptions(BaseModel):
             " output is the same, only speed differs"
         ),
     )
-    drafter_invariant: bool = Field(
-        False,
+    drafter_invariant: bool | None = Field(
+        None,
         description=(
             "sample so that the output for a seed is the same whatever the drafter, gamma or tree (keyed"
-            " Gumbel noise; accepts fewer drafts than the default rejection sampling); no effect at temperature 0"
+            " Gumbel noise; accepts fewer drafts than the default rejection sampling); no effect at temperature 0;"
+            " left out: the deployment's drafter_invariant setting (false unless the operator set it)"
         ),
     )
 

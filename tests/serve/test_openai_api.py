@@ -163,6 +163,24 @@ def test_drafter_invariant_output_is_the_same_for_every_drafter(handler: Api) ->
     assert isinstance(plain, dict) and plain["speculation"]["sampling"] == "rejection"
 
 
+def test_a_deployment_may_sample_drafter_invariantly_by_default(pair: TinyPair) -> None:
+    """``drafter_invariant: true`` in the deployment: a sampled request that says nothing samples invariantly (so a
+    shadow check can reproduce it), one that says false does not, and typical acceptance keeps its lossy rule."""
+    api = Api(pair)
+    api.handler = OpenAIHandler(api.runner.prompts, CONFIG.model_copy(update={"drafter_invariant": True}))
+    base: dict[str, Any] = {"model": "tiny", "prompt": "abcab", "temperature": 1.0, "seed": 5, "max_tokens": 6}
+
+    def sampling(speculation: dict[str, Any]) -> str:
+        answer = api.completion(CompletionRequest(**base, speculation=speculation))
+        return str(answer["speculation"]["sampling"])
+
+    assert sampling({}) == "drafter_invariant"
+    assert sampling({"drafter_invariant": False}) == "rejection"
+    typical = {"acceptance": "typical", "lossy": True}
+    assert CompletionRequest(**base, speculation=typical).sampling(True).lossy_acceptance
+    assert not CompletionRequest(**base, speculation=typical).sampling(True).drafter_invariant
+
+
 def test_refusals(handler: Api) -> None:
     with pytest.raises(RequestError) as info:
         handler.completion(CompletionRequest(model="gpt-4", prompt="x"))
