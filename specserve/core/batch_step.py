@@ -4,7 +4,10 @@
 (:meth:`~specserve.core.model.CausalLM.forward_batch`: rows padded to the widest block, each row attending
 over only its own prefix and block), then lets each request's :class:`~specserve.core.target.TargetVerifier`
 decide on its own rows by the exact rules, with its own generators, and roll back or compact its own
-sequence. A request whose verifier has feature layers (a hidden-state drafter's) gets its block's features
+sequence. The step copies to the host once for every request it can: whether each one's logits are finite, and
+for every greedy chain (the commonest verdict) its rows' argmaxes and its draft's tokens, from which its verifier
+decides without reading a tensor; every other verdict (sampled, trees, grammars, penalties, logprobs) still reads
+its own rows. A request whose verifier has feature layers (a hidden-state drafter's) gets its block's features
 from that same forward, as :meth:`~specserve.core.target.TargetVerifier.verify` gets them alone. Every
 request waited for the whole step, so each outcome's ``verify_seconds`` is the step's; the step also
 reports the positions its forward computed (rows × widest block), which goodput-aware schedules learn
@@ -72,6 +75,31 @@ class StepResult:
     positions: int  # positions the forward computed: rows × the widest block
 
 
+def _to_host(
+    logits: Sequence[torch.Tensor], requests: Sequence[tuple[TargetVerifier, Proposal]]
+) -> tuple[list[bool], list[tuple[list[int], list[int]] | None]]:
+    """In one copy to the host: whether each request's logits are finite, and for each greedy chain
+    (:meth:`~specserve.core.target.TargetVerifier.greedy_chain`) its rows' argmaxes and its draft's tokens."""
+    device = logits[0].device
+    parts = [torch.stack([torch.isfinite(rows).all() for rows in logits]).long()]
+    chains = [verifier.greedy_chain(proposal) for verifier, proposal in requests]
+    for rows, (_, proposal), chain in zip(logits, requests, chains, strict=True):
+        if chain:
+            parts += [rows.argmax(dim=-1), proposal.tokens.to(device=device, dtype=torch.long)]
+    flat = torch.cat(parts).tolist()
+    finite = [bool(ok) for ok in flat[: len(logits)]]
+    at = len(logits)
+    greedy: list[tuple[list[int], list[int]] | None] = []
+    for rows, chain in zip(logits, chains, strict=True):
+        if not chain:
+            greedy.append(None)
+            continue
+        width = rows.shape[0]  # the draft's tokens and the root: one argmax per row
+        greedy.append((flat[at : at + width], flat[at + width : at + 2 * width - 1]))
+        at += 2 * width - 1
+    return finite, greedy
+
+
 def verify_batch(ops: PoolOps, items: Sequence[tuple[TargetVerifier, Proposal, int]]) -> StepResult:
     """Verify ``(verifier, proposal, seq_id)`` items in one forward over ``ops`` (see the module docstring).
 
@@ -94,13 +122,14 @@ def verify_batch(ops: PoolOps, items: Sequence[tuple[TargetVerifier, Proposal, i
     if live:
         captures = [items[i][0].new_capture() for i in live]  # None for requests that read no features
         logits = ops.forward_batch(blocks, capture=captures)
-        finite = torch.stack([torch.isfinite(rows).all() for rows in logits]).tolist()  # one host sync for the step
-        for i, rows, capture, ok in zip(live, logits, captures, finite, strict=True):
+        finite, greedy = _to_host(logits, [items[i][:2] for i in live])  # one host sync for the step
+        for i, rows, capture, ok, chain in zip(live, logits, captures, finite, greedy, strict=True):
             verifier, proposal, _ = items[i]
             try:
                 if not ok:
                     raise RequestFailed("the target's logits for this request were not finite (NaN or infinity)")
-                outcomes[i] = verifier.decide(proposal, rows, start, capture.take() if capture is not None else None)
+                features = capture.take() if capture is not None else None
+                outcomes[i] = verifier.decide(proposal, rows, start, features, greedy=chain)
             except Exception as exc:
                 outcomes[i] = request_failure(exc, "verification")
     seconds = time.perf_counter() - start

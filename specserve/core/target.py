@@ -315,16 +315,27 @@ class TargetVerifier:
         self._cut = (proposal, scored, kept)
         return scored
 
+    def greedy_chain(self, proposal: Proposal) -> bool:
+        """Whether deciding ``proposal`` takes nothing but the argmax of the target's rows: a chain without a probe,
+        greedy, with no penalties, grammar, logprobs or lossy rule. A batched step then copies every such request's
+        argmaxes and draft tokens to the host at once and hands them to :meth:`decide` (``greedy``)."""
+        p = self.params
+        plain = p.greedy and not p.penalised and not p.lossy_acceptance and p.logprobs is None
+        return plain and self.grammar is None and isinstance(proposal, Draft) and proposal.probe is None
+
     def decide(
         self,
         proposal: Proposal,
         target_logits: torch.Tensor,  # [size + 1 (+ probe), vocab]: row 0 after the root, row i + 1 after node i
         start: float | None = None,
         features: torch.Tensor | None = None,  # [size + 1, width] the block's features (feature layers only)
+        greedy: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> CycleOutcome:
         """Apply the exact rules to the cycle's logits, commit, and roll back or compact the KV, which holds the
         whole block (``start``: when the cycle's verification began, for its timing). A probe's rows follow the
-        draft's: only their greedy tokens are kept (for the drafter); the rules never see them."""
+        draft's: only their greedy tokens are kept (for the drafter); the rules never see them. ``greedy``: for a
+        :meth:`greedy_chain` proposal, the argmax of every row and the draft's tokens, already on the host (the
+        greedy chain rule then reads no tensor)."""
         self._check_running()
         start = time.perf_counter() if start is None else start
         sent, proposal = proposal, self._cut_to_grammar(proposal)  # the logits are the cut proposal's
@@ -341,7 +352,11 @@ class TargetVerifier:
             target_logits = self._penalty_state(target_logits.shape[-1]).apply(target_logits, tokens, proposal.parents)
         if self.grammar is not None:  # every row masked to what the grammar allows after its own path
             target_logits = mask_logits(target_logits, self.grammar.row_masks(tokens, proposal.parents))
-        if isinstance(proposal, Draft):  # which rules apply: the chain's or the tree's
+        if greedy is not None:
+            if not self.greedy_chain(proposal):
+                raise ValueError("host argmaxes decide only a greedy chain (greedy_chain)")
+            verdict, new, rows_taken = _greedy_chain_verdict(*greedy)
+        elif isinstance(proposal, Draft):  # which rules apply: the chain's or the tree's
             verdict, new, rows_taken = self._decide_chain(proposal, target_logits)
         else:
             verdict, new, rows_taken = self._decide_tree(proposal, target_logits)
@@ -441,6 +456,20 @@ class TargetVerifier:
         del self.output_logprobs[num_output:]
         self.sequence.rollback(len(self.committed) - 1)
         self.finish = "stop"
+
+
+def _greedy_chain_verdict(argmax: Sequence[int], drafted: Sequence[int]) -> tuple[Verdict, list[int], list[int]]:
+    """The greedy chain rule on the host (:func:`~specserve.core.verification.verify_chain_greedy`'s): accept the
+    draft's tokens while each equals the target's argmax before it, then emit the argmax after the last accepted."""
+    gamma = len(drafted)
+    if len(argmax) != gamma + 1:
+        raise ValueError(f"{len(argmax)} argmaxes for a chain of {gamma} tokens; need {gamma + 1}")
+    accepted = 0
+    while accepted < gamma and drafted[accepted] == argmax[accepted]:
+        accepted += 1
+    kind = TokenKind.BONUS if accepted == gamma else TokenKind.RECOVERED
+    verdict = ChainVerdict(accepted, int(argmax[accepted]), kind)
+    return verdict, [*drafted[:accepted], verdict.next_token], list(range(accepted + 1))
 
 
 def _as_sent(verdict: Verdict, sent: Proposal, kept: Sequence[int]) -> Verdict:
