@@ -128,14 +128,15 @@ async def measure(server: ModelServer, prompts: list[list[int]], args: argparse.
 
 
 class FlipOnce:
-    """The first chain verdict that rejects a draft token accepts it instead; records when."""
+    """The first chain verdict that rejects a draft token accepts it instead, decided on the device (``verify_chain``)
+    or from a batched step's host argmaxes (``_greedy_chain_verdict``); records when."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
         self.at: float | None = None
+        self.originals = (target_module.verify_chain, target_module._greedy_chain_verdict)
 
-    def __call__(self, target_logits: torch.Tensor, target_probs: Any, tokens: torch.Tensor, *rest: Any) -> Any:
-        verdict = self.inner(target_logits, target_probs, tokens, *rest)
+    def device(self, target_logits: torch.Tensor, target_probs: Any, tokens: torch.Tensor, *rest: Any) -> Any:
+        verdict = self.originals[0](target_logits, target_probs, tokens, *rest)
         gamma = tokens.shape[0]
         if self.at is not None or verdict.num_accepted >= gamma:
             return verdict
@@ -143,27 +144,43 @@ class FlipOnce:
         n = verdict.num_accepted + 1
         return ChainVerdict(n, int(target_logits[n].argmax()), TokenKind.BONUS if n == gamma else TokenKind.RECOVERED)
 
+    def host(self, argmax: list[int], drafted: list[int]) -> Any:
+        verdict, new, rows = self.originals[1](argmax, drafted)
+        gamma = len(drafted)
+        if self.at is not None or verdict.num_accepted >= gamma:
+            return verdict, new, rows
+        self.at = time.perf_counter()
+        n = verdict.num_accepted + 1
+        kind = TokenKind.BONUS if n == gamma else TokenKind.RECOVERED
+        return ChainVerdict(n, argmax[n], kind), [*drafted[:n], argmax[n]], list(range(n + 1))
+
+    def install(self) -> None:
+        target_module.verify_chain = self.device  # type: ignore[assignment]
+        target_module._greedy_chain_verdict = self.host  # type: ignore[assignment]
+
+    def remove(self) -> None:
+        target_module.verify_chain, target_module._greedy_chain_verdict = self.originals  # type: ignore[assignment]
+
 
 async def time_to_catch(server: ModelServer, prompts: list[list[int]], think: float | None) -> dict[str, Any]:
     """Seconds from a flipped decision to the mismatch count, at fraction 1: alone, or under the gaps load."""
     shadow = server.shadow
     assert shadow is not None
     shadow.fraction = 1.0
-    original = target_module.verify_chain
-    flip = FlipOnce(original)
+    flip = FlipOnce()
     mismatches = shadow.counts.get("mismatch", 0)
     background = None
     if think is not None:
         background = asyncio.ensure_future(load(server, prompts, 64, think, seed=99))
         await asyncio.sleep(2.0)  # the load is running
-    target_module.verify_chain = flip  # type: ignore[assignment]
+    flip.install()
     try:
         await one(server, prompts[0])
         while shadow.counts.get("mismatch", 0) == mismatches:
             await asyncio.sleep(0.001)
         caught = time.perf_counter()
     finally:
-        target_module.verify_chain = original
+        flip.remove()
     if background is not None:
         await background
     await shadow.drained()

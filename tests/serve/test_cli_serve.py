@@ -50,6 +50,9 @@ SERVE_SAMPLES: dict[str, Any] = {
     "request_timeout_s": 30.0,
     "resume_timeout_s": 45.0,
     "api_docs": "off",
+    "drafter_invariant": True,
+    "shadow_fraction": 0.25,
+    "shadow_dir": "/tmp/specserve-shadow-elsewhere",
 }
 # What Ray prints by itself on a clean run, and specserve avoids.
 NOISE = ("Token authentication", "will not be applied", "graceful_shutdown", "retries remaining")

@@ -169,21 +169,41 @@ def test_the_runner_path_checks_too(saved_pair_dirs: dict[str, Path], tmp_path: 
 
 
 class FlipOnce:
-    """Wraps ``verify_chain``: the first chain verdict that rejects a draft token accepts it instead (test only)."""
+    """A broken verifier (test only): the first chain verdict that rejects a draft token accepts it instead, whether
+    the verdict is decided on the device (``verify_chain``) or from host argmaxes (a batched step's greedy chains,
+    ``_greedy_chain_verdict``). Installed with :meth:`install`."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
         self.flipped = 0
 
-    def __call__(self, target_logits: torch.Tensor, target_probs: Any, tokens: torch.Tensor, *rest: Any) -> Any:
-        verdict = self.inner(target_logits, target_probs, tokens, *rest)
-        gamma = tokens.shape[0]
-        if self.flipped or verdict.num_accepted >= gamma:
-            return verdict
-        self.flipped += 1
-        n = verdict.num_accepted + 1  # the rejected token is taken; the next comes from the target after it
-        kind = TokenKind.BONUS if n == gamma else TokenKind.RECOVERED
-        return ChainVerdict(n, int(target_logits[n].argmax()), kind)
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> FlipOnce:
+        on_device, on_host = ORIGINAL_VERIFY_CHAIN, ORIGINAL_HOST_RULE
+
+        def device(target_logits: torch.Tensor, target_probs: Any, tokens: torch.Tensor, *rest: Any) -> Any:
+            verdict = on_device(target_logits, target_probs, tokens, *rest)
+            if self.flipped or verdict.num_accepted >= tokens.shape[0]:
+                return verdict
+            self.flipped += 1
+            n = verdict.num_accepted + 1  # the rejected token is taken; the next comes from the target after it
+            kind = TokenKind.BONUS if n == tokens.shape[0] else TokenKind.RECOVERED
+            return ChainVerdict(n, int(target_logits[n].argmax()), kind)
+
+        def host(argmax: list[int], drafted: list[int]) -> Any:
+            verdict, new, rows = on_host(argmax, drafted)
+            if self.flipped or verdict.num_accepted >= len(drafted):
+                return verdict, new, rows
+            self.flipped += 1
+            n = verdict.num_accepted + 1
+            kind = TokenKind.BONUS if n == len(drafted) else TokenKind.RECOVERED
+            return ChainVerdict(n, argmax[n], kind), [*drafted[:n], argmax[n]], list(range(n + 1))
+
+        monkeypatch.setattr(target_module, "verify_chain", device)
+        monkeypatch.setattr(target_module, "_greedy_chain_verdict", host)
+        return self
+
+
+ORIGINAL_VERIFY_CHAIN = target_module.verify_chain
+ORIGINAL_HOST_RULE = target_module._greedy_chain_verdict
 
 
 def test_a_flipped_acceptance_is_caught_and_replayed(
@@ -193,9 +213,7 @@ def test_a_flipped_acceptance_is_caught_and_replayed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     record_metrics(monkeypatch)
-    original = target_module.verify_chain
-    flip = FlipOnce(original)
-    monkeypatch.setattr(target_module, "verify_chain", flip)
+    flip = FlipOnce().install(monkeypatch)
     server = ModelServer(settings(saved_pair_dirs, tmp_path, max_num_seqs=4), build_runner, record_metrics=True)
     try:
         config = GenerationConfig(max_new_tokens=32, gamma=4, ignore_eos=True)
@@ -225,15 +243,16 @@ def test_a_flipped_acceptance_is_caught_and_replayed(
     assert {"versions", "dtype", "device", "seed", "replica", "plain_ids"} <= set(body) and body["dtype"] == "float64"
 
     # replay, with the same fault: confirmed, and the replica's speculative output reproduced
-    monkeypatch.setattr(target_module, "verify_chain", FlipOnce(original))
+    FlipOnce().install(monkeypatch)
     report = replay(bundle)
     assert report.engine == "batched" and report.verdict == "confirmed"
     assert report.reproduces_replica and report.plain_agrees
-    monkeypatch.setattr(target_module, "verify_chain", FlipOnce(original))
+    FlipOnce().install(monkeypatch)
     assert cli_main(["replay", str(path)]) == 1
     assert "CONFIRMED" in capsys.readouterr().out
     # and without it: cleared (the fault, not the model, made the difference)
-    monkeypatch.setattr(target_module, "verify_chain", original)
+    monkeypatch.setattr(target_module, "verify_chain", ORIGINAL_VERIFY_CHAIN)
+    monkeypatch.setattr(target_module, "_greedy_chain_verdict", ORIGINAL_HOST_RULE)
     assert cli_main(["replay", str(path), "--engine", "single", "--json"]) == 0
     cleared = json.loads(capsys.readouterr().out)
     assert cleared["verdict"] == "cleared" and cleared["speculative_ids"][: len(bundle.plain_ids)] == bundle.plain_ids
