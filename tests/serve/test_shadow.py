@@ -405,20 +405,23 @@ def test_a_drafter_gone_bad_raises_a_drift_event_and_a_steady_one_does_not(
     assert after.rates[0] < before.rates[0] and after.speedup < before.speedup  # type: ignore[operator]
 
 
-def test_the_adaptive_policy_drafts_less_when_its_drafter_goes_bad(
+def test_the_policy_drafts_less_when_its_drafter_goes_bad_and_the_gauge_shows_it(
     tiny_pairs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """transformers' schedule (heuristic: +2 after a fully accepted draft, -1 otherwise) reacts to acceptance alone,
+    so its reaction does not depend on this machine's timings (the adaptive policy's also weighs measured costs:
+    tests/policies cover it with costs under control); the smoothed budget gauge follows it down."""
     record_metrics(monkeypatch)
-    server, draft = drift_server(tiny_pairs, "adaptive")
+    server, draft = drift_server(tiny_pairs, "heuristic")
     try:
-        serve_rounds(server, 6, "adaptive")
+        serve_rounds(server, 6, "heuristic")
         before = server.drift.view("draft_model")
         randomise_(draft.model, seed=99)
-        serve_rounds(server, 6, "adaptive")
+        serve_rounds(server, 6, "heuristic")
     finally:
         server.shutdown()
     after = server.drift.view("draft_model")
-    assert after.budget < before.budget  # type: ignore[operator]
+    assert before.budget is not None and after.budget is not None and after.budget < before.budget - 0.5
     gauge: Any = server.metrics.draft_budget  # type: ignore[union-attr]
     budgets = [value for value, _ in gauge.updates]
-    assert budgets[-1] < max(budgets)  # the metric shows it
+    assert budgets[-1] == pytest.approx(after.budget) and budgets[-1] < max(budgets)  # the metric shows it
