@@ -161,9 +161,6 @@ class ShadowJob:
     drafter: str  # the metrics' drafter tag: what drafted it (e.g. "draft_model", "ngram")
     finished_at: float = field(default_factory=time.time)
 
-    def tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
 
 def params_to_json(params: SamplingParams) -> dict[str, Any]:
     out = dataclasses.asdict(params)

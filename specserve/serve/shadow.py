@@ -65,13 +65,12 @@ class ShadowChecks:
         dtype: torch.dtype,
         metrics: ServeMetrics | None = None,
         max_jobs: int = 64,
-        first: bool = False,
         on_plain: Callable[[RequestStats], None] | None = None,
     ) -> None:
         """``run`` streams a request through the replica's runner; ``busy`` says whether a live request is held;
         ``context`` is what a bundle records of the replica (model, versions are added, dtype, device, settings). Every
         ``1 / fraction``-th request is kept (a systematic sample: a replica's checks are spread evenly over its
-        traffic, and a test knows which), the first one too with ``first``. ``on_plain`` is handed a finished plain
+        traffic, and a test knows which). ``on_plain`` is handed a finished plain
         run's statistics."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"shadow_fraction must be between 0 and 1, got {fraction}")
@@ -85,7 +84,7 @@ class ShadowChecks:
         self.metrics = metrics
         self.max_jobs = max_jobs
         self.on_plain = on_plain
-        self._credit = 1.0 - fraction if first else 0.0  # offers kept: one each time the credit reaches 1
+        self._credit = 0.0  # offers kept: one each time the credit reaches 1
         self._jobs: deque[tuple[ShadowJob, int]] = deque()  # (job, times preempted)
         self._task: asyncio.Task[None] | None = None
         self.counts: Counter[str] = Counter()  # match, mismatch, near_tie, skipped:<reason>, preempted
