@@ -157,6 +157,7 @@ class DrafterView:
     rates: tuple[float | None, ...]  # smoothed acceptance by position
     budget: float | None  # smoothed budget the policy chose per cycle
     speedup: float | None  # tokens/s over plain decoding's, from measured costs
+    tokens_per_cycle: float | None = None  # smoothed tokens committed per cycle: the speedup's count, no clock in it
 
 
 class DriftMonitor:
@@ -232,7 +233,7 @@ class DriftMonitor:
             speedup = None
             if tokens is not None and seconds and batch is not None:
                 speedup = tokens / seconds * self.steps.t_step(max(1, round(batch)))
-            return DrafterView(tuple(r.value for r in state.rates), state.budget.value, speedup)
+            return DrafterView(tuple(r.value for r in state.rates), state.budget.value, speedup, tokens)
 
     @property
     def drafters(self) -> list[str]:

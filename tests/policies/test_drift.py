@@ -77,6 +77,7 @@ def test_the_monitor_reports_rates_budgets_speedup_and_events() -> None:
         assert monitor.observe("eagle", [cycle(4 if stream.random() < 0.8 else 0) for _ in range(10)]) == []
     view = monitor.view("eagle")
     assert view.rates[0] is not None and view.rates[0] > 0.6 and view.budget == pytest.approx(4.0)
+    assert view.tokens_per_cycle == pytest.approx(0.8 * 5 + 0.2 * 1, abs=0.3)  # smoothed over ~580 cycles: sd 0.07
     # plain steps of 0.008 s: about 4.2 tokens per 0.0125 s, against 1 per 0.008 s
     monitor.observe("none", [cycle(0, gamma=0, seconds=0.008) for _ in range(20)])
     assert monitor.drafters == ["eagle"]
@@ -90,6 +91,7 @@ def test_the_monitor_reports_rates_budgets_speedup_and_events() -> None:
     assert events[0].reference > 0.6 and events[0].rate < events[0].reference
     assert events[0].cycles - cycles <= 100
     assert monitor.view("eagle").speedup < speedup  # type: ignore[operator]
+    assert monitor.view("eagle").tokens_per_cycle < view.tokens_per_cycle  # type: ignore[operator]
     assert monitor.view("unknown").speedup is None
     # a request that reached a position fewer than MIN_REACHED times is not tested there
     assert monitor.observe("short", [cycle(0)] * (MIN_REACHED - 1)) == []

@@ -402,7 +402,12 @@ def test_a_drafter_gone_bad_raises_a_drift_event_and_a_steady_one_does_not(
     assert downs and downs[0]["position"] == "0" and downs[0]["drafter"] == "draft_model"
     assert not steady.metrics.drift_events.updates  # type: ignore[union-attr]
     after = switched.drift.view("draft_model")
-    assert after.rates[0] < before.rates[0] and after.speedup < before.speedup  # type: ignore[operator]
+    assert after.rates[0] < before.rates[0]  # type: ignore[operator]
+    # The speedup gauge is measured (cycle seconds against T_step): on a loaded machine its clock factor moves with
+    # the load, so the live test asserts its count factor, tokens per cycle, and that the gauge is exported; that
+    # the speedup falls with acceptance at steady costs is asserted in tests/policies/test_drift.py.
+    assert after.tokens_per_cycle < before.tokens_per_cycle  # type: ignore[operator]
+    assert after.speedup is not None and before.speedup is not None
 
 
 def test_the_policy_drafts_less_when_its_drafter_goes_bad_and_the_gauge_shows_it(
