@@ -30,6 +30,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.core.engine import GenerationConfig
 from specserve.core.sampling import SamplingParams
-from specserve.core.verification import ChainVerdict, TokenKind
+from specserve.core.verification import ChainVerdict
 from specserve.serve.config import ServeConfig
 from specserve.serve.model_server import ModelServer, build_runner
 
@@ -128,38 +129,24 @@ async def measure(server: ModelServer, prompts: list[list[int]], args: argparse.
 
 
 class FlipOnce:
-    """The first chain verdict that rejects a draft token accepts it instead, decided on the device (``verify_chain``)
-    or from a batched step's host argmaxes (``_greedy_chain_verdict``); records when."""
+    """The first chain verdict that rejects a draft token accepts it instead (``chain_verdict``, which reads every
+    chain's verdict on the host, alone or in a batched step); records when."""
 
     def __init__(self) -> None:
         self.at: float | None = None
-        self.originals = (target_module.verify_chain, target_module._greedy_chain_verdict)
+        self.original = target_module.chain_verdict
 
-    def device(self, target_logits: torch.Tensor, target_probs: Any, tokens: torch.Tensor, *rest: Any) -> Any:
-        verdict = self.originals[0](target_logits, target_probs, tokens, *rest)
-        gamma = tokens.shape[0]
-        if self.at is not None or verdict.num_accepted >= gamma:
-            return verdict
+    def flipped(self, count: int, next_by_row: Sequence[int], gamma: int) -> ChainVerdict:
+        if self.at is not None or count >= gamma:
+            return self.original(count, next_by_row, gamma)
         self.at = time.perf_counter()
-        n = verdict.num_accepted + 1
-        return ChainVerdict(n, int(target_logits[n].argmax()), TokenKind.BONUS if n == gamma else TokenKind.RECOVERED)
-
-    def host(self, argmax: list[int], drafted: list[int]) -> Any:
-        verdict, new, rows = self.originals[1](argmax, drafted)
-        gamma = len(drafted)
-        if self.at is not None or verdict.num_accepted >= gamma:
-            return verdict, new, rows
-        self.at = time.perf_counter()
-        n = verdict.num_accepted + 1
-        kind = TokenKind.BONUS if n == gamma else TokenKind.RECOVERED
-        return ChainVerdict(n, argmax[n], kind), [*drafted[:n], argmax[n]], list(range(n + 1))
+        return self.original(count + 1, next_by_row, gamma)  # the next token comes from the target after it
 
     def install(self) -> None:
-        target_module.verify_chain = self.device  # type: ignore[assignment]
-        target_module._greedy_chain_verdict = self.host  # type: ignore[assignment]
+        target_module.chain_verdict = self.flipped  # type: ignore[assignment]
 
     def remove(self) -> None:
-        target_module.verify_chain, target_module._greedy_chain_verdict = self.originals  # type: ignore[assignment]
+        target_module.chain_verdict = self.original
 
 
 async def time_to_catch(server: ModelServer, prompts: list[list[int]], think: float | None) -> dict[str, Any]:

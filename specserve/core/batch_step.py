@@ -4,10 +4,11 @@
 (:meth:`~specserve.core.model.CausalLM.forward_batch`: rows padded to the widest block, each row attending
 over only its own prefix and block), then lets each request's :class:`~specserve.core.target.TargetVerifier`
 decide on its own rows by the exact rules, with its own generators, and roll back or compact its own
-sequence. The step copies to the host once for every request it can: whether each one's logits are finite, and
-for every greedy chain (the commonest verdict) its rows' argmaxes and its draft's tokens, from which its verifier
-decides without reading a tensor; every other verdict (sampled, trees, grammars, penalties, logprobs) still reads
-its own rows. A request whose verifier has feature layers (a hidden-state drafter's) gets its block's features
+sequence. The decisions take one copy to the host for the whole step (:mod:`specserve.core.staged`): every
+verifier stages its verdict on the device (the rules' work, every row's next token, the logprobs asked for, whether
+its logits are finite), one transfer brings every request's numbers over, and each verifier commits from them.
+Typical acceptance (lossy, opted into) still reads its own tensors while staging (its rule walks on the host).
+A request whose verifier has feature layers (a hidden-state drafter's) gets its block's features
 from that same forward, as :meth:`~specserve.core.target.TargetVerifier.verify` gets them alone. Every
 request waited for the whole step, so each outcome's ``verify_seconds`` is the step's; the step also
 reports the positions its forward computed (rows × widest block), which goodput-aware schedules learn
@@ -29,9 +30,10 @@ import torch
 
 from specserve.core.buckets import VerifyBuckets
 from specserve.core.draft import Proposal
-from specserve.core.errors import RequestFailed, request_failure
+from specserve.core.errors import request_failure
 from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
+from specserve.core.staged import Staged, read
 from specserve.core.target import CycleOutcome, PoolOps, TargetVerifier
 
 
@@ -75,31 +77,6 @@ class StepResult:
     positions: int  # positions the forward computed: rows × the widest block
 
 
-def _to_host(
-    logits: Sequence[torch.Tensor], requests: Sequence[tuple[TargetVerifier, Proposal]]
-) -> tuple[list[bool], list[tuple[list[int], list[int]] | None]]:
-    """In one copy to the host: whether each request's logits are finite, and for each greedy chain
-    (:meth:`~specserve.core.target.TargetVerifier.greedy_chain`) its rows' argmaxes and its draft's tokens."""
-    device = logits[0].device
-    parts = [torch.stack([torch.isfinite(rows).all() for rows in logits]).long()]
-    chains = [verifier.greedy_chain(proposal) for verifier, proposal in requests]
-    for rows, (_, proposal), chain in zip(logits, requests, chains, strict=True):
-        if chain:
-            parts += [rows.argmax(dim=-1), proposal.tokens.to(device=device, dtype=torch.long)]
-    flat = torch.cat(parts).tolist()
-    finite = [bool(ok) for ok in flat[: len(logits)]]
-    at = len(logits)
-    greedy: list[tuple[list[int], list[int]] | None] = []
-    for rows, chain in zip(logits, chains, strict=True):
-        if not chain:
-            greedy.append(None)
-            continue
-        width = rows.shape[0]  # the draft's tokens and the root: one argmax per row
-        greedy.append((flat[at : at + width], flat[at + width : at + 2 * width - 1]))
-        at += 2 * width - 1
-    return finite, greedy
-
-
 def verify_batch(ops: PoolOps, items: Sequence[tuple[TargetVerifier, Proposal, int]]) -> StepResult:
     """Verify ``(verifier, proposal, seq_id)`` items in one forward over ``ops`` (see the module docstring).
 
@@ -122,14 +99,18 @@ def verify_batch(ops: PoolOps, items: Sequence[tuple[TargetVerifier, Proposal, i
     if live:
         captures = [items[i][0].new_capture() for i in live]  # None for requests that read no features
         logits = ops.forward_batch(blocks, capture=captures)
-        finite, greedy = _to_host(logits, [items[i][:2] for i in live])  # one host sync for the step
-        for i, rows, capture, ok, chain in zip(live, logits, captures, finite, greedy, strict=True):
+        staged: list[tuple[int, Staged[CycleOutcome]]] = []
+        for i, rows, capture in zip(live, logits, captures, strict=True):
             verifier, proposal, _ = items[i]
+            features = capture.take() if capture is not None else None
             try:
-                if not ok:
-                    raise RequestFailed("the target's logits for this request were not finite (NaN or infinity)")
-                features = capture.take() if capture is not None else None
-                outcomes[i] = verifier.decide(proposal, rows, start, features, greedy=chain)
+                staged.append((i, verifier.stage(proposal, rows, start, features)))
+            except Exception as exc:
+                outcomes[i] = request_failure(exc, "verification")
+        hosts = read([s.tensors for _, s in staged])  # one host sync for the step
+        for (i, stage), host in zip(staged, hosts, strict=True):
+            try:
+                outcomes[i] = stage.finish(host)
             except Exception as exc:
                 outcomes[i] = request_failure(exc, "verification")
     seconds = time.perf_counter() - start

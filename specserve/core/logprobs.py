@@ -15,7 +15,8 @@ Two distributions can be asked for (``logprobs_mode``), as in vLLM:
   ``log_softmax`` of the processed logits. Tokens a warp removed have probability 0 and are never listed as
   alternatives.
 
-Pure tensor work; one host transfer per cycle.
+Pure tensor work: :func:`logprob_tensors` on the device, :func:`read_logprobs` on the host once the cycle's
+one copy (:mod:`specserve.core.staged`) brought them over.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,32 +50,41 @@ def position_log_probs(raw: torch.Tensor, processed: torch.Tensor, params: Sampl
     return torch.log(warp_probs(processed, params))
 
 
-def token_logprobs(
-    raw: torch.Tensor,  # [k, vocab]: the rows the k tokens were chosen at
-    processed: torch.Tensor,  # [k, vocab]: the same rows after the logit processors
-    tokens: Sequence[int],  # [k]
+def logprob_tensors(
+    raw: torch.Tensor,  # [rows, vocab]: a verify block's rows, before the logit processors
+    processed: torch.Tensor,  # [rows, vocab]: the same rows after them
+    node_rows: torch.Tensor,  # [n] int64: the row each proposal node was drawn after (its parent's)
+    node_tokens: torch.Tensor,  # [n] int64: each node's token
+    next_by_row: torch.Tensor,  # [rows] int64: the token each row emits when the walk ends there
     params: SamplingParams,
-) -> tuple[TokenLogprob, ...]:
-    """Each token's log-probability and its row's ``params.logprobs`` most likely alternatives."""
-    if not tokens:
-        return ()
+) -> dict[str, torch.Tensor]:
+    """On the device, what any outcome of the cycle may need: every node's log-probability at its parent's row
+    (``node``), every row's next token's (``next``), and every row's ``params.logprobs`` alternatives (``top_values``,
+    ``top_ids``); :func:`read_logprobs` picks the committed tokens' from them on the host."""
     log_probs = position_log_probs(raw, processed, params)
-    ids = torch.tensor(list(tokens), dtype=torch.long, device=log_probs.device)
-    chosen = log_probs.gather(-1, ids[:, None])[:, 0].tolist()
     k = min(params.logprobs or 0, log_probs.shape[-1])
-    if k:
-        top_values, top_ids = log_probs.topk(k, dim=-1)
-        values, alternatives = top_values.tolist(), top_ids.tolist()
-    else:
-        values, alternatives = [[] for _ in tokens], [[] for _ in tokens]
-    return tuple(
-        TokenLogprob(
-            int(token),
-            float(logprob),
-            tuple((int(t), float(v)) for t, v in zip(row_ids, row_values, strict=True) if v > -math.inf),
-        )
-        for token, logprob, row_ids, row_values in zip(tokens, chosen, alternatives, values, strict=True)
-    )
+    top_values, top_ids = log_probs.topk(k, dim=-1)
+    return {
+        "node": log_probs[node_rows, node_tokens],
+        "next": log_probs.gather(-1, next_by_row[:, None])[:, 0],
+        "top_values": top_values,
+        "top_ids": top_ids,
+    }
+
+
+def read_logprobs(
+    host: dict[str, list[Any]],  # :func:`logprob_tensors`'s, on the host
+    tokens: Sequence[int],  # the committed tokens, in order
+    nodes: Sequence[int],  # the accepted path's nodes: tokens[j] is node nodes[j] for j < len(nodes), then the next
+    rows: Sequence[int],  # the row each committed token was chosen at
+) -> tuple[TokenLogprob, ...]:
+    """Each committed token's log-probability and its row's alternatives (alternatives of probability 0 left out)."""
+    out = []
+    for j, token in enumerate(tokens):
+        logprob = host["node"][nodes[j]] if j < len(nodes) else host["next"][rows[j]]
+        top = zip(host["top_ids"][rows[j]], host["top_values"][rows[j]], strict=True)
+        out.append(TokenLogprob(int(token), float(logprob), tuple((int(t), float(v)) for t, v in top if v > -math.inf)))
+    return tuple(out)
 
 
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:

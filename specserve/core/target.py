@@ -34,18 +34,26 @@ from typing import Literal, Protocol
 import torch
 
 from specserve.core.draft import Draft, Proposal
+from specserve.core.errors import RequestFailed
 from specserve.core.grammar import RequestGrammar, mask_logits
 from specserve.core.invariant import invariant_scores
 from specserve.core.kv_pool import KVPool
-from specserve.core.logprobs import TokenLogprob, token_logprobs
+from specserve.core.logprobs import TokenLogprob, logprob_tensors, read_logprobs
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache
 from specserve.core.processors import PenaltyState
 from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.staged import Host, Staged
 from specserve.core.static_cache import StaticKVCache
 from specserve.core.tree import ROOT, DraftTree, block_nodes
-from specserve.core.tree_verification import TreeVerdict, verify_tree, verify_tree_greedy
+from specserve.core.tree_verification import TreeVerdict, greedy_tree_walk, sampled_tree_walk, tree_rows_stochastic
 from specserve.core.typical import verify_chain_typical, verify_tree_typical
-from specserve.core.verification import ChainVerdict, TokenKind, verify_chain
+from specserve.core.verification import (
+    ChainVerdict,
+    TokenKind,
+    chain_rows_greedy,
+    chain_rows_stochastic,
+    chain_verdict,
+)
 
 FinishReason = Literal["eos", "length", "stop"]
 
@@ -315,36 +323,39 @@ class TargetVerifier:
         self._cut = (proposal, scored, kept)
         return scored
 
-    def greedy_chain(self, proposal: Proposal) -> bool:
-        """Whether deciding ``proposal`` takes nothing but the argmax of the target's rows: a chain without a probe,
-        greedy, with no penalties, grammar, logprobs or lossy rule. A batched step then copies every such request's
-        argmaxes and draft tokens to the host at once and hands them to :meth:`decide` (``greedy``)."""
-        p = self.params
-        plain = p.greedy and not p.penalised and not p.lossy_acceptance and p.logprobs is None
-        return plain and self.grammar is None and isinstance(proposal, Draft) and proposal.probe is None
-
     def decide(
         self,
         proposal: Proposal,
         target_logits: torch.Tensor,  # [size + 1 (+ probe), vocab]: row 0 after the root, row i + 1 after node i
         start: float | None = None,
         features: torch.Tensor | None = None,  # [size + 1, width] the block's features (feature layers only)
-        greedy: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> CycleOutcome:
         """Apply the exact rules to the cycle's logits, commit, and roll back or compact the KV, which holds the
-        whole block (``start``: when the cycle's verification began, for its timing). A probe's rows follow the
-        draft's: only their greedy tokens are kept (for the drafter); the rules never see them. ``greedy``: for a
-        :meth:`greedy_chain` proposal, the argmax of every row and the draft's tokens, already on the host (the
-        greedy chain rule then reads no tensor)."""
+        whole block (``start``: when the cycle's verification began, for its timing): :meth:`stage`, then its own
+        copy to the host."""
+        return self.stage(proposal, target_logits, start, features).complete()
+
+    def stage(
+        self,
+        proposal: Proposal,
+        target_logits: torch.Tensor,  # [size + 1 (+ probe), vocab]: row 0 after the root, row i + 1 after node i
+        start: float | None = None,
+        features: torch.Tensor | None = None,  # [size + 1, width] the block's features (feature layers only)
+    ) -> Staged[CycleOutcome]:
+        """:meth:`decide` up to the host: the rules' device work, and what the host needs of it as tensors
+        (:mod:`specserve.core.staged`), with the rest — the verdict, the commit, the rollback or compaction — to run
+        once they are copied. A probe's rows follow the draft's: only their greedy tokens are kept (for the drafter);
+        the rules never see them. Typical acceptance (lossy, opted into) still reads its own tensors while staging
+        (its rule walks on the host). Nothing is committed until the verdict finishes; stage one cycle at a time."""
         self._check_running()
         start = time.perf_counter() if start is None else start
         sent, proposal = proposal, self._cut_to_grammar(proposal)  # the logits are the cut proposal's
         kept = self._cut[2] if self._cut is not None else []
         self._cut = None
-        probe_argmax: tuple[int, ...] = ()
+        rows = proposal.size + 1
+        tensors = {"finite": torch.isfinite(target_logits).all().reshape(1)}
         if proposal.probe is not None:
-            rows = proposal.size + 1
-            probe_argmax = tuple(int(t) for t in target_logits[rows:].argmax(dim=-1).tolist())
+            tensors["probe"] = target_logits[rows:].argmax(dim=-1)
             target_logits = target_logits[:rows]
         raw_logits = target_logits
         tokens = proposal.tokens.to(self.device)
@@ -352,25 +363,51 @@ class TargetVerifier:
             target_logits = self._penalty_state(target_logits.shape[-1]).apply(target_logits, tokens, proposal.parents)
         if self.grammar is not None:  # every row masked to what the grammar allows after its own path
             target_logits = mask_logits(target_logits, self.grammar.row_masks(tokens, proposal.parents))
-        if greedy is not None:
-            if not self.greedy_chain(proposal):
-                raise ValueError("host argmaxes decide only a greedy chain (greedy_chain)")
-            verdict, new, rows_taken = _greedy_chain_verdict(*greedy)
-        elif isinstance(proposal, Draft):  # which rules apply: the chain's or the tree's
-            verdict, new, rows_taken = self._decide_chain(proposal, target_logits)
+        tensors["tokens"] = tokens.long()
+        if isinstance(proposal, Draft):  # which rules apply: the chain's or the tree's
+            count, next_by_row = self._chain_rows(proposal, target_logits)
+            tensors["count"] = count.reshape(1)
+            eager: TreeVerdict | None = None
         else:
-            verdict, new, rows_taken = self._decide_tree(proposal, target_logits)
-        if features is not None:  # rows: the root, then the accepted nodes
-            features = features[rows_taken]
-        outcome = self._commit(verdict, new, start, features)
-        if proposal is not sent:  # the verdict names the nodes of the proposal that was sent
-            outcome = dataclasses.replace(outcome, verdict=_as_sent(outcome.verdict, sent, kept))
+            next_by_row, chosen, eager = self._tree_rows(proposal, target_logits)
+            if chosen is not None:
+                tensors["chosen"] = chosen
+        tensors["next"] = next_by_row
         if self.params.logprobs is not None:
-            kept = rows_taken[: len(outcome.new_tokens)]
-            logprobs = token_logprobs(raw_logits[kept], target_logits[kept], outcome.new_tokens, self.params)
-            self.output_logprobs.extend(logprobs)
-            outcome = dataclasses.replace(outcome, logprobs=logprobs)
-        return dataclasses.replace(outcome, probe_argmax=probe_argmax) if probe_argmax else outcome
+            parent_rows = torch.tensor([parent + 1 for parent in proposal.parents], dtype=torch.long)
+            rows_of = logprob_tensors(raw_logits, target_logits, parent_rows.to(self.device), tokens.long(),
+                                      next_by_row, self.params)  # fmt: skip
+            tensors.update({f"logprobs.{name}": t for name, t in rows_of.items()})
+
+        def finish(host: Host) -> CycleOutcome:
+            if not host["finite"][0]:
+                raise RequestFailed("the target's logits for this request were not finite (NaN or infinity)")
+            verdict: Verdict
+            if isinstance(proposal, Draft):
+                verdict = chain_verdict(host["count"][0], host["next"], proposal.size)
+                new = [*host["tokens"][: verdict.num_accepted], verdict.next_token]
+                rows_taken = list(range(verdict.num_accepted + 1))
+            else:
+                if eager is not None:
+                    verdict = eager
+                elif "chosen" in host:
+                    verdict = sampled_tree_walk(host["chosen"], host["next"], proposal)
+                else:
+                    verdict = greedy_tree_walk(host["next"], host["tokens"], proposal)
+                new, rows_taken = self._compact_to(proposal, verdict, host["tokens"])
+            outcome = self._commit(verdict, new, start, features[rows_taken] if features is not None else None)
+            if proposal is not sent:  # the verdict names the nodes of the proposal that was sent
+                outcome = dataclasses.replace(outcome, verdict=_as_sent(outcome.verdict, sent, kept))
+            if self.params.logprobs is not None:
+                lp = {name.removeprefix("logprobs."): v for name, v in host.items() if name.startswith("logprobs.")}
+                logprobs = read_logprobs(lp, outcome.new_tokens, verdict.accepted, rows_taken)
+                self.output_logprobs.extend(logprobs)
+                outcome = dataclasses.replace(outcome, logprobs=logprobs)
+            if "probe" in host:
+                outcome = dataclasses.replace(outcome, probe_argmax=tuple(host["probe"]))
+            return outcome
+
+        return Staged(tensors, finish)
 
     def _penalty_state(self, vocab: int) -> PenaltyState:
         if self.penalties is None:
@@ -382,51 +419,61 @@ class TargetVerifier:
         if self.finish is not None:
             raise RuntimeError(f"the request already finished ({self.finish})")
 
-    def _decide_chain(self, draft: Draft, target_logits: torch.Tensor) -> tuple[Verdict, list[int], list[int]]:
-        """The chain rules' verdict, the tokens it commits and the rows they were chosen at."""
+    def _chain_rows(self, draft: Draft, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chain rules on the device: the accepted count and every row's next token
+        (:func:`~specserve.core.verification.chain_rows_greedy`)."""
         tokens = draft.tokens.to(self.device)
         if self.params.lossy_acceptance:
             # LOSSY, opted into (specserve.core.typical): Medusa's typical acceptance; q unused; greedy at T = 0.
+            # Its rule reads its own tensors: the verdict is made here, and its numbers travel as the others'.
             generator = None if self.params.greedy else self.generator
             eps, delta = self.params.typical_epsilon, self.params.typical_delta
             verdict = verify_chain_typical(warp_probs(target_logits, self.params), tokens, generator, eps, delta)
-        elif self.params.invariant_sampling:
+            count = torch.tensor(verdict.num_accepted, device=self.device)
+            return count, torch.full((draft.size + 1,), verdict.next_token, device=self.device)
+        if self.params.invariant_sampling:
             # Row j predicts position len(committed) + j; greedy rule on log p + G, q unused, generator untouched.
             first = len(self.committed)
             scores = invariant_scores(target_logits, self.params, range(first, first + target_logits.shape[0]))
-            verdict = verify_chain(scores, None, tokens, None, None)
-        else:
-            target_probs = None if self.params.greedy else warp_probs(target_logits, self.params)
-            draft_probs = draft.draft_probs.to(self.device) if draft.draft_probs is not None else None
-            verdict = verify_chain(target_logits, target_probs, tokens, draft_probs, self.generator)
+            return chain_rows_greedy(scores, tokens)
+        if self.params.greedy:
+            return chain_rows_greedy(target_logits, tokens)
+        draft_probs = draft.draft_probs.to(self.device) if draft.draft_probs is not None else None
+        return chain_rows_stochastic(warp_probs(target_logits, self.params), tokens, draft_probs, self.generator)
 
-        # the draft's tokens from where the drafter made them: a copy after the verdict's transfer, never a wait
-        new = [*draft.tokens[: verdict.num_accepted].tolist(), verdict.next_token]
-        return verdict, new, list(range(verdict.num_accepted + 1))
-
-    def _decide_tree(self, tree: DraftTree, target_logits: torch.Tensor) -> tuple[Verdict, list[int], list[int]]:
-        """Exact tree rules, then keep only the accepted path in the KV; the verdict, the tokens it commits and the
-        rows they were chosen at (the root's, then the accepted nodes')."""
-        if self.params.lossy_acceptance:  # LOSSY, opted into: Medusa's typical acceptance (specserve.core.typical)
-            generator = None if self.params.greedy else self.generator
-            eps, delta = self.params.typical_epsilon, self.params.typical_delta
-            verdict = verify_tree_typical(warp_probs(target_logits, self.params), tree, generator, eps, delta)
-        elif self.params.greedy:
-            verdict = verify_tree_greedy(target_logits, tree)
-        elif self.params.invariant_sampling:
+    def _tree_rows(
+        self, tree: DraftTree, target_logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeVerdict | None]:
+        """The tree rules on the device: every row's next token and, for the sampled rule, its accepted child
+        (``chosen``, -1 for none; :func:`~specserve.core.tree_verification.tree_rows_stochastic`); the greedy rules
+        need only every row's argmax. The host walks them from the root. Typical acceptance decides here (its walk
+        reads the tensors), and every row's next token is then the verdict's."""
+        params = self.params
+        if params.lossy_acceptance:  # LOSSY, opted into: Medusa's typical acceptance (specserve.core.typical)
+            generator = None if params.greedy else self.generator
+            eps, delta = params.typical_epsilon, params.typical_delta
+            verdict = verify_tree_typical(warp_probs(target_logits, params), tree, generator, eps, delta)
+            return torch.full((tree.size + 1,), verdict.next_token, device=self.device), None, verdict
+        if params.greedy:
+            return target_logits.argmax(dim=-1), None, None
+        if params.invariant_sampling:
             # Row 0 predicts position len(committed), row i + 1 (after node i) len(committed) + 1 + depth(i).
             first = len(self.committed)
             positions = [first, *(first + 1 + depth for depth in tree.depths)]
-            verdict = verify_tree_greedy(invariant_scores(target_logits, self.params, positions), tree)
-        else:
-            verdict = verify_tree(warp_probs(target_logits, self.params), tree, self.generator)
+            return invariant_scores(target_logits, params, positions).argmax(dim=-1), None, None
+        chosen, next_by_row = tree_rows_stochastic(warp_probs(target_logits, params), tree, self.generator)
+        return next_by_row, chosen, None
+
+    def _compact_to(self, tree: DraftTree, verdict: Verdict, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Keep only the accepted path of ``tree`` in the KV; the tokens the verdict commits and the rows they were
+        chosen at (the root's, then the accepted nodes')."""
         sequence = self.sequence
         if not hasattr(sequence, "compact"):
             raise NotImplementedError(f"{type(sequence).__name__} cannot verify draft trees; send chains")
         cached = len(self.committed) - 1  # the KV before the block: the root (last committed token) went first
         sequence.compact([*range(cached + 1), *(cached + 1 + node for node in verdict.accepted)])
-        path = [int(tree.tokens[node]) for node in verdict.accepted]
-        return verdict, [*path, verdict.next_token], [0, *(1 + node for node in verdict.accepted)]
+        path = [int(tokens[node]) for node in verdict.accepted]
+        return [*path, verdict.next_token], [0, *(1 + node for node in verdict.accepted)]
 
     def _commit(
         self, verdict: Verdict, new: list[int], start: float, features: torch.Tensor | None = None
@@ -456,20 +503,6 @@ class TargetVerifier:
         del self.output_logprobs[num_output:]
         self.sequence.rollback(len(self.committed) - 1)
         self.finish = "stop"
-
-
-def _greedy_chain_verdict(argmax: Sequence[int], drafted: Sequence[int]) -> tuple[Verdict, list[int], list[int]]:
-    """The greedy chain rule on the host (:func:`~specserve.core.verification.verify_chain_greedy`'s): accept the
-    draft's tokens while each equals the target's argmax before it, then emit the argmax after the last accepted."""
-    gamma = len(drafted)
-    if len(argmax) != gamma + 1:
-        raise ValueError(f"{len(argmax)} argmaxes for a chain of {gamma} tokens; need {gamma + 1}")
-    accepted = 0
-    while accepted < gamma and drafted[accepted] == argmax[accepted]:
-        accepted += 1
-    kind = TokenKind.BONUS if accepted == gamma else TokenKind.RECOVERED
-    verdict = ChainVerdict(accepted, int(argmax[accepted]), kind)
-    return verdict, [*drafted[:accepted], verdict.next_token], list(range(accepted + 1))
 
 
 def _as_sent(verdict: Verdict, sent: Proposal, kept: Sequence[int]) -> Verdict:

@@ -13,12 +13,15 @@ Rules (see docs/verification.md#rule-a-chain-one-sampled-child-per-depth; Leviat
 Both fast functions draw their randomness in a fixed order (gamma uniforms, then one exponential
 race per candidate row) so :func:`reference_verify_chain`, a plain loop written for
 readability, reproduces them bit for bit on the same generator state. The fast path keeps all
-work on device and returns tensors; the caller syncs once per cycle.
+work on device and returns tensors: ``chain_rows_*`` give the accepted count and every row's next
+token, which a batched step copies to the host with every other request's in one transfer and
+:func:`chain_verdict` reads; :func:`verify_chain` does both for one chain (one sync).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +57,20 @@ def verify_chain_greedy(
     target_logits: torch.Tensor,  # [gamma + 1, vocab]
     draft_tokens: torch.Tensor,  # [gamma] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (num_accepted [] int64, next_token [] int64)
+    num_accepted, target_argmax = chain_rows_greedy(target_logits, draft_tokens)
+    return num_accepted, target_argmax[num_accepted]
+
+
+def chain_rows_greedy(
+    target_logits: torch.Tensor,  # [gamma + 1, vocab]
+    draft_tokens: torch.Tensor,  # [gamma] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # (num_accepted [] int64, next token of every row [gamma + 1] int64)
+    """The greedy chain rule on the device: the accepted count, and the token each row emits if the chain stops
+    there (its argmax); :func:`chain_verdict` reads them on the host."""
     gamma = draft_tokens.shape[0]
     target_argmax = target_logits.argmax(-1)  # [gamma + 1]; torch.argmax picks the first maximum
     matches = draft_tokens == target_argmax[:gamma]
-    num_accepted = matches.long().cumprod(0).sum()
-    return num_accepted, target_argmax[num_accepted]
+    return matches.long().cumprod(0).sum(), target_argmax
 
 
 def residual_rows(
@@ -85,6 +97,19 @@ def verify_chain_stochastic(
     draft_probs: torch.Tensor | None,  # [gamma, vocab] the exact q each token was drawn from; None = point mass
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (num_accepted [] int64, next_token [] int64)
+    num_accepted, candidates = chain_rows_stochastic(target_probs, draft_tokens, draft_probs, generator)
+    return num_accepted, candidates[num_accepted]
+
+
+def chain_rows_stochastic(
+    target_probs: torch.Tensor,  # [gamma + 1, vocab], warped target distributions
+    draft_tokens: torch.Tensor,  # [gamma] int64
+    draft_probs: torch.Tensor | None,  # [gamma, vocab] the exact q each token was drawn from; None = point mass
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (num_accepted [] int64, next token of every row [gamma + 1] int64)
+    """The rejection-sampling chain rule on the device: the accepted count, and the token each row emits if the
+    chain stops there (a residual's draw, the bonus draw at row gamma). Draws gamma uniforms, then one exponential
+    race per row, whatever the outcome."""
     gamma = draft_tokens.shape[0]
     positions = torch.arange(gamma, device=draft_tokens.device)
     target_at_draft = target_probs[positions, draft_tokens]  # [gamma]
@@ -97,7 +122,7 @@ def verify_chain_stochastic(
     accepted = uniforms * draft_at_draft.double() < target_at_draft.double()
     num_accepted = accepted.long().cumprod(0).sum()
     candidates = sample(residual_rows(target_probs, draft_tokens, draft_probs), generator)  # [gamma + 1]
-    return num_accepted, candidates[num_accepted]
+    return num_accepted, candidates
 
 
 def verify_chain(
@@ -117,6 +142,15 @@ def verify_chain(
         num, token = verify_chain_stochastic(target_probs, draft_tokens, draft_probs, generator)
     n, next_token = torch.stack([num.reshape(()), token.reshape(())]).tolist()
     return ChainVerdict(n, next_token, TokenKind.BONUS if n == gamma else TokenKind.RECOVERED)
+
+
+def chain_verdict(num_accepted: int, next_by_row: Sequence[int], gamma: int) -> ChainVerdict:
+    """A chain's verdict on the host, from its rule's device results (:func:`chain_rows_greedy`,
+    :func:`chain_rows_stochastic`) once copied: the count, and the token of the row the chain stopped at."""
+    if not 0 <= num_accepted <= gamma or len(next_by_row) != gamma + 1:
+        raise ValueError(f"{num_accepted} accepted of {gamma} with {len(next_by_row)} rows; need gamma + 1 rows")
+    kind = TokenKind.BONUS if num_accepted == gamma else TokenKind.RECOVERED
+    return ChainVerdict(num_accepted, int(next_by_row[num_accepted]), kind)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import asyncio
 import copy
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from specserve.core.shadow import (
     skip_reason,
 )
 from specserve.core.tree_spec import TreeBudget, TreeSpec, TreeTopology
-from specserve.core.verification import ChainVerdict, TokenKind
+from specserve.core.verification import ChainVerdict
 from specserve.drafters.registry import request_drafters
 from specserve.generate import build_engine
 from specserve.policies.drift import WARMUP
@@ -169,41 +169,25 @@ def test_the_runner_path_checks_too(saved_pair_dirs: dict[str, Path], tmp_path: 
 
 
 class FlipOnce:
-    """A broken verifier (test only): the first chain verdict that rejects a draft token accepts it instead, whether
-    the verdict is decided on the device (``verify_chain``) or from host argmaxes (a batched step's greedy chains,
-    ``_greedy_chain_verdict``). Installed with :meth:`install`."""
+    """A broken verifier (test only): the first chain verdict that rejects a draft token accepts it instead
+    (``chain_verdict``, which reads every chain's verdict on the host, alone or in a batched step). Installed with
+    :meth:`install`."""
 
     def __init__(self) -> None:
         self.flipped = 0
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> FlipOnce:
-        on_device, on_host = ORIGINAL_VERIFY_CHAIN, ORIGINAL_HOST_RULE
+        def flipped(count: int, next_by_row: Sequence[int], gamma: int) -> ChainVerdict:
+            if self.flipped or count >= gamma:
+                return ORIGINAL_CHAIN_VERDICT(count, next_by_row, gamma)
+            self.flipped += 1  # the rejected token is taken; the next comes from the target after it
+            return ORIGINAL_CHAIN_VERDICT(count + 1, next_by_row, gamma)
 
-        def device(target_logits: torch.Tensor, target_probs: Any, tokens: torch.Tensor, *rest: Any) -> Any:
-            verdict = on_device(target_logits, target_probs, tokens, *rest)
-            if self.flipped or verdict.num_accepted >= tokens.shape[0]:
-                return verdict
-            self.flipped += 1
-            n = verdict.num_accepted + 1  # the rejected token is taken; the next comes from the target after it
-            kind = TokenKind.BONUS if n == tokens.shape[0] else TokenKind.RECOVERED
-            return ChainVerdict(n, int(target_logits[n].argmax()), kind)
-
-        def host(argmax: list[int], drafted: list[int]) -> Any:
-            verdict, new, rows = on_host(argmax, drafted)
-            if self.flipped or verdict.num_accepted >= len(drafted):
-                return verdict, new, rows
-            self.flipped += 1
-            n = verdict.num_accepted + 1
-            kind = TokenKind.BONUS if n == len(drafted) else TokenKind.RECOVERED
-            return ChainVerdict(n, argmax[n], kind), [*drafted[:n], argmax[n]], list(range(n + 1))
-
-        monkeypatch.setattr(target_module, "verify_chain", device)
-        monkeypatch.setattr(target_module, "_greedy_chain_verdict", host)
+        monkeypatch.setattr(target_module, "chain_verdict", flipped)
         return self
 
 
-ORIGINAL_VERIFY_CHAIN = target_module.verify_chain
-ORIGINAL_HOST_RULE = target_module._greedy_chain_verdict
+ORIGINAL_CHAIN_VERDICT = target_module.chain_verdict
 
 
 def test_a_flipped_acceptance_is_caught_and_replayed(
@@ -251,8 +235,7 @@ def test_a_flipped_acceptance_is_caught_and_replayed(
     assert cli_main(["replay", str(path)]) == 1
     assert "CONFIRMED" in capsys.readouterr().out
     # and without it: cleared (the fault, not the model, made the difference)
-    monkeypatch.setattr(target_module, "verify_chain", ORIGINAL_VERIFY_CHAIN)
-    monkeypatch.setattr(target_module, "_greedy_chain_verdict", ORIGINAL_HOST_RULE)
+    monkeypatch.setattr(target_module, "chain_verdict", ORIGINAL_CHAIN_VERDICT)
     assert cli_main(["replay", str(path), "--engine", "single", "--json"]) == 0
     cleared = json.loads(capsys.readouterr().out)
     assert cleared["verdict"] == "cleared" and cleared["speculative_ids"][: len(bundle.plain_ids)] == bundle.plain_ids
