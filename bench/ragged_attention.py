@@ -1,6 +1,8 @@
-"""What attending row by row over a token arena costs a batched step, against one padded SDPA call over slots.
+"""What attending row by row over a token arena costs a batched step, against one padded SDPA call over slots and
+against one FlexAttention call over the arena.
 
     python bench/ragged_attention.py [--threads 1] [--requests 1,4,16,32] [--blocks 1,3,6] [--context 280]
+                                     [--flex none|eager|compiled|both]
 
 The batched engine's KV pool is sized in tokens: per layer one arena ``[kv_heads, tokens, head_dim]`` in
 which every request holds a contiguous span (:mod:`specserve.core.kv_pool`). Its rows can no longer be read
@@ -10,7 +12,10 @@ The layout it replaced gave every request a slot of equal length and ran one SDP
 padded to the longest context under a 4-D mask. This script times both, for the shipped target's shapes
 (its layers, query and KV heads, head size), B requests with contexts spread around ``--context`` and
 blocks of k tokens (1: plain decoding; k > 1: a verify chain under its causal mask), all layers of one
-step. Measures attention only (the projections and MLPs are the same in both); decides nothing.
+step. ``--flex`` adds the one-call path of :mod:`specserve.core.flex_batch` (its block mask built once per step,
+counted in): ``eager``, FlexAttention's reference implementation, and ``compiled``, through ``torch.compile`` (its
+fast path; the first call per shape compiles and is not counted). Measures attention only (the projections and MLPs
+are the same in all); decides nothing.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ import argparse
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import AutoConfig
 
 from specserve import defaults
 from specserve.core.attention import RaggedBatch, RaggedRow
+from specserve.core.flex_batch import block_mask
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
@@ -47,9 +55,10 @@ class Shapes:
 
 
 def measure(
-    shapes: Shapes, lengths: list[int], k: int, repeats: int, generator: torch.Generator
-) -> tuple[float, float]:
-    """Seconds per step (all layers) of the slot layout's one padded call and of the arena's row-by-row calls."""
+    shapes: Shapes, lengths: list[int], k: int, repeats: int, generator: torch.Generator, flex: list[str]
+) -> dict[str, float]:
+    """Seconds per step (all layers) of the slot layout's one padded call, the arena's row-by-row calls and, for each
+    of ``flex`` (``eager``, ``compiled``), the arena's one call per layer."""
     batch, low = len(lengths), torch.finfo(torch.float32).min
     heads, kv_heads, head_dim = shapes.heads, shapes.kv_heads, shapes.head_dim
     group, width = heads // kv_heads, max(lengths) + k
@@ -81,7 +90,19 @@ def measure(
         for _ in range(shapes.layers):
             ragged.attend(query, arena_keys, arena_values, None)
 
-    return timed(slots, repeats), timed(arena, repeats)
+    out = {"slots_s": timed(slots, repeats), "arena_s": timed(arena, repeats)}
+    for mode in flex:
+        attend = flex_attention if mode == "eager" else torch.compile(flex_attention, dynamic=False)
+
+        def one_call(attend: Callable[..., object] = attend) -> None:
+            mask = block_mask(spans, masks, k, arena_keys.shape[2], arena_keys.device)
+            packed = query.transpose(0, 1).reshape(1, heads, batch * k, head_dim)
+            for _ in range(shapes.layers):
+                attend(packed, arena_keys, arena_values, block_mask=mask, enable_gqa=True)
+
+        one_call()  # compiles, once per shape
+        out[f"flex_{mode}_s"] = timed(one_call, repeats)
+    return out
 
 
 def main() -> None:
@@ -91,7 +112,10 @@ def main() -> None:
     parser.add_argument("--blocks", default="1,3,6", help="tokens per row of the step")
     parser.add_argument("--context", type=int, default=280, help="mean cached positions per request")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--flex", choices=["none", "eager", "compiled", "both"], default="none")
     args = parser.parse_args()
+    flex = {"none": [], "eager": ["eager"], "compiled": ["compiled"], "both": ["eager", "compiled"]}[args.flex]
+    warnings.filterwarnings("ignore", module="torch.nn.attention.flex_attention")
     torch.set_num_threads(args.threads)
     config = AutoConfig.from_pretrained(str(defaults.DEFAULT_TARGET), local_files_only=True)
     heads = config.num_attention_heads
@@ -105,14 +129,17 @@ def main() -> None:
     rows = []
     print(f"{args.threads} thread(s); {shapes.layers} layers, {heads} query / {shapes.kv_heads} KV heads of "
           f"{shapes.head_dim}; contexts {args.context} ± 120; ms per step (all layers)\n")  # fmt: skip
-    print("| requests | block | slots, one padded call | arena, row by row | arena / slots |")
-    print("|---|---|---|---|---|")
+    flex_columns = "".join(f" arena, one flex call ({mode}) |" for mode in flex)
+    print(f"| requests | block | slots, one padded call | arena, row by row | arena / slots |{flex_columns}")
+    print("|---|---|---|---|---|" + "---|" * len(flex))
     for batch in (int(x) for x in args.requests.split(",")):
         lengths = [args.context - 120 + int(x) for x in torch.randint(0, 241, (batch,), generator=generator)]
         for k in (int(x) for x in args.blocks.split(",")):
-            slot_s, arena_s = measure(shapes, lengths, k, args.repeats, generator)
-            print(f"| {batch} | {k} | {1000 * slot_s:.2f} | {1000 * arena_s:.2f} | {arena_s / slot_s:.2f} |")
-            rows.append({"requests": batch, "block": k, "slots_s": slot_s, "arena_s": arena_s})
+            row = measure(shapes, lengths, k, args.repeats, generator, flex)
+            slot_s, arena_s = row["slots_s"], row["arena_s"]
+            cells = "".join(f" {1000 * row[f'flex_{mode}_s']:.2f} |" for mode in flex)
+            print(f"| {batch} | {k} | {1000 * slot_s:.2f} | {1000 * arena_s:.2f} | {arena_s / slot_s:.2f} |{cells}")
+            rows.append({"requests": batch, "block": k, **row})
     print(json.dumps({"threads": args.threads, "context": args.context, "rows": rows}))
 
 

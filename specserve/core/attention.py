@@ -28,7 +28,8 @@ the arena's columns ``start .. stop`` — a view, no copy — under the row's ow
 causal or tree part of its block; none for one query, which sees the whole span). Measured on the shipped
 target (``bench/ragged_attention.py``) this costs about what one padded SDPA call over per-sequence slots
 did: within 25 % either way from 1 to 32 rows, cheaper for wide blocks, since no row attends over another's
-padding.
+padding. With ``one_call`` (on CUDA: :mod:`specserve.core.flex_batch`) the whole batch attends in one FlexAttention
+call per layer instead, under one block mask built from the same rows.
 
 **Soft-capped logits and sinks.** Gemma 2 caps its attention logits (``tanh(s / cap) · cap``) and gpt-oss gives
 every head a sink logit; SDPA can express neither, so transformers runs those models eagerly. They run
@@ -46,6 +47,8 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from specserve.core.flex_batch import block_mask, flex_attend
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -163,8 +166,10 @@ class RaggedBatch:
 
     rows: Sequence[RaggedRow]
     dtype: torch.dtype = torch.float32  # of a mask built here (a row's window, when the row has no mask of its own)
+    one_call: bool = False  # the whole batch in one FlexAttention call per layer (specserve.core.flex_batch)
     calls: int = 0
     _folded: dict[tuple[int, int, int | None], torch.Tensor] = field(default_factory=dict)
+    _block_masks: dict[int | None, Any] = field(default_factory=dict)  # one FlexAttention block mask per window
 
     def attend(
         self,
@@ -186,6 +191,13 @@ class RaggedBatch:
         :func:`eager_attention` instead, unfolded."""
         self.calls += 1
         batch, heads, width, head_dim = query.shape
+        if self.one_call:
+            mask = self._block_masks.get(window)
+            if mask is None:
+                row_masks = [self._row_mask(b, row, window) for b, row in enumerate(self.rows)]
+                mask = block_mask(self.rows, row_masks, width, key.shape[2], query.device)
+                self._block_masks[window] = mask
+            return flex_attend(query, key, value, mask, scaling, softcap, sinks)
         if softcap is not None or sinks is not None:
             rows_out = query.new_zeros(batch, width, heads, value.shape[-1])
             for b, row in enumerate(self.rows):

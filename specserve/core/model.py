@@ -28,6 +28,7 @@ from specserve.core.attention import RaggedBatch, ragged_batch, register_attenti
 from specserve.core.buckets import VerifyBuckets
 from specserve.core.checkpoint_dir import ModelLoadError, check_checkpoint_dir
 from specserve.core.errors import UserError
+from specserve.core.flex_batch import batch_attention
 from specserve.core.kv_cache import KVCache
 from specserve.core.kv_pool import KVPool
 from specserve.core.recurrent import RecurrentKVCache
@@ -361,7 +362,8 @@ class CausalLM:
             kwargs["logits_to_keep"] = torch.tensor([[k - 1] for k in sizes], device=self.device)
         rows_positions = [positions[row, :k].to(self.device) for row, k in enumerate(sizes)]
         ragged_rows = view.rows(masks, rows_positions if self.windows.active else None)
-        with ragged_batch(RaggedBatch(ragged_rows, self.dtype)) as ragged:
+        one_call = batch_attention(self.device) == "flex"
+        with ragged_batch(RaggedBatch(ragged_rows, self.dtype, one_call)) as ragged:
             logits = self._call(ids.to(self.device), sizes, captures, kwargs)
         if pool.states is not None:
             read = [block.tokens.tolist() for block in blocks]
