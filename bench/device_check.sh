@@ -2,7 +2,8 @@
 # The device check (issue 20), in one run of under 8 minutes on one GPU: greedy exactness on CUDA against
 # transformers for every drafter (chains and a dynamic tree), our plain decoding against transformers' (eager, and
 # its static cache, which transformers compiles), every drafter's speedup, T_verify(k) of the target, and the same
-# plain decoding and T_verify(k) for a random-initialised 1.1B-parameter Llama in bf16. Needs only python3 with
+# plain decoding and T_verify(k) for a random-initialised 1.1B-parameter Llama in bf16, and both models in batches
+# of 1, 16 and 64 requests against transformers' generate_batch (issue 38). Needs only python3 with
 # torch and transformers (matplotlib for the PNG): no Ray, no network, no pip. What each section measures:
 # specserve/benchmarks/device_check.py; docs/usage.md#gpu-check.
 #

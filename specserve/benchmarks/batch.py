@@ -74,17 +74,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import math
 import sys
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from itertools import count
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,9 +98,17 @@ from specserve.benchmarks.arguments import (
     scratch_dir,
     stdout_to_stderr,
 )
+from specserve.benchmarks.batch_loop import (
+    Request,
+    RequestRecord,
+    Server,
+    closed_loop,
+    level_requests,
+    percentile,
+    run_hf_batching,
+)
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
-from specserve.core.attention import native_attention
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft import Drafter
 from specserve.core.drafter_spec import is_model_free
@@ -194,56 +198,8 @@ def modes(cfg: BatchBenchConfig) -> list[Mode]:
     return out
 
 
-@dataclass(frozen=True)
-class Request:
-    index: int  # within the level
-    prompt_index: int
-    prompt_ids: list[int]
-    seed: int
-
-
-@dataclass
-class RequestRecord:
-    """One request as the load generator saw it: when it was submitted, when each token-bearing chunk came."""
-
-    index: int
-    submitted: float
-    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per chunk with tokens
-    output_ids: list[int] = field(default_factory=list)
-    stats: RequestStats | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunks[0][0] - self.submitted if self.chunks else None
-
-    @property
-    def tpot(self) -> float | None:
-        tokens = sum(n for _, n in self.chunks)
-        if len(self.chunks) < 2 or tokens < 2:
-            return None
-        return (self.chunks[-1][0] - self.chunks[0][0]) / (tokens - 1)
-
-    def itl_samples(self) -> Iterator[float]:
-        """Per token after the first chunk: the gap since the previous chunk, spread over the chunk's tokens."""
-        for (before, _), (now, tokens) in zip(self.chunks, self.chunks[1:], strict=False):
-            yield from [(now - before) / tokens] * tokens
-
-
 # ---------------------------------------------------------------------------------------------
 # Servers and the closed loop
-
-
-class Server(Protocol):
-    """What the closed loop drives: :class:`BatchedEngine`, or :class:`OneAtATime` around the single engine."""
-
-    def submit(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, config: GenerationConfig | None = None
-    ) -> int: ...
-
-    def step(self) -> list[tuple[int, StreamChunk | Exception]]: ...
-
-    @property
-    def has_work(self) -> bool: ...
 
 
 class OneAtATime:
@@ -272,39 +228,6 @@ class OneAtATime:
     @property
     def has_work(self) -> bool:
         return bool(self._queue)
-
-
-def closed_loop(
-    server: Server, requests: Sequence[Request], concurrency: int, config: GenerationConfig, temperature: float
-) -> tuple[list[RequestRecord], float]:
-    """Keep ``concurrency`` requests in flight (submit the next when one finishes); every record and the wall time."""
-    pending = deque(requests)
-    records: dict[int, RequestRecord] = {}
-
-    def submit_next() -> None:
-        request = pending.popleft()
-        params = SamplingParams(temperature=temperature, seed=request.seed)
-        submitted = time.perf_counter()
-        records[server.submit(request.prompt_ids, params, config)] = RequestRecord(request.index, submitted)
-
-    start = time.perf_counter()
-    for _ in range(min(concurrency, len(pending))):
-        submit_next()
-    while server.has_work:
-        chunks = server.step()
-        now = time.perf_counter()
-        for request_id, chunk in chunks:
-            if isinstance(chunk, Exception):  # a benchmark's requests never fail on their own
-                raise chunk
-            record = records[request_id]
-            if chunk.token_ids:
-                record.chunks.append((now, len(chunk.token_ids)))
-            if chunk.result is not None:
-                record.output_ids, record.stats = list(chunk.result.output_ids), chunk.result.stats
-                if pending:
-                    submit_next()
-    wall = time.perf_counter() - start
-    return sorted(records.values(), key=lambda r: r.index), wall
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,121 +280,18 @@ def run_ours(
     return closed_loop(engine, requests, concurrency, generation, temperature)
 
 
-class _NoPsutilNoise(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "psutil" not in record.getMessage()
-
-
-@contextmanager
-def _quiet_hf_logger() -> Iterator[None]:
-    logger, noise = logging.getLogger("ContinuousBatchingLogger"), _NoPsutilNoise()
-    logger.addFilter(noise)
-    try:
-        yield
-    finally:
-        logger.removeFilter(noise)
-
-
 def run_hf(
     models: Models, requests: list[Request], concurrency: int, temperature: float, cfg: BatchBenchConfig
 ) -> tuple[list[RequestRecord], float]:
     """transformers' continuous batching manager in the same closed loop (the module docstring says what differs)."""
-    model = models.target.model
-    with native_attention(model):  # transformers' own attention: its continuous batching accepts no other
-        return _run_hf(model, models, requests, concurrency, temperature, cfg)
-
-
-def _run_hf(
-    model: Any,
-    models: Models,
-    requests: list[Request],
-    concurrency: int,
-    temperature: float,
-    cfg: BatchBenchConfig,
-) -> tuple[list[RequestRecord], float]:
-    from transformers import ContinuousBatchingConfig
-    from transformers import GenerationConfig as HFGenerationConfig
-
-    attention = model.config._attn_implementation
-    sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        if temperature > 0
-        else {"do_sample": False}
-    )
-    eos = list(models.target.info.eos_token_ids)
-    generation = HFGenerationConfig(
-        max_new_tokens=cfg.max_new_tokens, eos_token_id=-1, pad_token_id=eos[0] if eos else 0, **sampling
-    )
-    page_size = 256
-    batching = ContinuousBatchingConfig(
-        page_size=page_size,
-        num_blocks=concurrency * (math.ceil(models.max_seq_len / page_size) + 1),
-        max_batch_tokens=cfg.prefill_tokens + concurrency,
-        max_requests_per_batch=concurrency,
-        allow_block_sharing=False,
-        seed=cfg.seed,
-    )
-    with _quiet_hf_logger():
-        manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
-        manager.start()
-        try:
-            _hf_wait(
-                manager,
-                {manager.add_request(requests[0].prompt_ids, max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens))},
-            )
-            pending = deque(requests)
-            records: dict[str, RequestRecord] = {}
-
-            def submit_next() -> str:
-                request = pending.popleft()
-                submitted = time.perf_counter()
-                request_id = manager.add_request(
-                    request.prompt_ids, max_new_tokens=cfg.max_new_tokens, record_timestamps=True
-                )
-                if request_id is None:
-                    raise RuntimeError("transformers' continuous batching refused a request")
-                records[request_id] = RequestRecord(request.index, submitted)
-                return str(request_id)
-
-            start = time.perf_counter()
-            in_flight = {submit_next() for _ in range(min(concurrency, len(pending)))}
-            while in_flight:
-                result = _hf_wait(manager, in_flight)
-                in_flight.discard(result.request_id)
-                record = records[result.request_id]
-                record.output_ids = list(result.generated_tokens)
-                record.chunks = [(t, 1) for t in result.timestamps or []]
-                if pending:
-                    in_flight.add(submit_next())
-            wall = time.perf_counter() - start
-        finally:
-            manager.stop(block=True, timeout=30)
-            manager.destroy()
-    if model.config._attn_implementation != attention:  # the manager swaps in a paged attention while it runs
-        model.set_attn_implementation(attention)
-    return sorted(records.values(), key=lambda r: r.index), wall
-
-
-def _hf_wait(manager: Any, request_ids: set[str]) -> Any:
-    """The next finished result among ``request_ids``; raises if the manager failed or a request did."""
-    while True:
-        result = manager.get_result(timeout=1.0)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
-            continue
-        if result.request_id in request_ids and result.is_finished():
-            if result.error is not None:
-                raise RuntimeError(f"transformers' continuous batching failed a request: {result.error}")
-            return result
+    return run_hf_batching(
+        models.target, requests, concurrency, temperature, cfg.max_new_tokens, models.max_seq_len, cfg.prefill_tokens,
+        cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
 # Summaries
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 def summarise(
@@ -553,10 +373,6 @@ def load(cfg: BatchBenchConfig) -> tuple[Models, list[list[int]]]:
         raise UserError("every prompt is empty once tokenised")
     capacity = max(map(len, prompt_ids)) + cfg.max_new_tokens
     return Models(target, draft, capacity), prompt_ids
-
-
-def level_requests(prompt_ids: list[list[int]], count_: int, seed: int) -> list[Request]:
-    return [Request(j, j % len(prompt_ids), prompt_ids[j % len(prompt_ids)], seed + j) for j in range(count_)]
 
 
 def run(cfg: BatchBenchConfig) -> tuple[dict[str, Any], int]:

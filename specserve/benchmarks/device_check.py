@@ -18,6 +18,11 @@ GPU. In one process, within a wall-clock budget (:data:`BUDGET_SECONDS`, under t
   shape) in bf16, whose speed is what a real model's would be (its tokens mean nothing, so agreement with
   transformers is shown, not judged: random bf16 logits tie often).
 
+* **batched_target**, **batched_llama_1b** — what a server's path does: the batched engine at 1, 16 and 64 requests
+  (plain, and the shipped pair's draft model at γ 3) against transformers' continuous batching (``generate_batch``)
+  on the same requests: tokens/s, ITL p50, greedy outputs against one at a time, and on CUDA the host
+  synchronisations and kernel launches per decode step (:mod:`specserve.benchmarks.device_batch`).
+
 Then :func:`evaluate_targets` judges the issue's targets (our graphed plain ≥ 2× transformers' eager plain and ≥ 1×
 without graphs; the best drafter ≥ 2.5× our graphed plain, greedy; every output exact) and whether the run stayed
 clear of Ray and llguidance. Results: ``device_check.json`` (written after every section, so a run cut short keeps
@@ -52,6 +57,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve import defaults
 from specserve.benchmarks.baselines import hf_generate
+from specserve.benchmarks.device_batch import LEVELS, QUICK_LEVELS, batched_section, batched_targets
+from specserve.benchmarks.device_batch import MAX_NEW_TOKENS as BATCH_MAX_NEW_TOKENS
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.benchmarks.tally import Tally
 from specserve.benchmarks.timing import median_forward_seconds, synchronize
@@ -119,6 +126,8 @@ class CheckConfig:
     llama_prompt_tokens: int = LLAMA_PROMPT_TOKENS
     estimate_scale: float = 1.0  # sections' time estimates (GPU seconds) times this, for the budget guard
     warmup_tokens: int | None = None  # new tokens of each configuration's warm-up request (None: as many as timed)
+    batch_levels: tuple[int, ...] = LEVELS  # the batched section's concurrencies
+    batch_max_new_tokens: int = BATCH_MAX_NEW_TOKENS  # per request of the batched section
 
 
 QUICK = {
@@ -133,6 +142,8 @@ QUICK = {
     "llama_prompt_tokens": 16,
     "estimate_scale": 0.05,
     "warmup_tokens": 2,  # nothing to capture on a CPU: the warm-up only has to take the configuration's path
+    "batch_levels": QUICK_LEVELS,
+    "batch_max_new_tokens": 16,
 }
 
 
@@ -168,6 +179,7 @@ class Report:
             "sections": {},
             "runs": [],
             "verify_cost": {},
+            "batched": [],
             "targets": [],
         }
 
@@ -660,6 +672,27 @@ def llama_section(check: Check) -> dict[str, Any]:
     return {"shape": asdict(cfg.llama), "parameters": parameters, "build_seconds": round(built, 2)}
 
 
+def batched_target_section(check: Check) -> dict[str, Any]:
+    """The shipped target in batches, plain and with its draft model, against transformers' batching
+    (:mod:`specserve.benchmarks.device_batch`)."""
+    assert check.target is not None
+    cfg, rows = check.cfg, check.report.data["batched"]
+    draft = cfg.models / "draft"
+    return batched_section(
+        "target", check.target, check.prompt_ids, draft, cfg.batch_levels, rows.append, cfg.batch_max_new_tokens
+    )
+
+
+def batched_llama_section(check: Check) -> dict[str, Any]:
+    """The random 1.1B Llama in batches, plain, against transformers' batching."""
+    assert check.llama is not None
+    cfg, rows = check.cfg, check.report.data["batched"]
+    prompts = check.llama_prompt_ids
+    return batched_section(
+        "llama_1b", check.llama, prompts, None, cfg.batch_levels, rows.append, cfg.batch_max_new_tokens
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Summary: speedups, targets, environment
 
@@ -733,6 +766,7 @@ def evaluate_targets(report: Report) -> list[dict[str, Any]]:
             f"{exact}/{outputs} outputs over {len(checked)} configurations",
         )
     )
+    targets += batched_targets(report.data["batched"], target_entry)
     loaded = [name for name in MUST_NOT_LOAD if sys.modules.get(name) is not None]
     targets.append(
         {
@@ -811,6 +845,22 @@ def print_summary(report: Report) -> None:
             f"{cell(r.get('mean_accepted') if r['drafter'] else None):>5s} "
             f"{exact_text}"
         )
+    if data["batched"]:
+        print("\n== batched (c requests at once, greedy; tok/s end to end, prefill included)")
+        print(f"{'model':9s} {'c':>3s} {'method':22s} {'tok/s':>9s} {'ITL p50 ms':>10s} {'attention':9s} equal")
+        for r in data["batched"]:
+            if r.get("status") != "ok":
+                print(f"{r['model']:9s} {r['concurrency']:3d} {r['method']:22s} {r.get('error')}")
+                continue
+            print(f"{r['model']:9s} {r['concurrency']:3d} {r['method']:22s} {r['tokens_per_second']:9.1f} "
+                  f"{cell(r['itl_p50_ms']):>10s} {r.get('attention', '-'):9s} "
+                  f"{r['equal_to_one_at_a_time']}/{r['requests']}")  # fmt: skip
+        for name in ("batched_target", "batched_llama_1b"):
+            counts = data["sections"].get(name, {}).get("step_counts")
+            if counts and counts.get("status") == "ok":
+                syncs, launches = counts["host_syncs_per_step"], counts["kernel_launches_per_step"]
+                print(f"{name}: {syncs:.1f} host syncs and {launches:.0f} kernel launches per decode step at "
+                      f"{counts['concurrency']} requests")  # fmt: skip
     for model, costs in data["verify_cost"].items():
         print(f"\n== T_verify(k), {model}: median ms per forward after {costs['prefix_tokens']} cached tokens")
         for mode, by_k in costs["ms_by_k"].items():
@@ -944,7 +994,9 @@ def main(argv: Sequence[str] | None = None, start: float | None = None) -> int:
             ("drafters", 30.0, lambda: drafters_section(check, modes[:1]), ("plain", referenced)),
             ("verify_cost", 10.0, lambda: target_verify_section(check), ("load", loaded)),
             ("syncs", 10.0, lambda: syncs_section(check), ("load", loaded)),
+            ("batched_target", 60.0, lambda: batched_target_section(check), ("load", loaded)),
             ("llama_1b", 40.0, lambda: llama_section(check), None),
+            ("batched_llama_1b", 90.0, lambda: batched_llama_section(check), ("llama_1b", llama)),
             ("hf_static_target", 60.0, lambda: hf_static_section(check, "target"), ("load", loaded)),
             ("drafters_dynamic", 30.0, lambda: drafters_section(check, modes[-1:]), ("plain", referenced)),
             ("hf_static_llama_1b", 90.0, lambda: hf_static_section(check, "llama_1b"), ("llama_1b", llama)),

@@ -32,8 +32,8 @@ from specserve.benchmarks.device_check import (
 from specserve.core.graphs import GraphCache
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = {"load", "plain", "drafters", "verify_cost", "syncs", "llama_1b", "hf_static_target", "drafters_dynamic",
-            "hf_static_llama_1b"}  # fmt: skip
+SECTIONS = {"load", "plain", "drafters", "verify_cost", "syncs", "batched_target", "llama_1b", "batched_llama_1b",
+            "hf_static_target", "drafters_dynamic", "hf_static_llama_1b"}  # fmt: skip
 
 
 def script_env() -> dict[str, str]:
@@ -79,6 +79,21 @@ def test_quick_cpu_run_takes_every_section_and_every_output_is_exact(tmp_path: P
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last["device_check"] == str(out / "device_check.json")
     assert "PASS" in done.stdout and (out / "device_check.png").is_file()
+    # the batched section: every level, ours (plain, and γ 3 with the draft model) and transformers' batching
+    batched = report["batched"]
+    assert all(r["status"] == "ok" for r in batched), [r for r in batched if r["status"] != "ok"]
+    for model, names in (("target", {"ours/batched-plain", "ours/batched-gamma-3", "hf/generate-batch"}),
+                         ("llama_1b", {"ours/batched-plain", "hf/generate-batch"})):  # fmt: skip
+        assert {(r["method"], r["concurrency"]) for r in batched if r["model"] == model} == {
+            (m, c) for m in names for c in (1, 4)
+        }
+    for row in batched:
+        assert row["tokens"] == row["requests"] * 16 and row["tokens_per_second"] > 0
+        if row["model"] == "target" and row["method"].startswith("ours/"):  # greedy, float64: equal one at a time
+            assert row["equal_to_one_at_a_time"] == row["requests"] and row["attention"] == "ragged", row
+    assert report["sections"]["batched_target"]["step_counts"]["status"].startswith("not counted")
+    equal = next(t for name, t in targets.items() if name.startswith("batched greedy outputs"))
+    assert equal["status"] == "PASS" and equal["value"] == 100.0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
