@@ -99,6 +99,7 @@ from specserve.benchmarks.arguments import (
     stdout_to_stderr,
 )
 from specserve.benchmarks.batch_loop import (
+    HFBatching,
     Request,
     RequestRecord,
     Server,
@@ -284,10 +285,9 @@ def run_hf(
     models: Models, requests: list[Request], concurrency: int, temperature: float, cfg: BatchBenchConfig
 ) -> tuple[list[RequestRecord], float]:
     """transformers' continuous batching manager in the same closed loop (the module docstring says what differs)."""
-    return run_hf_batching(
-        models.target, requests, concurrency, temperature, cfg.max_new_tokens, models.max_seq_len, cfg.prefill_tokens,
-        cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens),
-    )  # fmt: skip
+    settings = HFBatching(concurrency, cfg.max_new_tokens, models.max_seq_len, cfg.prefill_tokens, temperature,
+                          cfg.seed, min(WARMUP_TOKENS, cfg.max_new_tokens))  # fmt: skip
+    return run_hf_batching(models.target, requests, settings)
 
 
 # ---------------------------------------------------------------------------------------------

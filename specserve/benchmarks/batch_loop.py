@@ -114,69 +114,64 @@ def closed_loop(
     return sorted(records.values(), key=lambda r: r.index), wall
 
 
+@dataclass(frozen=True)
+class HFBatching:
+    """How :func:`run_hf_batching` drives transformers' continuous batching: ``concurrency`` requests in flight,
+    ``max_new_tokens`` each (EOS ignored), a paged cache for ``concurrency`` requests of ``max_seq_len`` positions,
+    ``max_batch_tokens = prefill_tokens + concurrency``, one ``seed`` per run, a warm-up request of
+    ``warmup_tokens``."""
+
+    concurrency: int
+    max_new_tokens: int
+    max_seq_len: int
+    prefill_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    warmup_tokens: int = 8
+
+
 def run_hf_batching(
-    target: CausalLM,
-    requests: Sequence[Request],
-    concurrency: int,
-    temperature: float,
-    max_new_tokens: int,
-    max_seq_len: int,
-    prefill_tokens: int,
-    seed: int = 0,
-    warmup_tokens: int = 8,
+    target: CausalLM, requests: Sequence[Request], settings: HFBatching
 ) -> tuple[list[RequestRecord], float]:
-    """transformers' continuous batching manager (behind ``model.generate_batch``) in the closed loop: ``concurrency``
-    requests in flight, the next submitted when one finishes, EOS ignored; after a warm-up request of
-    ``warmup_tokens``. Its paged cache holds ``concurrency`` requests of ``max_seq_len`` (prefix-block sharing off),
-    ``max_batch_tokens = prefill_tokens + concurrency``, one seed per run; token times are the timestamps it records.
-    Runs transformers' own attention (its continuous batching accepts no other) and restores the model's after."""
-    model = target.model
+    """transformers' continuous batching manager (behind ``model.generate_batch``) in the closed loop (``settings``);
+    prefix-block sharing off; token times are the timestamps it records. Runs transformers' own attention (its
+    continuous batching accepts no other) and restores the model's after."""
+    model: Any = target.model
     with native_attention(model), _quiet_hf_logger():
-        return _run_hf(
-            target, requests, concurrency, temperature, max_new_tokens, max_seq_len, prefill_tokens, seed, warmup_tokens
-        )
+        return _closed_loop_hf(model, list(target.info.eos_token_ids), requests, settings)
 
 
-def _run_hf(
-    target: CausalLM,
-    requests: Sequence[Request],
-    concurrency: int,
-    temperature: float,
-    max_new_tokens: int,
-    max_seq_len: int,
-    prefill_tokens: int,
-    seed: int,
-    warmup_tokens: int,
+def _closed_loop_hf(
+    model: Any, eos: list[int], requests: Sequence[Request], settings: HFBatching
 ) -> tuple[list[RequestRecord], float]:
     from transformers import ContinuousBatchingConfig
     from transformers import GenerationConfig as HFGenerationConfig
 
-    model: Any = target.model
+    concurrency, temperature, max_new_tokens = settings.concurrency, settings.temperature, settings.max_new_tokens
     attention = model.config._attn_implementation
     sampling: dict[str, Any] = (
         {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
         if temperature > 0
         else {"do_sample": False}
     )
-    eos = list(target.info.eos_token_ids)
     generation = HFGenerationConfig(
         max_new_tokens=max_new_tokens, eos_token_id=-1, pad_token_id=eos[0] if eos else 0, **sampling
     )
     page_size = 256
     batching = ContinuousBatchingConfig(
         page_size=page_size,
-        num_blocks=concurrency * (math.ceil(max_seq_len / page_size) + 1),
-        max_batch_tokens=prefill_tokens + concurrency,
+        num_blocks=concurrency * (math.ceil(settings.max_seq_len / page_size) + 1),
+        max_batch_tokens=settings.prefill_tokens + concurrency,
         max_requests_per_batch=concurrency,
         allow_block_sharing=False,
-        seed=seed,
+        seed=settings.seed,
     )
     manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
     manager.start()
     try:
         _hf_wait(
             manager,
-            {manager.add_request(requests[0].prompt_ids, max_new_tokens=warmup_tokens)},
+            {manager.add_request(requests[0].prompt_ids, max_new_tokens=settings.warmup_tokens)},
         )
         pending = deque(requests)
         records: dict[str, RequestRecord] = {}

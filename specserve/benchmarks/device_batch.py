@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from specserve.benchmarks.batch_loop import RequestRecord, closed_loop, level_requests, percentile, run_hf_batching
+from specserve.benchmarks.batch_loop import (
+    HFBatching,
+    RequestRecord,
+    closed_loop,
+    level_requests,
+    percentile,
+    run_hf_batching,
+)
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.flex_batch import batch_attention
@@ -174,8 +181,8 @@ def batched_section(
             runs.append((f"ours/batched-gamma-{GAMMA}", partial(run_level, model, draft, prompts, concurrency,
                                                                 max_seq_len, max_new_tokens)))  # fmt: skip
         requests = level_requests(prompts, concurrency, seed=0)
-        runs.append(("hf/generate-batch", partial(run_hf_batching, model, requests, concurrency, 0.0, max_new_tokens,
-                                                  max_seq_len, PREFILL_TOKENS, 0, WARMUP_TOKENS)))  # fmt: skip
+        settings = HFBatching(concurrency, max_new_tokens, max_seq_len, PREFILL_TOKENS, warmup_tokens=WARMUP_TOKENS)
+        runs.append(("hf/generate-batch", partial(run_hf_batching, model, requests, settings)))
         for method, run in runs:
             try:
                 records, wall = run()
