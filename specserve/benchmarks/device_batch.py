@@ -7,6 +7,8 @@ of :mod:`specserve.benchmarks.batch_loop` (held-out prompts in turn, ``max_new_t
 * ``ours/batched-plain`` — :class:`~specserve.core.batch_engine.BatchedEngine` with no drafter;
 * ``ours/batched-gamma-3`` — the same engine with the draft model at γ 3 (the shipped pair only: a random Llama has
   no draft model, and its tokens mean nothing to one);
+* ``ours/batched-plain-ragged`` — on CUDA, batched plain again with the row-by-row attention forced, beside the
+  one-call FlexAttention path the device takes by default (:mod:`specserve.core.flex_batch`);
 * ``hf/generate-batch`` — transformers' continuous batching (the manager behind ``generate_batch``: its paged
   attention, same device, same requests).
 
@@ -20,12 +22,13 @@ saved as it finishes. :func:`batched_targets` judges the issue's targets from th
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,11 +42,13 @@ from specserve.benchmarks.batch_loop import (
 )
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.flex_batch import batch_attention
+from specserve.core.flex_batch import ENV, batch_attention
 from specserve.core.model import CausalLM
 from specserve.drafters.none import NoDrafter
 from specserve.drafters.registry import request_drafters
 from specserve.policies.schedules import schedules
+
+T = TypeVar("T")
 
 LEVELS = (1, 16, 64)
 QUICK_LEVELS = (1, 4)
@@ -117,6 +122,19 @@ def run_level(
     return closed_loop(engine, level_requests(prompts, concurrency, seed=0), concurrency, config, 0.0)
 
 
+def ragged(run: Callable[..., T], *args: Any) -> T:
+    """``run(*args)`` with the batched forward's row-by-row attention forced (``SPECSERVE_BATCH_ATTENTION``)."""
+    before = os.environ.get(ENV)
+    os.environ[ENV] = "ragged"
+    try:
+        return run(*args)
+    finally:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
+
+
 def step_counts(
     model: CausalLM, prompts: list[list[int]], concurrency: int, max_seq_len: int, max_new_tokens: int
 ) -> dict[str, Any]:
@@ -177,6 +195,9 @@ def batched_section(
         runs: list[tuple[str, Callable[[], tuple[list[RequestRecord], float]]]] = [
             ("ours/batched-plain", partial(run_level, model, None, prompts, concurrency, max_seq_len, max_new_tokens)),
         ]
+        if attention == "flex":  # the row-by-row path beside it: which is faster here is measured, not assumed
+            runs.append(("ours/batched-plain-ragged", partial(ragged, run_level, model, None, prompts, concurrency,
+                                                              max_seq_len, max_new_tokens)))  # fmt: skip
         if draft is not None:
             runs.append((f"ours/batched-gamma-{GAMMA}", partial(run_level, model, draft, prompts, concurrency,
                                                                 max_seq_len, max_new_tokens)))  # fmt: skip
@@ -189,7 +210,7 @@ def batched_section(
                 row = row_of(name, method, concurrency, records, wall, reference)
                 row["status"] = "ok"
                 if method.startswith("ours/"):
-                    row["attention"] = attention
+                    row["attention"] = "ragged" if method.endswith("-ragged") else attention
             except Exception as exc:  # the other runs still go
                 row = {"model": name, "method": method, "concurrency": concurrency, "status": "error",
                        "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip

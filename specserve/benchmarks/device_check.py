@@ -847,12 +847,12 @@ def print_summary(report: Report) -> None:
         )
     if data["batched"]:
         print("\n== batched (c requests at once, greedy; tok/s end to end, prefill included)")
-        print(f"{'model':9s} {'c':>3s} {'method':22s} {'tok/s':>9s} {'ITL p50 ms':>10s} {'attention':9s} equal")
+        print(f"{'model':9s} {'c':>3s} {'method':25s} {'tok/s':>9s} {'ITL p50 ms':>10s} {'attention':9s} equal")
         for r in data["batched"]:
             if r.get("status") != "ok":
-                print(f"{r['model']:9s} {r['concurrency']:3d} {r['method']:22s} {r.get('error')}")
+                print(f"{r['model']:9s} {r['concurrency']:3d} {r['method']:25s} {r.get('error')}")
                 continue
-            print(f"{r['model']:9s} {r['concurrency']:3d} {r['method']:22s} {r['tokens_per_second']:9.1f} "
+            print(f"{r['model']:9s} {r['concurrency']:3d} {r['method']:25s} {r['tokens_per_second']:9.1f} "
                   f"{cell(r['itl_p50_ms']):>10s} {r.get('attention', '-'):9s} "
                   f"{r['equal_to_one_at_a_time']}/{r['requests']}")  # fmt: skip
         for name in ("batched_target", "batched_llama_1b"):
