@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specserve.core.flex_batch import block_mask, flex_attend
+from specserve.core.flex_batch import block_mask, flex_attend, forced_attention, give_up
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -192,12 +192,18 @@ class RaggedBatch:
         self.calls += 1
         batch, heads, width, head_dim = query.shape
         if self.one_call:
-            mask = self._block_masks.get(window)
-            if mask is None:
-                row_masks = [self._row_mask(b, row, window) for b, row in enumerate(self.rows)]
-                mask = block_mask(self.rows, row_masks, width, key.shape[2], query.device)
-                self._block_masks[window] = mask
-            return flex_attend(query, key, value, mask, scaling, softcap, sinks)
+            try:
+                mask = self._block_masks.get(window)
+                if mask is None:
+                    row_masks = [self._row_mask(b, row, window) for b, row in enumerate(self.rows)]
+                    mask = block_mask(self.rows, row_masks, width, key.shape[2], query.device)
+                    self._block_masks[window] = mask
+                return flex_attend(query, key, value, mask, scaling, softcap, sinks)
+            except Exception as exc:
+                if forced_attention() == "flex":
+                    raise
+                give_up(exc)  # this forward's other layers, and later forwards, attend row by row
+                self.one_call = False
         if softcap is not None or sinks is not None:
             rows_out = query.new_zeros(batch, width, heads, value.shape[-1])
             for b, row in enumerate(self.rows):

@@ -18,11 +18,14 @@ the share of each query's softmax the sink would take, ``sigmoid(lse − sink)``
 Which path runs is :func:`batch_attention`: ``flex`` on CUDA (compiled there, as FlexAttention is meant to run),
 ``ragged`` elsewhere, since on this project's CPU the row-by-row SDPA calls are faster (BENCHMARKS.md §21); the
 environment variable :data:`ENV` forces either (tests run the batched suites with ``flex`` forced on the CPU, where
-flex runs its eager reference). Does not choose which positions attend to which beyond the rows' own masks.
+flex runs its eager reference). Unforced, a one-call forward that fails (a compile this device cannot do) is finished
+row by row and the process stays on the row-by-row path (:func:`give_up`, logged once). Does not choose which
+positions attend to which beyond the rows' own masks.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -32,6 +35,8 @@ import torch
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
+
+logger = logging.getLogger(__name__)
 
 ENV = "SPECSERVE_BATCH_ATTENTION"  # "ragged" or "flex"; unset: flex on CUDA, ragged elsewhere
 BACKENDS = ("ragged", "flex")
@@ -48,15 +53,34 @@ class Span(Protocol):
     def queries(self) -> int: ...
 
 
+_failed: list[str] = []  # why the one-call path failed in this process, once it has (it is then not chosen again)
+
+
 def batch_attention(device: torch.device | str) -> str:
     """The batched forward's attention path on ``device``: :data:`ENV` when set, else ``flex`` on CUDA and ``ragged``
-    elsewhere (the faster path measured on each: module docstring)."""
-    forced = os.environ.get(ENV, "").strip().lower()
-    if forced:
-        if forced not in BACKENDS:
-            raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}, got {forced!r}")
+    elsewhere (the faster path measured on each: module docstring), or ``ragged`` once ``flex`` failed here
+    (:func:`give_up`)."""
+    forced = forced_attention()
+    if forced is not None:
         return forced
-    return "flex" if torch.device(device).type == "cuda" else "ragged"
+    return "flex" if torch.device(device).type == "cuda" and not _failed else "ragged"
+
+
+def forced_attention() -> str | None:
+    """The path :data:`ENV` forces, or ``None``."""
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"{ENV} must be one of {', '.join(BACKENDS)}, got {forced!r}")
+    return forced or None
+
+
+def give_up(exc: Exception) -> None:
+    """The one-call path failed (a FlexAttention compile this device or torch build cannot do): the batched forwards
+    of this process attend row by row from now on, and the reason is logged once. Attention writes nothing, so the
+    forward that failed goes on row by row, exactly."""
+    if not _failed:
+        _failed.append(f"{type(exc).__name__}: {exc}")
+        logger.warning("one attention call per layer failed; batched forwards attend row by row: %s", _failed[0])
 
 
 def block_mask(

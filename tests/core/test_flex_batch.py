@@ -6,7 +6,8 @@
 * A batched forward with the one-call path forced equals the row-by-row path (logits and the pool's keys and values)
   over a ragged batch of prefills, chains and a tree, twice, and attends through it in every layer.
 * ``batch_attention``: ``flex`` on CUDA, ``ragged`` elsewhere, the environment variable forces either, a bad value
-  is refused.
+  is refused; a one-call forward that fails unforced finishes row by row, exactly, logs why once, and the process
+  stays on the row-by-row path (forced, the failure is raised).
 * Every batch-invariance and exactness suite of the batched engine passes with the one-call path forced on (the
   suites run again in a child pytest with ``SPECSERVE_BATCH_ATTENTION=flex``; FlexAttention runs its eager reference
   on the CPU).
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -25,6 +27,7 @@ import torch
 from conftest import TinyPair
 
 import specserve.core.attention as attention_module
+import specserve.core.flex_batch as flex_batch
 from specserve.core.attention import RaggedBatch, RaggedRow
 from specserve.core.flex_batch import ENV, batch_attention, block_mask, flex_attend
 from specserve.core.kv_pool import KVPool
@@ -163,6 +166,35 @@ def test_the_path_is_flex_on_cuda_ragged_elsewhere_and_forced_by_the_environment
     with pytest.raises(ValueError, match="ragged, flex"):
         batch_attention("cpu")
     assert isinstance(RaggedBatch([]).one_call, bool)
+
+
+def test_a_failing_one_call_forward_finishes_row_by_row_and_the_process_stays_there(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    generator = torch.Generator().manual_seed(4)
+    rows, masks = ragged_rows([(0, 30, 3), (40, 10, 1)], generator)
+    rows = [dataclasses.replace(row, mask=mask) for row, mask in zip(rows, masks, strict=True)]
+    query = torch.randn(2, 4, 3, 8, generator=generator, dtype=torch.float64)
+    key = torch.randn(1, 2, 60, 8, generator=generator, dtype=torch.float64)
+    value = torch.randn(1, 2, 60, 8, generator=generator, dtype=torch.float64)
+    want = RaggedBatch(rows, torch.float64).attend(query, key, value, 0.3)
+
+    def broken(*args: Any) -> torch.Tensor:
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(attention_module, "flex_attend", broken)
+    monkeypatch.setattr(flex_batch, "_failed", [])
+    monkeypatch.setenv(ENV, "flex")  # forced: the failure is the caller's to see
+    with pytest.raises(RuntimeError, match="no kernel"):
+        RaggedBatch(rows, torch.float64, one_call=True).attend(query, key, value, 0.3)
+    monkeypatch.delenv(ENV)
+    assert batch_attention("cuda") == "flex"
+    batch = RaggedBatch(rows, torch.float64, one_call=True)
+    with caplog.at_level("WARNING", logger="specserve.core.flex_batch"):
+        got = batch.attend(query, key, value, 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same row-by-row calls
+    assert not batch.one_call and batch_attention("cuda") == "ragged"
+    assert next(r.message for r in caplog.records if "row by row" in r.message).endswith("no kernel for this device")
 
 
 BATCHED_SUITES = [
