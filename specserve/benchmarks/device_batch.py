@@ -9,14 +9,17 @@ of :mod:`specserve.benchmarks.batch_loop` (held-out prompts in turn, ``max_new_t
   no draft model, and its tokens mean nothing to one);
 * ``ours/batched-plain-ragged`` — on CUDA, batched plain again with the row-by-row attention forced, beside the
   one-call FlexAttention path the device takes by default (:mod:`specserve.core.flex_batch`);
+* ``ours/batched-plain-graphed`` and ``ours/batched-gamma-3-graphed`` — on CUDA, with static shapes: the target's
+  steps and the draft model's forwards captured as CUDA graphs at bucketed shapes (:mod:`specserve.core.batch_graphs`);
 * ``hf/generate-batch`` — transformers' continuous batching (the manager behind ``generate_batch``: its paged
   attention, same device, same requests).
 
 Per run: tokens/s (all tokens over the wall time, prefill included), ITL p50 and TTFT p50, the attention path the
 batched forward took (:func:`~specserve.core.flex_batch.batch_attention`), and how many of our outputs equal the
 request's greedy tokens one at a time (:class:`~specserve.core.engine.SpeculativeEngine`, no drafter). On CUDA, at the
-largest level, a few decode steps of batched plain are counted: host synchronisations (CUDA's sync debug mode) and
-kernel launches (the profiler's CUDA events), per step. Every run is appended to the report's ``batched`` list and
+largest level, a few decode steps of batched plain are counted, eager and graphed: host synchronisations (CUDA's sync
+debug mode) and kernel launches (the profiler's CUDA events), per step. A target takes the faster of a method and its
+graphed run. Every run is appended to the report's ``batched`` list and
 saved as it finishes. :func:`batched_targets` judges the issue's targets from them. Does not tune anything.
 """
 
@@ -44,6 +47,7 @@ from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.flex_batch import ENV, batch_attention
 from specserve.core.model import CausalLM
+from specserve.core.static_options import StaticOptions
 from specserve.drafters.none import NoDrafter
 from specserve.drafters.registry import request_drafters
 from specserve.policies.schedules import schedules
@@ -75,13 +79,16 @@ def batched_engine(
     max_seq_len: int,
     max_new_tokens: int,
     prefill_tokens: int = PREFILL_TOKENS,
+    graphed: bool = False,
 ) -> tuple[BatchedEngine, GenerationConfig, GenerationConfig]:
-    """An engine for ``concurrency`` requests; its request and warm-up configurations (γ 3 with ``draft``)."""
+    """An engine for ``concurrency`` requests; its request and warm-up configurations (γ 3 with ``draft``).
+    ``graphed``: static shapes, the target's steps and the draft model's forwards captured as CUDA graphs."""
     dtype, device = str(model.dtype).removeprefix("torch."), str(model.device)
+    static = StaticOptions() if graphed else None
     drafters = request_drafters(draft if draft is not None else "none", model, dtype=dtype, device=device,
-                                max_num_seqs=concurrency, max_seq_len=max_seq_len)  # fmt: skip
+                                max_num_seqs=concurrency, max_seq_len=max_seq_len, static=static)  # fmt: skip
     engine = BatchedEngine(model, drafters, schedules=schedules(), max_num_seqs=concurrency, max_seq_len=max_seq_len,
-                           prefill_tokens=prefill_tokens)  # fmt: skip
+                           prefill_tokens=prefill_tokens, static=static)  # fmt: skip
     gamma, drafter = (GAMMA, "default") if draft is not None else (0, "none")
     config = GenerationConfig(max_new_tokens=max_new_tokens, gamma=gamma, drafter=drafter, ignore_eos=True)
     return engine, config, GenerationConfig(max_new_tokens=WARMUP_TOKENS, gamma=gamma, drafter=drafter, ignore_eos=True)
@@ -115,9 +122,10 @@ def run_level(
     concurrency: int,
     max_seq_len: int,
     max_new_tokens: int,
+    graphed: bool = False,
 ) -> tuple[list[RequestRecord], float]:
     """``concurrency`` requests at once through a fresh engine, after a warm-up request on it."""
-    engine, config, warmup = batched_engine(model, draft, concurrency, max_seq_len, max_new_tokens)
+    engine, config, warmup = batched_engine(model, draft, concurrency, max_seq_len, max_new_tokens, graphed=graphed)
     closed_loop(engine, level_requests(prompts, 1, seed=0), 1, warmup, 0.0)
     return closed_loop(engine, level_requests(prompts, concurrency, seed=0), concurrency, config, 0.0)
 
@@ -136,16 +144,22 @@ def ragged(run: Callable[..., T], *args: Any) -> T:
 
 
 def step_counts(
-    model: CausalLM, prompts: list[list[int]], concurrency: int, max_seq_len: int, max_new_tokens: int
+    model: CausalLM,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_seq_len: int,
+    max_new_tokens: int,
+    graphed: bool = False,
 ) -> dict[str, Any]:
-    """Host synchronisations and kernel launches per decode step of batched plain at ``concurrency`` (CUDA only)."""
+    """Host synchronisations and kernel launches per decode step of batched plain at ``concurrency`` (CUDA only;
+    ``graphed``: with the steps captured as CUDA graphs)."""
     if model.device.type != "cuda":
         return {"status": "not counted: CUDA's sync debug mode and the profiler's CUDA events need a CUDA device"}
     from torch.profiler import ProfilerActivity, profile
 
     requests = level_requests(prompts, concurrency, seed=0)
     every_prompt = sum(len(r.prompt_ids) for r in requests)  # prefilled in the first step: the counted ones decode
-    engine, config, _ = batched_engine(model, None, concurrency, max_seq_len, max_new_tokens, every_prompt)
+    engine, config, _ = batched_engine(model, None, concurrency, max_seq_len, max_new_tokens, every_prompt, graphed)
     for request in requests:
         engine.submit(request.prompt_ids, None, config)
     for _ in range(3):  # the prefill, then two decode steps
@@ -191,6 +205,7 @@ def batched_section(
         draft = CausalLM.load(draft_dir, dtype=str(model.dtype).removeprefix("torch."), device=str(model.device))
     max_seq_len = max(map(len, prompts)) + max_new_tokens
     attention = batch_attention(model.device)
+    graphs = model.device.type == "cuda"
     for concurrency in levels:
         runs: list[tuple[str, Callable[[], tuple[list[RequestRecord], float]]]] = [
             ("ours/batched-plain", partial(run_level, model, None, prompts, concurrency, max_seq_len, max_new_tokens)),
@@ -198,9 +213,15 @@ def batched_section(
         if attention == "flex":  # the row-by-row path beside it: which is faster here is measured, not assumed
             runs.append(("ours/batched-plain-ragged", partial(ragged, run_level, model, None, prompts, concurrency,
                                                               max_seq_len, max_new_tokens)))  # fmt: skip
+        if graphs:  # the steps captured as CUDA graphs (core/batch_graphs.py)
+            runs.append(("ours/batched-plain-graphed", partial(run_level, model, None, prompts, concurrency,
+                                                               max_seq_len, max_new_tokens, True)))  # fmt: skip
         if draft is not None:
             runs.append((f"ours/batched-gamma-{GAMMA}", partial(run_level, model, draft, prompts, concurrency,
                                                                 max_seq_len, max_new_tokens)))  # fmt: skip
+        if draft is not None and graphs:
+            speculative = partial(run_level, model, draft, prompts, concurrency, max_seq_len, max_new_tokens, True)
+            runs.append((f"ours/batched-gamma-{GAMMA}-graphed", speculative))
         requests = level_requests(prompts, concurrency, seed=0)
         settings = HFBatching(concurrency, max_new_tokens, max_seq_len, PREFILL_TOKENS, warmup_tokens=WARMUP_TOKENS)
         runs.append(("hf/generate-batch", partial(run_hf_batching, model, requests, settings)))
@@ -210,16 +231,22 @@ def batched_section(
                 row = row_of(name, method, concurrency, records, wall, reference)
                 row["status"] = "ok"
                 if method.startswith("ours/"):
-                    row["attention"] = "ragged" if method.endswith("-ragged") else attention
+                    graphed = method.endswith("-graphed")
+                    row["attention"] = "ragged" if method.endswith("-ragged") else "gathered" if graphed else attention
+                    row["graphed"] = graphed
             except Exception as exc:  # the other runs still go
                 row = {"model": name, "method": method, "concurrency": concurrency, "status": "error",
                        "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
             record(row)
             print(f"  {name} c={concurrency} {describe(row)}", flush=True)
-    try:
-        counts = step_counts(model, prompts, max(levels), max_seq_len, max_new_tokens)
-    except Exception as exc:  # counting is a detail: the runs above are the section
-        counts = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+    counts: dict[str, Any] = {}
+    for kind, graphed in (("eager", False), ("graphed", True)):
+        if graphed and not graphs:
+            continue
+        try:
+            counts[kind] = step_counts(model, prompts, max(levels), max_seq_len, max_new_tokens, graphed)
+        except Exception as exc:  # counting is a detail: the runs above are the section
+            counts[kind] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
     return {
         "levels": list(levels),
         "max_new_tokens": max_new_tokens,
@@ -243,8 +270,11 @@ def batched_targets(rows: Sequence[dict[str, Any]], entry: Callable[..., dict[st
     ok = [r for r in rows if r.get("status") == "ok"]
 
     def rate(model: str, method: str, concurrency: int) -> float | None:
-        found = [r for r in ok if (r["model"], r["method"], r["concurrency"]) == (model, method, concurrency)]
-        return found[0]["tokens_per_second"] if found else None
+        """The faster of ``method`` and its graphed run (a server runs whichever its settings say)."""
+        methods = (method, f"{method}-graphed")
+        found = [r["tokens_per_second"] for r in ok if (r["model"], r["method"], r["concurrency"]) in
+                 ((model, m, concurrency) for m in methods)]  # fmt: skip
+        return max(found) if found else None
 
     targets = []
     largest = max((r["concurrency"] for r in ok if r["model"] == "llama_1b"), default=None)

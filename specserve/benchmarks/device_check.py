@@ -856,11 +856,11 @@ def print_summary(report: Report) -> None:
                   f"{cell(r['itl_p50_ms']):>10s} {r.get('attention', '-'):9s} "
                   f"{r['equal_to_one_at_a_time']}/{r['requests']}")  # fmt: skip
         for name in ("batched_target", "batched_llama_1b"):
-            counts = data["sections"].get(name, {}).get("step_counts")
-            if counts and counts.get("status") == "ok":
-                syncs, launches = counts["host_syncs_per_step"], counts["kernel_launches_per_step"]
-                print(f"{name}: {syncs:.1f} host syncs and {launches:.0f} kernel launches per decode step at "
-                      f"{counts['concurrency']} requests")  # fmt: skip
+            for kind, counts in (data["sections"].get(name, {}).get("step_counts") or {}).items():
+                if counts.get("status") == "ok":
+                    syncs, launches = counts["host_syncs_per_step"], counts["kernel_launches_per_step"]
+                    print(f"{name} ({kind}): {syncs:.1f} host syncs and {launches:.0f} kernel launches per decode "
+                          f"step at {counts['concurrency']} requests")  # fmt: skip
     for model, costs in data["verify_cost"].items():
         print(f"\n== T_verify(k), {model}: median ms per forward after {costs['prefix_tokens']} cached tokens")
         for mode, by_k in costs["ms_by_k"].items():

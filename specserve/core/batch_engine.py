@@ -56,6 +56,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from specserve.core.batch_graphs import batch_graphs
 from specserve.core.batch_step import LocalPool, StepResult, kv_tokens, verify_batch
 from specserve.core.draft import (
     BatchedDrafter,
@@ -70,6 +71,7 @@ from specserve.core.draft import (
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import request_failure
+from specserve.core.graphs import GraphBackend
 from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, pool_tokens
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.prefix_cache import Hit, PrefixCache
@@ -130,12 +132,15 @@ class BatchedEngine(GenerationFrontend):
         static: StaticOptions | None = None,
         kv_memory_fraction: float = DEFAULT_MEMORY_FRACTION,
         prefix_caching: bool = True,
+        graph_backend: GraphBackend | None = None,
     ) -> None:
         """``static``: run every step at the bucket of its widest block (:mod:`specserve.core.buckets`; the KV pool
         is preallocated either way). ``kv_memory_fraction``: without ``kv_pool_tokens``, the pool takes at most that
         share of the memory free on the target's device (:func:`~specserve.core.kv_pool.pool_tokens`).
         ``prefix_caching``: reuse the KV of prefixes earlier (or running) requests cached, within a namespace
-        (:mod:`specserve.core.prefix_cache`)."""
+        (:mod:`specserve.core.prefix_cache`). With ``static``, steps that fit its buckets replay as captured graphs
+        (:mod:`specserve.core.batch_graphs`) on a CUDA device with ``cuda_graphs``, or through ``graph_backend`` when
+        one is given (the tests' stand-in)."""
         if prefill_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"prefill_tokens and max_num_seqs must be >= 1, got {prefill_tokens}, {max_num_seqs}")
         self.prefill_tokens = prefill_tokens
@@ -150,7 +155,8 @@ class BatchedEngine(GenerationFrontend):
             kv_pool_tokens or pool_tokens(target.model, max_num_seqs, kv_tokens(self.max_seq_len), kv_memory_fraction),
         )
         self.buckets = None if static is None else static.buckets_for(target.device.type)
-        self.ops = LocalPool(target, self.pool, self.buckets)
+        self.graphs = batch_graphs(target, self.pool, static, graph_backend)
+        self.ops = LocalPool(target, self.pool, self.buckets, self.graphs)
         self.cache = PrefixCache(self.pool) if prefix_caching else None
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()

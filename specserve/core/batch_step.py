@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.core.batch_graphs import BatchGraphs
 from specserve.core.buckets import VerifyBuckets
 from specserve.core.draft import Proposal
 from specserve.core.errors import request_failure
@@ -40,11 +41,15 @@ from specserve.core.target import CycleOutcome, PoolOps, TargetVerifier
 class LocalPool:
     """Pool operations in this process: the target's batched forward and the pool's own rollback and compaction."""
 
-    def __init__(self, target: CausalLM, pool: KVPool, buckets: VerifyBuckets | None = None) -> None:
-        """``buckets``: every step runs at the bucket of its widest block (static shapes)."""
+    def __init__(
+        self, target: CausalLM, pool: KVPool, buckets: VerifyBuckets | None = None, graphs: BatchGraphs | None = None
+    ) -> None:
+        """``buckets``: every step runs at the bucket of its widest block (static shapes); ``graphs``: steps that fit
+        its buckets run as captured steps (:mod:`specserve.core.batch_graphs`)."""
         self.target = target
         self.pool = pool
         self.buckets = buckets
+        self.graphs = graphs
 
     def forward_batch(
         self,
@@ -52,7 +57,9 @@ class LocalPool:
         last_only: bool = False,
         capture: Sequence[FeatureCapture | None] | None = None,
     ) -> list[torch.Tensor]:
-        return self.target.forward_batch(self.pool, blocks, last_only=last_only, capture=capture, buckets=self.buckets)
+        return self.target.forward_batch(
+            self.pool, blocks, last_only=last_only, capture=capture, buckets=self.buckets, graphs=self.graphs
+        )
 
     def rollback(self, seq_id: int, length: int) -> None:
         self.pool.rollback(seq_id, length)

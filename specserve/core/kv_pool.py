@@ -330,11 +330,9 @@ class KVPool:
     # -----------------------------------------------------------------------------------------
     # One step's view
 
-    def view(self, sequences: Sequence[int], blocks: Sequence[int], width: int | None = None) -> PoolView:
-        """The cache one batched forward writes: row b is ``sequences[b]``, extended by ``blocks[b]`` tokens, every
-        row ``width`` columns wide (default: the widest block; the rest of a row is padding).
-
-        Grows each sequence's length by its block (the caller rolls back or compacts after verifying)."""
+    def extend(self, sequences: Sequence[int], blocks: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Grow each of ``sequences`` (distinct) by its block of ``blocks[b]`` (>= 1) tokens, within what it reserved;
+        per sequence, its span's start and its length before the step."""
         if len(set(sequences)) != len(sequences) or min(blocks) < 1:
             raise ValueError(
                 f"a batch needs distinct sequences and blocks of >= 1 token, got {list(sequences)}, {list(blocks)}"
@@ -349,26 +347,45 @@ class KVPool:
         starts, lengths = [span.start for span in spans], [span.length for span in spans]
         for span, k in zip(spans, blocks, strict=True):
             span.length += k
-        if width is not None and width < max(blocks):
+        return starts, lengths
+
+    def view(self, sequences: Sequence[int], blocks: Sequence[int], width: int | None = None) -> PoolView:
+        """The cache one batched forward writes: row b is ``sequences[b]``, extended by ``blocks[b]`` tokens, every
+        row ``width`` columns wide (default: the widest block; the rest of a row is padding).
+
+        Grows each sequence's length by its block (the caller rolls back or compacts after verifying)."""
+        if width is not None and width < max(blocks, default=0):
             raise ValueError(f"a step {width} columns wide cannot hold a block of {max(blocks)}")
+        starts, lengths = self.extend(sequences, blocks)
         recurrent = self.states.step_layers(sequences) if self.states is not None else {}
         return PoolView(self, starts, lengths, list(blocks), width, recurrent)
 
 
-class _PoolLayer(CacheLayerMixin):
-    """One model layer's share of a :class:`PoolView`: writes the step's keys and values into the arena."""
+class StepLayer(CacheLayerMixin):
+    """A transformers cache layer over keys and values allocated up front, for one step: initialised from the start,
+    never lazily, with no maximum length. Subclasses say where a step writes and what it attends over."""
 
     is_sliding = False
     is_compileable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # allocated up front
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _PoolLayer(StepLayer):
+    """One model layer's share of a :class:`PoolView`: writes the step's keys and values into the arena."""
 
     def __init__(self, view: PoolView, layer: int) -> None:
         super().__init__()
         self.view = view
         self.layer = layer
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # the pool is allocated up front
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -389,9 +406,6 @@ class _PoolLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return max(self.view.lengths)
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class PoolView(Cache):

@@ -311,6 +311,7 @@ class CausalLM:
         last_only: bool = False,
         capture: Sequence[FeatureCapture | None] | None = None,
         buckets: VerifyBuckets | None = None,
+        graphs: CapturedSteps | None = None,
     ) -> list[torch.Tensor]:
         """Append every block to its own sequence in ``pool`` in one forward; per block, its ``[k, vocab]`` logits
         (``[1, vocab]``, its last token's, with ``last_only``: the head then runs on one token per row).
@@ -324,12 +325,17 @@ class CausalLM:
 
         ``buckets``: the step runs at the bucket of its widest block (:mod:`specserve.core.buckets`); the extra
         columns are padding queries, as a shorter block's are, which attend to nothing and write to scratch.
+
+        ``graphs``: a step that fits its buckets runs as a captured step of this pool instead
+        (:mod:`specserve.core.batch_graphs`), with the same results up to rounding.
         """
         if not blocks:
             raise ValueError("a batched forward needs at least one block")
         captures: list[FeatureCapture | None] = [None] * len(blocks) if capture is None else list(capture)
         if len(captures) != len(blocks):
             raise ValueError(f"{len(captures)} feature captures for {len(blocks)} blocks: give one per block")
+        if graphs is not None and graphs.pool is pool and graphs.fits(blocks):
+            return graphs.forward(blocks, last_only, captures)
         given = blocks
         reread = [0] * len(blocks)  # per row, tokens read again before its block (a hybrid's recurrent checkpoint)
         if pool.states is not None:
@@ -382,6 +388,18 @@ class CausalLM:
         return [
             logits[row, skip : skip + block.size] for row, (skip, block) in enumerate(zip(reread, given, strict=True))
         ]
+
+
+class CapturedSteps(Protocol):
+    """Batched steps of one pool that run captured when they fit (:class:`~specserve.core.batch_graphs.BatchGraphs`)."""
+
+    pool: KVPool
+
+    def fits(self, blocks: Sequence[BatchBlock]) -> bool: ...
+
+    def forward(
+        self, blocks: Sequence[BatchBlock], last_only: bool, captures: Sequence[FeatureCapture | None]
+    ) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)

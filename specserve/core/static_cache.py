@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from specserve.core.errors import UserError
 from specserve.core.graphs import CudaGraphs, GraphBackend, GraphCache
-from specserve.core.kv_pool import kv_widths
+from specserve.core.kv_pool import StepLayer, kv_widths
 from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, select_features
 from specserve.core.static_options import StaticOptions
 
@@ -109,20 +109,13 @@ class _Slot:
                 tensors[i] = new
 
 
-class _SlotLayer(CacheLayerMixin):
+class _SlotLayer(StepLayer):
     """One model layer's share of a slot: writes a step's keys and values at its columns."""
-
-    is_sliding = False
-    is_compileable = False
 
     def __init__(self, slot: _Slot, layer: int) -> None:
         super().__init__()
         self.slot = slot
         self.layer = layer
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # allocated up front
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -140,9 +133,6 @@ class _SlotLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.slot.length
 
-    def get_max_length(self) -> int:
-        return -1
-
 
 class _SlotCache(Cache):
     """The transformers ``Cache`` a static step hands the model."""
@@ -151,20 +141,13 @@ class _SlotCache(Cache):
         super().__init__(layers=[_SlotLayer(slot, i) for i in range(len(slot.keys))])
 
 
-class _RowsLayer(CacheLayerMixin):
+class _RowsLayer(StepLayer):
     """One model layer's share of a :class:`SlotRows`."""
-
-    is_sliding = False
-    is_compileable = False
 
     def __init__(self, rows: SlotRows, layer: int) -> None:
         super().__init__()
         self.rows = rows
         self.layer = layer
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass  # the slots are allocated up front
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -176,9 +159,6 @@ class _RowsLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return max(self.rows.lengths)
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class SlotRows(Cache):

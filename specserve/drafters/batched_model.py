@@ -39,12 +39,15 @@ from functools import partial
 
 import torch
 
+from specserve.core.batch_graphs import batch_graphs
 from specserve.core.draft import ChainBatcher, Draft, Drafter, check_chain_call
 from specserve.core.grammar import DraftGrammar, mask_logits
+from specserve.core.graphs import GraphBackend
 from specserve.core.invariant import invariant_tokens
 from specserve.core.kv_pool import KVPool, PoolFull
 from specserve.core.model import BatchBlock, CausalLM, TargetDescription
 from specserve.core.sampling import SamplingParams, sample, warp_probs
+from specserve.core.static_options import StaticOptions
 from specserve.core.tree import DraftTree, TreeSpec
 from specserve.drafters.tree import TreeModelDrafter
 from specserve.drafters.vocabulary import check_same_vocabulary
@@ -71,7 +74,11 @@ class BatchedDraftModel:
         max_num_seqs: int,
         max_seq_len: int,
         catch_up_tokens: int = DEFAULT_CATCH_UP_TOKENS,
+        static: StaticOptions | None = None,
+        graph_backend: GraphBackend | None = None,
     ) -> None:
+        """``static``: the forwards that fit its buckets replay as captured graphs (:mod:`specserve.core.batch_graphs`:
+        on a CUDA device with ``cuda_graphs``, or through ``graph_backend``, the tests' stand-in)."""
         if target is not None:
             check_same_vocabulary(target, draft)
         if catch_up_tokens < 1:
@@ -83,6 +90,7 @@ class BatchedDraftModel:
             raise ValueError(f"max_num_seqs and max_seq_len must be >= 1, got {max_num_seqs}, {max_seq_len}")
         self.max_seq_len = max_seq_len
         self.pool = KVPool(draft.model, max_num_seqs * max_seq_len)
+        self.graphs = batch_graphs(draft, self.pool, static, graph_backend)
         # per drafter of the last propose_chains call: seconds of its own long catch-up (a newcomer's prompt)
         self.catch_up_seconds: list[float] = []
         self._long_seconds: dict[int, float] = {}
@@ -139,14 +147,14 @@ class BatchedDraftModel:
             start = time.perf_counter()
             chunks = [row.take(min(self.catch_up_tokens, row.pending.numel() - 1)) for row in long]
             blocks = [BatchBlock.chain(row.seq_id, chunk) for row, chunk in zip(long, chunks, strict=True)]
-            self.model.forward_batch(self.pool, blocks, last_only=True)
+            self.model.forward_batch(self.pool, blocks, last_only=True, graphs=self.graphs)
             share = (time.perf_counter() - start) / len(long)
             for row in long:  # the rows that needed it pay for it (catch_up_seconds)
                 self._long_seconds[id(row)] = self._long_seconds.get(id(row), 0.0) + share
             long = [row for row in long if row.pending.numel() > 1]
         while active:
             blocks = [BatchBlock.chain(row.seq_id, row.take(SHORT_CATCH_UP)) for row in active]
-            logits = self.model.forward_batch(self.pool, blocks, last_only=True)
+            logits = self.model.forward_batch(self.pool, blocks, last_only=True, graphs=self.graphs)
             for row, row_logits in zip(active, logits, strict=True):  # [1, vocab] each
                 row.guarded(partial(row.choose, row_logits[-1]))  # draws in the order given
             active = [row for row in active if row.pending.numel() > 0]

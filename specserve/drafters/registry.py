@@ -25,6 +25,7 @@ from specserve.core.drafter_spec import (
 )
 from specserve.core.errors import UserError
 from specserve.core.model import CausalLM, TargetDescription
+from specserve.core.static_options import StaticOptions
 from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.layerskip import LayerSkipDrafter
 from specserve.drafters.lookahead import LookaheadDrafter
@@ -158,6 +159,7 @@ def request_drafters(
     max_num_seqs: int | None = None,
     max_seq_len: int | None = None,
     suffix_cache: SuffixCache | None = None,
+    static: StaticOptions | None = None,
 ) -> Callable[[str], Drafter]:
     """For the batched engine: ``new_drafter(name)`` gives each request a drafter of its own (``name`` one of
     :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
@@ -171,7 +173,8 @@ def request_drafters(
     model drafts for all requests in shared forwards: ``default`` drafters are
     :class:`~specserve.drafters.batched_model.PooledDraftModelDrafter` of one
     :class:`~specserve.drafters.batched_model.BatchedDraftModel` whose KV pool holds that many requests of that
-    many positions (a drafter holds its span from ``start`` to ``release``). Other drafters are unaffected."""
+    many positions (a drafter holds its span from ``start`` to ``release``); with ``static`` options, its forwards
+    replay as captured graphs where they fit (:mod:`specserve.core.batch_graphs`). Other drafters are unaffected."""
     if max_seq_len is not None and max_num_seqs is None:
         raise ValueError("max_seq_len sizes the draft model's KV pool; give max_num_seqs with it")
     configured: CausalLM | str = spec
@@ -184,7 +187,7 @@ def request_drafters(
     batcher = None
     if max_num_seqs is not None and isinstance(configured, CausalLM):
         length = target.info.max_positions if max_seq_len is None else max_seq_len
-        batcher = BatchedDraftModel(configured, target, max_num_seqs, length)
+        batcher = BatchedDraftModel(configured, target, max_num_seqs, length, static=static)
     if suffix_cache is None:
         suffix_cache = SuffixCache()  # the global store every request's suffix drafter shares
     prototype: Prototype | None = None

@@ -139,6 +139,7 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
         from specserve.actors.suffix_store import SharedSuffixCache
 
         suffix_cache = SharedSuffixCache()
+    static = config.static_options()
     new_drafter = request_drafters(
         config.draft,
         target,
@@ -146,8 +147,8 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
         max_num_seqs=seqs,
         max_seq_len=length,
         suffix_cache=suffix_cache,
+        static=static,
     )
-    static = config.static_options()
     buckets = None if static is None else static.buckets_for(target.device.type)
     return BatchedEngine(
         target,

@@ -91,7 +91,8 @@ def test_quick_cpu_run_takes_every_section_and_every_output_is_exact(tmp_path: P
         assert row["tokens"] == row["requests"] * 16 and row["tokens_per_second"] > 0
         if row["model"] == "target" and row["method"].startswith("ours/"):  # greedy, float64: equal one at a time
             assert row["equal_to_one_at_a_time"] == row["requests"] and row["attention"] == "ragged", row
-    assert report["sections"]["batched_target"]["step_counts"]["status"].startswith("not counted")
+    counts = report["sections"]["batched_target"]["step_counts"]
+    assert list(counts) == ["eager"] and counts["eager"]["status"].startswith("not counted")  # graphed on CUDA only
     equal = next(t for name, t in targets.items() if name.startswith("batched greedy outputs"))
     assert equal["status"] == "PASS" and equal["value"] == 100.0
 
@@ -210,3 +211,26 @@ def test_quick_settings_shrink_the_run_but_flags_win() -> None:
     full = device_check.parse_args([])
     assert full.device == "cuda" and full.num_prompts == 8 and full.max_new_tokens == 128
     assert full.llama == device_check.LLAMA_1B and full.dtype == "float32"
+
+
+def test_batched_targets_take_the_faster_of_a_method_and_its_graphed_run() -> None:
+    from specserve.benchmarks.device_batch import batched_targets
+    from specserve.benchmarks.device_check import target_entry
+
+    def row(model: str, method: str, concurrency: int, rate: float, equal: int = 4) -> dict[str, object]:
+        return {"model": model, "method": method, "concurrency": concurrency, "status": "ok", "requests": 4,
+                "tokens_per_second": rate, "equal_to_one_at_a_time": equal}  # fmt: skip
+
+    rows = [
+        row("llama_1b", "ours/batched-plain", 64, 300.0),
+        row("llama_1b", "ours/batched-plain-graphed", 64, 900.0),
+        row("llama_1b", "hf/generate-batch", 64, 500.0),
+        row("target", "ours/batched-plain", 16, 1000.0),
+        row("target", "ours/batched-plain-graphed", 16, 800.0),
+        row("target", "ours/batched-gamma-3-graphed", 16, 1500.0, equal=3),
+        {"model": "target", "method": "ours/batched-gamma-3", "concurrency": 16, "status": "error"},
+    ]
+    plain, speculative, equal = batched_targets(rows, target_entry)
+    assert plain["value"] == pytest.approx(900.0 / 500.0) and plain["status"] == "PASS"
+    assert speculative["value"] == pytest.approx(1500.0 / 1000.0) and speculative["status"] == "PASS"
+    assert equal["value"] == pytest.approx(100.0 * 11 / 12) and equal["status"] == "FAIL"

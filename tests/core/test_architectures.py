@@ -554,6 +554,56 @@ def test_static_shapes_apply_each_layers_window(name: str, mode: str, tmp_path_f
             assert result.output_ids == expected, f"{name} static {mode}, {drafter} {shape}, prompt {prompt}"
 
 
+# sliding windows (uniform, alternating), soft-capped logits, sinks and experts; a latent pool and a hybrid fall back
+@pytest.mark.parametrize("name", [*WINDOWED, "qwen3-moe", "deepseek-v3", "qwen3-next"])
+def test_captured_batched_steps_equal_transformers(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The batched engine's steps as captured graphs (the stand-in backend, :mod:`specserve.core.batch_graphs`) past
+    the window: greedy output equals transformers' ``generate`` for draft-model chains, n-gram, dynamic trees and plain
+    decoding, four requests in three slots. A latent pool (DeepSeek-V3) and a hybrid's recurrent layers (Qwen3-Next)
+    run the ordinary batched forward instead, and are exact too."""
+    checkpoint = make_checkpoint(name, tmp_path_factory)
+    experts = checkpoint.target.model.config
+    if name in MIXTURES:  # transformers' batched expert matmuls (no host read of the experts hit) can be captured
+        experts._experts_implementation = "batched_mm"
+    recording = RecordingGraphs()
+    engine = BatchedEngine(
+        checkpoint.target, checkpoint.new_drafter, max_num_seqs=3, max_seq_len=48, prefill_tokens=8,
+        static=StaticOptions(buckets=BUCKETS), graph_backend=recording,
+    )  # fmt: skip
+    configs = [
+        GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3),
+        GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=2, drafter="ngram"),
+        GenerationConfig(max_new_tokens=NEW_TOKENS, tree=DYNAMIC),
+        GenerationConfig(max_new_tokens=NEW_TOKENS, drafter="none"),
+    ]
+    if checkpoint.target.windows.recurrent:  # a hybrid's batched steps verify chains (core/pool_states.py)
+        configs[2] = GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=4)
+    window_prompt = tuple(5 + (7 * i) % 60 for i in range(20))  # past the 16-position window
+    prompts = [window_prompt, *list(checkpoint.greedy)[1:]]
+    expected = {prompt: checkpoint.greedy.get(prompt) or hf_greedy_ids(checkpoint.reference, prompt, NEW_TOKENS)
+                for prompt in prompts}  # fmt: skip
+    ids = {engine.submit(list(p), SamplingParams(), c): p for p, c in zip(prompts, configs, strict=True)}
+    outputs = {ids[request_id]: result.output_ids for request_id, result in finish_all(engine).items()}
+    assert outputs == expected
+    assert_pool_empty(engine)
+    assert engine.graphs is not None
+    graphed = name not in ("deepseek-v3", "qwen3-next")
+    assert (engine.graphs.steps > 0) == graphed and (recording.replays > 0) == graphed
+    assert not engine.graphs.graphs.failures
+
+
+def test_experts_run_one_by_one_are_not_captured(tmp_path_factory: pytest.TempPathFactory) -> None:
+    checkpoint = make_checkpoint("qwen3-moe", tmp_path_factory)  # float64: transformers' eager experts
+    engine = BatchedEngine(
+        checkpoint.target, checkpoint.new_drafter, max_num_seqs=2, static=StaticOptions(buckets=BUCKETS),
+        graph_backend=RecordingGraphs(),
+    )  # fmt: skip
+    assert engine.graphs is not None and "experts run one by one" in (engine.graphs.refused or "")
+    prompt = next(iter(checkpoint.greedy))
+    request = engine.submit(list(prompt), SamplingParams(), GenerationConfig(max_new_tokens=NEW_TOKENS, gamma=3))
+    assert finish_all(engine)[request].output_ids == checkpoint.greedy[prompt] and engine.graphs.steps == 0
+
+
 def test_every_runnable_family_is_covered_here() -> None:
     tested = {build(family, 2, 0).config.model_type for family in FAMILIES.values()}
     assert set(SHARDABLE_MODEL_TYPES) <= tested, "a model type tensor parallelism accepts must be tested here"

@@ -158,9 +158,9 @@ def test_one_forward_per_drafted_position(pair: TinyPair, monkeypatch: pytest.Mo
     calls: list[list[int]] = []
     forward_batch = pair.draft.forward_batch
 
-    def counted(pool: Any, blocks: Any, last_only: bool = False) -> list[torch.Tensor]:
+    def counted(pool: Any, blocks: Any, last_only: bool = False, graphs: Any = None) -> list[torch.Tensor]:
         calls.append([block.size for block in blocks])
-        return forward_batch(pool, blocks, last_only=last_only)
+        return forward_batch(pool, blocks, last_only=last_only, graphs=graphs)
 
     monkeypatch.setattr(pair.draft, "forward_batch", counted)
     drafts = batcher.propose_chains(drafters, [3, 0, 5, 1])
