@@ -19,8 +19,10 @@ batched forward took (:func:`~specserve.core.flex_batch.batch_attention`), and h
 request's greedy tokens one at a time (:class:`~specserve.core.engine.SpeculativeEngine`, no drafter). On CUDA, at the
 largest level, a few decode steps of batched plain are counted, eager and graphed: host synchronisations (CUDA's sync
 debug mode) and kernel launches (the profiler's CUDA events), per step. A target takes the faster of a method and its
-graphed run. Every run is appended to the report's ``batched`` list and
-saved as it finishes. :func:`batched_targets` judges the issue's targets from them. Does not tune anything.
+graphed run. Every run is appended to the report's ``batched`` list and saved as it finishes. :func:`batched_targets`
+judges the issue's targets from them. Last, the section times one step by rows (1 to the largest level) and width,
+captured and not, and records the row buckets that table implies (:mod:`specserve.benchmarks.step_costs`). Does not
+tune anything.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from specserve.benchmarks.batch_loop import (
     percentile,
     run_hf_batching,
 )
+from specserve.benchmarks.step_costs import step_costs
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.flex_batch import ENV, batch_attention
@@ -61,6 +64,8 @@ GAMMA = 3
 PREFILL_TOKENS = 256
 WARMUP_TOKENS = 8
 COUNTED_STEPS = 5  # decode steps whose syncs and kernel launches are counted
+STEP_WIDTHS = (1, 4)  # block widths of the T(rows, width) table: plain decoding, and γ 3
+STEP_REPEATS = 3
 PLAIN_OVER_HF = 1.5  # ours/batched-plain over hf/generate-batch at the largest level (the Llama)
 SPECULATIVE_OVER_PLAIN = 1.3  # ours/batched-gamma-3 over ours/batched-plain at 16 requests (the shipped pair)
 
@@ -247,12 +252,17 @@ def batched_section(
             counts[kind] = step_counts(model, prompts, max(levels), max_seq_len, max_new_tokens, graphed)
         except Exception as exc:  # counting is a detail: the runs above are the section
             counts[kind] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+    try:  # T(rows, width) of the captured step and the ordinary one, and the row buckets it implies
+        costs = step_costs(model, range(1, max(levels) + 1), STEP_WIDTHS, repeats=STEP_REPEATS)
+    except Exception as exc:  # a detail beside the runs above
+        costs = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
     return {
         "levels": list(levels),
         "max_new_tokens": max_new_tokens,
         "attention": attention,
         "draft": draft is not None,
         "step_counts": counts,
+        "step_costs": costs,
         "reference_seconds": round(time.perf_counter() - start, 2),
     }
 

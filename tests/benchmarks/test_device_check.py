@@ -93,6 +93,9 @@ def test_quick_cpu_run_takes_every_section_and_every_output_is_exact(tmp_path: P
             assert row["equal_to_one_at_a_time"] == row["requests"] and row["attention"] == "ragged", row
     counts = report["sections"]["batched_target"]["step_counts"]
     assert list(counts) == ["eager"] and counts["eager"]["status"].startswith("not counted")  # graphed on CUDA only
+    costs = report["sections"]["batched_target"]["step_costs"]  # T(rows, width), rows 1..4, and the buckets it implies
+    assert set(costs["ms"]) == {"ordinary", "captured"} and set(costs["ms"]["captured"]["4"]) == {"1", "2", "3", "4"}
+    assert not costs["graphed"] and all(set(b) <= {1, 2, 3, 4} and 4 in b for b in costs["row_buckets"].values())
     equal = next(t for name, t in targets.items() if name.startswith("batched greedy outputs"))
     assert equal["status"] == "PASS" and equal["value"] == 100.0
 
