@@ -200,9 +200,12 @@ def batched_section(
     levels: Sequence[int],
     record: Callable[[dict[str, Any]], None],
     max_new_tokens: int = MAX_NEW_TOKENS,
+    every_row_count: bool = True,
 ) -> dict[str, Any]:
     """Every level's runs of ``model`` (``draft_dir``: a draft model to speculate with); each row goes to ``record``
-    as it finishes. The section's summary: levels, the attention path, the step counts."""
+    as it finishes. The section's summary: levels, the attention path, the step counts, T(rows, width) — at every row
+    count up to the largest level (and the row buckets it implies), or at the levels only without
+    ``every_row_count`` (a large model's steps, within the check's budget)."""
     start = time.perf_counter()
     reference = one_at_a_time(model, prompts, max_new_tokens)
     draft = None
@@ -253,7 +256,8 @@ def batched_section(
         except Exception as exc:  # counting is a detail: the runs above are the section
             counts[kind] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
     try:  # T(rows, width) of the captured step and the ordinary one, and the row buckets it implies
-        costs = step_costs(model, range(1, max(levels) + 1), STEP_WIDTHS, repeats=STEP_REPEATS)
+        counts_timed = range(1, max(levels) + 1) if every_row_count else sorted(set(levels))
+        costs = step_costs(model, counts_timed, STEP_WIDTHS, repeats=STEP_REPEATS)
     except Exception as exc:  # a detail beside the runs above
         costs = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
     return {

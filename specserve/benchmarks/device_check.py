@@ -689,7 +689,14 @@ def batched_llama_section(check: Check) -> dict[str, Any]:
     cfg, rows = check.cfg, check.report.data["batched"]
     prompts = check.llama_prompt_ids
     return batched_section(
-        "llama_1b", check.llama, prompts, None, cfg.batch_levels, rows.append, cfg.batch_max_new_tokens
+        "llama_1b",
+        check.llama,
+        prompts,
+        None,
+        cfg.batch_levels,
+        rows.append,
+        cfg.batch_max_new_tokens,
+        every_row_count=False,
     )
 
 
