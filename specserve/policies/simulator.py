@@ -154,20 +154,25 @@ class CostCurves:
         return max(0.0, self.draft_fixed_seconds + gamma * self.draft_seconds_per_token)
 
     def t_verify(self, k: int) -> float:
-        ks, seconds = self.verify_ks, self.verify_seconds
-        if len(ks) == 1:
-            return seconds[0]
-        if k <= ks[0]:
-            i = 0
-        elif k >= ks[-1]:
-            i = len(ks) - 2
-        else:
-            i = next(j for j in range(len(ks) - 1) if ks[j] <= k <= ks[j + 1])
-        slope = (seconds[i + 1] - seconds[i]) / (ks[i + 1] - ks[i])
-        return max(0.0, seconds[i] + slope * (k - ks[i]))
+        return piecewise_linear(self.verify_ks, self.verify_seconds, k)
 
     def cycle_seconds(self, gamma: int) -> float:
         return self.t_draft(gamma) + self.t_verify(gamma + 1)
+
+
+def piecewise_linear(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """``y`` at ``x`` on the polyline through ``(xs, ys)`` (``xs`` ascending): linear between the nearest two points,
+    extrapolated past either end with the slope of the two nearest, clamped at zero; one point: flat."""
+    if len(xs) == 1:
+        return ys[0]
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = next(j for j in range(len(xs) - 1) if xs[j] <= x <= xs[j + 1])
+    slope = (ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i])
+    return max(0.0, ys[i] + slope * (x - xs[i]))
 
 
 def _fit_line(points: Sequence[tuple[int, float]]) -> tuple[float, float | None]:
