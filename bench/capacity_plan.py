@@ -5,7 +5,7 @@
                                        [--out bench/results/capacity/NAME]
 
 ``measure`` writes a scenario (:func:`specserve.policies.capacity.load_scenario`'s JSON) from this machine: the shipped
-pair's acceptance by draft position (8 held-out prompts × 64 tokens, greedy, the draft model at γ 8, one request at a
+pair's acceptance by draft position (16 held-out prompts × 128 tokens, greedy, the draft model at γ 8, one request at a
 time), one draft-model forward by rows (1 to 64, one token each) and one target forward by width and rows
 (:mod:`specserve.benchmarks.step_costs`, the ordinary batched forward), float32, ``--threads`` torch threads. Here
 the "large" and the "cheap" device are the same CPU; the hop is the distributed runtime's measured wire time per cycle
@@ -45,14 +45,14 @@ def measure(threads: int, out: Path) -> None:
     target = CausalLM.load(str(defaults.DEFAULT_TARGET), dtype="float32", device="cpu")
     draft = CausalLM.load(str(defaults.DEFAULT_DRAFT), dtype="float32", device="cpu")
     assert target.tokenizer is not None
-    prompts = [list(target.tokenizer(t, add_special_tokens=False)["input_ids"])[-200:] for t in heldout_prompts(8)]
+    prompts = [list(target.tokenizer(t, add_special_tokens=False)["input_ids"])[-200:] for t in heldout_prompts(16)]
     stats = RequestStats()
     engine = SpeculativeEngine(target, build_drafter_set(str(defaults.DEFAULT_DRAFT), target))
     for prompt in prompts:
-        result = engine.generate(prompt, None, GenerationConfig(max_new_tokens=64, gamma=8, ignore_eos=True))
+        result = engine.generate(prompt, None, GenerationConfig(max_new_tokens=128, gamma=8, ignore_eos=True))
         stats.merge(result.stats)
     alpha = [round(a, 4) for a in stats.acceptance_by_position if a is not None]
-    print(f"acceptance by position: {alpha}", file=sys.stderr)
+    print(f"acceptance by position: {alpha} (cycles reaching each: {stats.reached})", file=sys.stderr)
     drafting = step_costs(draft, [1, 2, 4, 8, 16, 32, 64], widths=(1,), prefix=128, modes=("ordinary",))
     verifying = step_costs(target, [1, 4, 16], widths=(1, 3, 5, 9), prefix=128, modes=("ordinary",))
     draft_ms = [[int(b), ms] for b, ms in drafting["ms"]["ordinary"]["1"].items()]
@@ -62,12 +62,13 @@ def measure(threads: int, out: Path) -> None:
     scenario = {
         "notes": (
             f"Measured on this machine ({threads} torch thread(s), float32, 2-core CPU): the shipped pair's acceptance "
-            "by position (8 held-out prompts x 64 tokens, greedy, gamma 8), one draft-model forward by rows and one "
+            "by position (16 held-out prompts x 128 tokens, greedy, gamma 8), one draft-model forward by rows and one "
             "target forward by width and rows after 128 cached positions (bench/capacity_plan.py measure). The large "
             "and the cheap device are the same CPU here; the hop is the distributed runtime's measured wire time per "
             "cycle; the prices are illustrative inputs."
         ),
         "alpha": alpha,
+        "alpha_cycles_reaching": list(stats.reached),
         "verify_ms": verify_ms,
         "draft_large_ms": draft_ms,
         "draft_cheap_ms": draft_ms,
@@ -128,21 +129,24 @@ def draw(plans: list[Plan], path: Path) -> None:
         return
     counts = sorted({p.replicas for p in plans})
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    for ax, key, label in ((axes[0], "tokens_per_dollar", "tokens per $"), (axes[1], "tokens_per_second", "tokens/s")):
+    panels = (
+        (axes[0], "tokens per $", lambda p: p.tokens_per_dollar),
+        (axes[1], "tokens/s per replica", lambda p: p.tokens_per_second / p.replicas),
+    )
+    for ax, label, value in panels:
         for n in counts:
             pools = sorted((p for p in plans if p.replicas == n and p.placement == "pool"), key=lambda p: p.ratio or 0)
             if pools:
-                ax.plot([p.ratio for p in pools], [getattr(p, key) for p in pools], marker="o", label=f"pool, N={n}")
+                ax.plot([p.ratio for p in pools], [value(p) for p in pools], marker="o", label=f"pool, N={n}")
         largest = counts[-1]
         for placement, style in (("colocated", "--"), ("replica", ":"), ("plain", "-.")):
             found = [p for p in plans if p.replicas == largest and p.placement == placement]
             if found:
-                ax.axhline(getattr(found[0], key), ls=style, color="black", lw=0.8, label=f"{placement}, N={largest}")
+                ax.axhline(value(found[0]), ls=style, color="black", lw=0.8, label=f"{placement}, N={largest}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("replicas per pool member")
         ax.set_ylabel(label)
-        if key == "tokens_per_second":
-            ax.set_yscale("log")
+        ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
