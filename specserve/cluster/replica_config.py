@@ -93,6 +93,12 @@ class ReplicaConfig(BaseModel):
         description="the widths verify blocks pad to with static shapes, e.g. 1,2,4,8,16 (empty: the device's "
         "default, chosen from measured verify times; none: no padding)",
     )
+    row_buckets: str = Field(
+        "",
+        description="with static shapes and CUDA graphs, the batch sizes a batched step pads to and replays a graph "
+        "of, e.g. 1,2,4,8,16,32 (empty: powers of two to 256; none: batched steps run eagerly); the device check "
+        "measures T(rows, width) and prints the ones it would choose",
+    )
     no_cuda_graphs: bool = Field(False, description="with static shapes on a GPU, run every forward eagerly")
     compile: bool = Field(False, description="with static shapes, torch.compile the target's forward as well")
     max_ngram: int = Field(3, ge=1, description="longest n-gram the ngram drafter matches")
@@ -298,7 +304,7 @@ class ReplicaConfig(BaseModel):
 
     # ---- the command line
 
-    @field_validator("buckets")
+    @field_validator("buckets", "row_buckets")
     @classmethod
     def _buckets(cls, value: str) -> str:
         if value:
@@ -311,7 +317,8 @@ class ReplicaConfig(BaseModel):
         if self.static_shapes == "off" or (self.static_shapes == "auto" and self.device != "cuda"):
             return None
         buckets = VerifyBuckets.parse(self.buckets) if self.buckets else None
-        return StaticOptions(buckets=buckets, cuda_graphs=not self.no_cuda_graphs, compile=self.compile)
+        rows = VerifyBuckets.parse(self.row_buckets) if self.row_buckets else None
+        return StaticOptions(buckets, cuda_graphs=not self.no_cuda_graphs, compile=self.compile, row_buckets=rows)
 
     @classmethod
     def flag(cls, name: str) -> str:
@@ -365,6 +372,7 @@ MODEL_SETTINGS = (
     "device",
     "static_shapes",
     "buckets",
+    "row_buckets",
     "no_cuda_graphs",
     "compile",
     "max_ngram",

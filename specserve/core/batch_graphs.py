@@ -279,13 +279,15 @@ def batch_graphs(
     model: CausalLM, pool: KVPool, static: StaticOptions | None, backend: GraphBackend | None = None
 ) -> BatchGraphs | None:
     """The captured steps a batched runtime with ``static`` options runs over ``pool``: with ``backend``, or CUDA
-    graphs on a CUDA device when the options allow them; ``None`` without static shapes, without width buckets (a
-    CPU's default), or without a backend (every step then runs the ordinary batched forward)."""
+    graphs on a CUDA device when the options allow them, padded to the options' row buckets; ``None`` without static
+    shapes, without width or row buckets (a CPU's default widths, ``--row-buckets none``), or without a backend (every
+    step then runs the ordinary batched forward)."""
     if static is None:
         return None
     widths = static.buckets_for(model.device.type)
     if backend is None and static.cuda_graphs and model.device.type == "cuda":
         backend = CudaGraphs(model.device)
-    if backend is None or not widths.widths:
+    rows = ROW_BUCKETS if static.row_buckets is None else static.row_buckets
+    if backend is None or not widths.widths or not rows.widths:
         return None
-    return BatchGraphs(model, pool, widths, backend)
+    return BatchGraphs(model, pool, widths, backend, rows=rows)

@@ -14,13 +14,16 @@ from specserve.core.errors import UserError
 @dataclass(frozen=True)
 class StaticOptions:
     """How the static-shape engine runs: ``buckets`` (``None``: the device's default), ``cuda_graphs`` (on a CUDA
-    device; ignored elsewhere), ``compile`` (``torch.compile`` the model's forward, without its own graphs), and
-    ``max_len`` (positions a sequence may hold; ``None``: the model's context)."""
+    device; ignored elsewhere), ``compile`` (``torch.compile`` the model's forward, without its own graphs),
+    ``max_len`` (positions a sequence may hold; ``None``: the model's context) and ``row_buckets`` (the batch sizes a
+    batched runtime's captured steps pad to, :mod:`specserve.core.batch_graphs`; ``None``: powers of two to 256;
+    ``()``: no captured batched steps)."""
 
     buckets: VerifyBuckets | None = None
     cuda_graphs: bool = True
     compile: bool = False
     max_len: int | None = None
+    row_buckets: VerifyBuckets | None = None
 
     def __post_init__(self) -> None:
         if self.max_len is not None and self.max_len < 2:

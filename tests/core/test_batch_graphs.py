@@ -254,3 +254,27 @@ def test_which_runtimes_build_captured_steps(pair: TinyPair) -> None:
     engine = BatchedEngine(pair.target, lambda name: None, static=StaticOptions(buckets=BUCKETS))  # type: ignore[arg-type,return-value]
     assert engine.graphs is None  # static shapes on a CPU: no backend, the ordinary forward
     assert batch_graphs_module.ROW_BUCKETS.largest == 256
+
+
+def test_row_buckets_come_from_the_settings() -> None:
+    from specserve.cluster.replica_config import ReplicaConfig
+
+    config = ReplicaConfig(target="t", draft="ngram", static_shapes="on", row_buckets="1,8,64")
+    static = config.static_options()
+    assert static is not None and static.row_buckets == VerifyBuckets((1, 8, 64))
+    off = ReplicaConfig(target="t", draft="ngram", static_shapes="on", row_buckets="none").static_options()
+    assert off is not None and off.row_buckets == NO_BUCKETS
+    with pytest.raises(Exception, match="strictly increasing"):
+        ReplicaConfig(target="t", draft="ngram", row_buckets="8,2")
+
+
+def test_captured_steps_pad_to_the_row_buckets_given(pair: TinyPair) -> None:
+    pool = KVPool(pair.target.model, 64)
+    rows = VerifyBuckets((1, 3))
+    built = batch_graphs(pair.target, pool, StaticOptions(buckets=BUCKETS, row_buckets=rows), RecordingGraphs())
+    assert built is not None and built.rows == rows
+    a, b = pool.allocate(20), pool.allocate(20)
+    pair.target.forward_batch(pool, [chain(a, 5, 6), chain(b, 7)], graphs=built)
+    assert built.graphs.keys == [(3, 2, 64, False, False)]  # two rows pad to three
+    none = StaticOptions(buckets=BUCKETS, row_buckets=NO_BUCKETS)
+    assert batch_graphs(pair.target, pool, none, RecordingGraphs()) is None

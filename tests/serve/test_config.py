@@ -46,6 +46,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "device": ("cuda", {}),
     "static_shapes": ("on", {}),
     "buckets": ("1,2,4,8", {}),
+    "row_buckets": ("1,8,64", {}),
     "no_cuda_graphs": (True, {}),
     "compile": (True, {}),
     "max_ngram": (5, {}),
