@@ -56,7 +56,7 @@ import uuid
 from typing import Any
 
 from specserve.actors.drafter import CycleReport, DraftJob
-from specserve.actors.replica import Replica, ReplicaConfig, spawn_replica
+from specserve.actors.replica import DrafterSource, Replica, ReplicaConfig, spawn_replica
 from specserve.actors.target_shard import Started
 from specserve.core.draft import Draft
 from specserve.core.drafter_spec import probe_nodes_of
@@ -92,8 +92,9 @@ class Coordinator(GenerationFrontend):
         self._drafter_killed_at = self._drafter_alive_at = -DRAFTER_KILL_SETTLE_S
 
     @classmethod
-    def spawn(cls, config: ReplicaConfig) -> Coordinator:
-        return cls(spawn_replica(config))
+    def spawn(cls, config: ReplicaConfig, pool: DrafterSource | None = None) -> Coordinator:
+        """A coordinator of a new replica (with ``pool``, a member of that drafter pool drafts for it)."""
+        return cls(spawn_replica(config, pool))
 
     @property
     def max_concurrency(self) -> int:

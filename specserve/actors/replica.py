@@ -19,9 +19,10 @@ a cluster that lacks them gets a clear error after ``ready_timeout_s`` instead o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from specserve.actors.drafter import DrafterActor
 from specserve.actors.target_shard import TargetShardActor
@@ -49,6 +50,7 @@ class Replica:
     target_info: ModelInfo
     verifier_token: str = ""  # what the replica's drafters present to rank 0's verifier
     feature_layers: tuple[int, ...] = ()  # the configured drafter reads these target features (EAGLE, Medusa)
+    pool: DrafterSource | None = None  # the pool whose member ``drafter`` is (shared with other replicas), if any
 
     @property
     def rank0(self) -> Any:
@@ -78,23 +80,43 @@ class Replica:
 
         with contextlib.suppress(Exception):  # best effort: the actors are killed below either way
             ray.get([shard.shutdown.remote() for shard in self.shards], timeout=30)
-        for actor in [*self.shards, self.drafter]:
+        for actor in self.shards:
             ray.kill(actor)
+        if self.pool is None:
+            ray.kill(self.drafter)
+        else:  # the member drafts for other replicas too: the pool keeps it
+            self.pool.unassign(self.drafter)
         for group in self.groups:
             remove_placement_group(group)
 
 
-def spawn_replica(config: ReplicaConfig) -> Replica:
-    """Place and start one replica; returns once rank 0's verifier is listening."""
+class DrafterSource(Protocol):
+    """Where a replica's drafter comes from when it does not start its own (a drafter pool)."""
+
+    def assign(self, info: ModelInfo) -> Any:
+        """A drafter actor for one more replica of the pool's model (``info``: the target's, from rank 0)."""
+        ...
+
+    def unassign(self, drafter: Any) -> None:
+        """The replica ``drafter`` was assigned to is gone."""
+        ...
+
+
+def spawn_replica(config: ReplicaConfig, pool: DrafterSource | None = None) -> Replica:
+    """Place and start one replica; returns once rank 0's verifier is listening. With ``pool``, a member of that
+    drafter pool drafts for it (``specserve.actors.drafter_pool``) instead of a drafter of its own."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     spec = config.spec()
     plan = replica_placement(spec)
+    if pool is not None:  # the shards alone: the pool places its members itself
+        plan = replica_placement(dataclasses.replace(spec, drafter_placement="separate"))
     groups = [placement_group(plan.target.bundles, strategy=plan.target.strategy)]
     actors: list[Any] = []
-    if plan.drafter is not None:
+    assigned: Any = None  # the pool member assigned to this replica, once it is
+    if plan.drafter is not None and pool is None:
         groups.append(placement_group(plan.drafter.bundles, strategy=plan.drafter.strategy))
     try:
         ready = [group.ready() for group in groups]
@@ -113,7 +135,6 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
         batched = config.max_num_seqs if config.max_num_seqs > 1 else 0
         concurrency = 4 + config.max_num_seqs
         shard_cls: Any = ray.remote(TargetShardActor)
-        drafter_cls: Any = ray.remote(DrafterActor)
         shards: list[Any] = []
         for rank, bundle in enumerate(plan.shard_bundles):
             resources = dict(plan.target.bundles[bundle])
@@ -148,46 +169,79 @@ def spawn_replica(config: ReplicaConfig) -> Replica:
         token: str = ray.get(shards[0].verifier_token.remote())
         info: ModelInfo = ray.get(shards[0].describe.remote())
 
-        if plan.drafter is None:
-            assert plan.drafter_bundle is not None
-            group, bundle = groups[0], plan.drafter_bundle
-            resources = dict(plan.target.bundles[bundle])
+        if pool is not None:  # a member of the pool drafts for this replica (and others)
+            drafter = assigned = pool.assign(info)
         else:
-            group, bundle = groups[1], 0
-            resources = dict(plan.drafter.bundles[0])
-        drafter: Any = drafter_cls.options(
-            max_restarts=DRAFTER_MAX_RESTARTS,  # a lost drafter costs its requests speed; later ones get it back
-            num_cpus=resources.pop("CPU", 0.0),
-            num_gpus=resources.pop("GPU", 0.0),
-            resources=resources,
-            max_concurrency=concurrency,
-            runtime_env={"env_vars": _actor_env(config.threads_per_drafter)},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle),
-        ).remote(
-            config.draft,
-            config.target,
-            info,
-            num_threads=config.threads_per_drafter,
-            max_requests=config.max_num_seqs,
-            suffix_store=config.suffix_store,
-            **{**config.drafter_options(), "device": config.drafter_actor_device},
-        )
-        actors.append(drafter)
+            if plan.drafter is None:
+                assert plan.drafter_bundle is not None
+                group, bundle = groups[0], plan.drafter_bundle
+                resources = dict(plan.target.bundles[bundle])
+            else:
+                group, bundle = groups[1], 0
+                resources = dict(plan.drafter.bundles[0])
+            drafter = start_drafter(config, info, group, bundle, resources, config.max_num_seqs)
+            actors.append(drafter)
         # surfaces a drafter that cannot load (bad path, vocabulary); hidden-state drafters name their features
         feature_layers = tuple(ray.get(drafter.feature_layers.remote()))
     except ray.exceptions.ActorDiedError as exc:
-        for actor in actors:
-            ray.kill(actor)
-        for group in groups:
-            remove_placement_group(group)
+        _clean_up(actors, groups, pool, assigned)
         raise ReplicaStartError(f"a replica actor failed to start: {_root_cause(exc)}") from exc
     except BaseException:
-        for actor in actors:
-            ray.kill(actor)
-        for group in groups:
-            remove_placement_group(group)
+        _clean_up(actors, groups, pool, assigned)
         raise
-    return Replica(config, shards, drafter, groups, address, info, verifier_token=token, feature_layers=feature_layers)
+    return Replica(
+        config,
+        shards,
+        drafter,
+        groups,
+        address,
+        info,
+        verifier_token=token,
+        feature_layers=feature_layers,
+        pool=pool,
+    )
+
+
+def _clean_up(actors: list[Any], groups: list[Any], pool: DrafterSource | None, assigned: Any) -> None:
+    """A replica that failed to start: its own actors killed, its groups removed, its pool member handed back."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        ray.kill(actor)
+    for group in groups:
+        remove_placement_group(group)
+    if pool is not None and assigned is not None:
+        pool.unassign(assigned)
+
+
+def start_drafter(
+    config: ReplicaConfig, info: ModelInfo, group: Any, bundle: int, resources: dict[str, float], max_requests: int
+) -> Any:
+    """A drafter actor for ``config``'s model in ``bundle`` of placement group ``group`` (whose ``resources`` it takes),
+    running up to ``max_requests`` request loops at once; Ray restarts it :data:`DRAFTER_MAX_RESTARTS` times."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    resources = dict(resources)
+    drafter_cls: Any = ray.remote(DrafterActor)
+    return drafter_cls.options(
+        max_restarts=DRAFTER_MAX_RESTARTS,  # a lost drafter costs its requests speed; later ones get it back
+        num_cpus=resources.pop("CPU", 0.0),
+        num_gpus=resources.pop("GPU", 0.0),
+        resources=resources,
+        max_concurrency=4 + max_requests,
+        runtime_env={"env_vars": _actor_env(config.threads_per_drafter)},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle),
+    ).remote(
+        config.draft,
+        config.target,
+        info,
+        num_threads=config.threads_per_drafter,
+        max_requests=max_requests,
+        suffix_store=config.suffix_store,
+        **{**config.drafter_options(), "device": config.drafter_actor_device},
+    )
 
 
 def _actor_env(threads: int) -> dict[str, str]:
