@@ -5,15 +5,15 @@ replicas (TP 1, the draft model, float64) spawned with it share one member, plac
 runs both replicas' request loops.
 
 * Exactness through the pool: requests of both replicas at once, greedy, equal transformers' greedy decoding; seeded
-  T = 1 requests on both at once equal the single-request engine with the same seed; a third replica gets a member of
-  its own (the ratio), and the member goes back when a replica shuts down.
-* Fault: the shared member killed mid-stream: the requests of both replicas complete with the undisturbed tokens,
-  without speculation after the kill; Ray restarts the member, and the next requests draft again.
+  T = 1 requests on both at once equal the single-request engine with the same seed.
+* The assignment rule (stand-ins, no Ray): the least-assigned member with room, a new member past the ratio, the
+  least-assigned one at the member limit; a replica's shutdown hands its member back.
+
+The fault — the shared member's node killed mid-stream — is test_pool_multinode.py's, on a multi-node cluster.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,8 +24,9 @@ from conftest import TinyPair
 from replicas import Case, config_for, greedy_reference
 
 from specserve.actors.coordinator import Coordinator
-from specserve.actors.drafter_pool import DrafterPool
+from specserve.actors.drafter_pool import DrafterPool, _Member
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.errors import UserError
 from specserve.core.sampling import SamplingParams
 from specserve.drafters import DraftModelDrafter
 
@@ -89,55 +90,27 @@ def test_two_replicas_draft_on_one_member_and_stay_exact(
         assert result.output_ids == alone.generate(list(pair.prompts[1]), params, sampled).output_ids
 
 
-def test_the_ratio_gives_a_third_replica_a_member_of_its_own(pooled: tuple[DrafterPool, list[Coordinator]]) -> None:
-    pool, (first, _) = pooled
-    third = Coordinator.spawn(first.replica.config, pool)
-    try:
-        assert len(pool.members) == 2 and pool.assignments() == [2, 1]
-        assert third.replica.drafter is pool.members[1]
-    finally:
-        third.shutdown()
-    assert pool.assignments() == [2, 0]  # its member stays in the pool for later replicas
-    again = Coordinator.spawn(first.replica.config, pool)
-    try:
-        assert again.replica.drafter is pool.members[1] and pool.assignments() == [2, 1]
-    finally:
-        again.shutdown()
-
-
-def test_a_killed_member_costs_both_replicas_speed_never_tokens(
-    pooled: tuple[DrafterPool, list[Coordinator]], tiny_pairs: dict[str, TinyPair]
+def test_replicas_take_the_least_assigned_member_with_room_then_a_new_one(
+    monkeypatch: pytest.MonkeyPatch, saved_pairs: dict[str, Path]
 ) -> None:
-    import ray
+    """The assignment rule alone (stand-ins for the members: no Ray)."""
+    config = config_for(Case("llama", 1, "model", "separate", False), saved_pairs["llama"], max_num_seqs=2)
+    pool = DrafterPool(config, ratio=2, max_members=2)
+    started: list[object] = []
 
-    pool, (first, second) = pooled
-    pair = tiny_pairs["llama"]
-    prompt = pair.prompts[0]
-    config = GenerationConfig(max_new_tokens=pair.target.info.max_positions - len(prompt), gamma=3, ignore_eos=True)
-    undisturbed = first.generate(prompt, SamplingParams(), config)
-    streams = [coordinator.stream(prompt, SamplingParams(), config) for coordinator in (first, second)]
-    firsts = [next(stream) for stream in streams]  # both requests are running on the member
-    assert all(chunk.result is None for chunk in firsts)
-    ray.kill(pool.members[0], no_restart=False)
-    results = in_parallel([lambda s=stream: _finish(s) for stream in streams])
-    for result in results:
-        assert result.output_ids == undisturbed.output_ids and result.finish_reason == "length"
-        assert result.stats.draft_length_histogram.get(0, 0) > undisturbed.stats.draft_length_histogram.get(0, 0)
-    deadline = time.monotonic() + 60
-    while True:  # Ray restarts the member; requests after it speculate again
-        try:
-            ray.get(pool.members[0].node_id.remote(), timeout=5)
-            break
-        except ray.exceptions.RayActorError:
-            assert time.monotonic() < deadline, "the pool member did not come back"
-            time.sleep(0.5)
-    again = second.generate(prompt, SamplingParams(), config)
-    assert again.output_ids == undisturbed.output_ids and again.stats.accepted_tokens > 0
+    def start(info: object) -> _Member:
+        started.append(object())
+        return _Member(started[-1], group=None)
 
-
-def _finish(stream: Iterator[Any]) -> GenerationResult:
-    result = None
-    for chunk in stream:
-        result = chunk.result or result
-    assert result is not None
-    return result
+    monkeypatch.setattr(pool, "_start", start)
+    info: Any = object()
+    assert [pool.assign(info) for _ in range(3)] == [started[0], started[0], started[1]]
+    assert pool.assignments() == [2, 1]
+    pool.unassign(started[0])  # a replica of the first member shut down
+    assert pool.assign(info) is started[0]  # room again: no new member
+    assert pool.assign(info) is started[1] and pool.assignments() == [2, 2]
+    assert pool.assign(info) is started[0] and len(started) == 2  # at the member limit: the least assigned
+    pool.unassign(object())  # a drafter not in the pool changes nothing
+    assert pool.assignments() == [3, 2] and pool.members == started
+    with pytest.raises(UserError, match="ratio and a member limit"):
+        DrafterPool(config, ratio=0)
