@@ -93,7 +93,13 @@ class Coordinator(GenerationFrontend):
 
     @classmethod
     def spawn(cls, config: ReplicaConfig, pool: DrafterSource | None = None) -> Coordinator:
-        """A coordinator of a new replica (with ``pool``, a member of that drafter pool drafts for it)."""
+        """A coordinator of a new replica. With ``pool``, a member of that drafter pool drafts for it; with
+        ``drafter_placement: pool`` and none given, a member of the model's shared pool
+        (:class:`~specserve.actors.drafter_pool.SharedPool`)."""
+        if pool is None and config.drafter_placement == "pool":
+            from specserve.actors.drafter_pool import SharedPool
+
+            pool = SharedPool(config)
         return cls(spawn_replica(config, pool))
 
     @property

@@ -110,9 +110,13 @@ def spawn_replica(config: ReplicaConfig, pool: DrafterSource | None = None) -> R
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     spec = config.spec()
+    if pool is None and spec.drafter_placement == "pool":
+        raise ReplicaStartError(
+            "drafter_placement pool needs the pool its drafter comes from: spawn it through Coordinator.spawn"
+        )
     plan = replica_placement(spec)
     if pool is not None:  # the shards alone: the pool places its members itself
-        plan = replica_placement(dataclasses.replace(spec, drafter_placement="separate"))
+        plan = replica_placement(dataclasses.replace(spec, drafter_placement="pool"))
     groups = [placement_group(plan.target.bundles, strategy=plan.target.strategy)]
     actors: list[Any] = []
     assigned: Any = None  # the pool member assigned to this replica, once it is

@@ -4,7 +4,9 @@ One target replica is ``tp_degree`` shard actors that must sit on one node (thei
 are on the critical path), so they form one placement group with strategy ``STRICT_PACK``, one
 bundle per shard asking for one unit of the "large" custom resource. The drafter either joins
 that group as one more bundle (``colocated``: same node, no extra resource) or gets a group of
-its own on a "cheap" node (``separate``: one bundle asking for one unit of the cheap resource).
+its own on a "cheap" node (``separate``: one bundle asking for one unit of the cheap resource). With ``pool`` a replica
+has no drafter of its own: a member of a drafter pool, which places its members as ``separate`` drafters, drafts for it
+and for other replicas (``specserve.actors.drafter_pool``).
 
 Worked example — 2 replicas at TP 2, drafters on cheap nodes, CPU::
 
@@ -28,7 +30,7 @@ from typing import Literal
 
 from specserve.core.errors import UserError
 
-DrafterPlacement = Literal["colocated", "separate"]
+DrafterPlacement = Literal["colocated", "separate", "pool"]
 Accelerator = Literal["cpu", "gpu"]
 MAX_TP = 64
 
@@ -54,9 +56,9 @@ class ClusterSpec:
             raise InvalidClusterSpec(f"target_replicas must be >= 1, got {self.target_replicas}")
         if not 1 <= self.tp_degree <= MAX_TP or self.tp_degree & (self.tp_degree - 1):
             raise InvalidClusterSpec(f"tp_degree must be a power of two between 1 and {MAX_TP}, got {self.tp_degree}")
-        if self.drafter_placement not in ("colocated", "separate"):
+        if self.drafter_placement not in ("colocated", "separate", "pool"):
             raise InvalidClusterSpec(
-                f"drafter_placement must be 'colocated' or 'separate', got {self.drafter_placement!r}"
+                f"drafter_placement must be 'colocated', 'separate' or 'pool', got {self.drafter_placement!r}"
             )
         if self.accelerator not in ("cpu", "gpu"):
             raise InvalidClusterSpec(f"accelerator must be 'cpu' or 'gpu', got {self.accelerator!r}")
@@ -82,7 +84,7 @@ class GroupPlan:
 @dataclass(frozen=True)
 class ReplicaPlan:
     target: GroupPlan  # bundles[0 .. tp_degree-1] are the shards (rank order); a colocated drafter is last
-    drafter: GroupPlan | None  # the drafter's own group when placement is "separate"
+    drafter: GroupPlan | None  # the drafter's own group when placement is "separate" (none of its own: "pool")
     shard_bundles: tuple[int, ...]  # bundle index of each TP rank in ``target``
     drafter_bundle: int | None  # bundle index of the colocated drafter in ``target``
 
@@ -98,7 +100,7 @@ def drafter_bundle(spec: ClusterSpec) -> Bundle:
     bundle: Bundle = {"CPU": float(spec.cpus_per_drafter)}
     if spec.gpus_per_drafter > 0:
         bundle["GPU"] = float(spec.gpus_per_drafter)
-    if spec.drafter_placement == "separate":
+    if spec.drafter_placement in ("separate", "pool"):
         bundle[spec.cheap_resource] = 1.0
     return bundle
 
@@ -113,6 +115,8 @@ def replica_placement(spec: ClusterSpec) -> ReplicaPlan:
             shard_bundles=tuple(range(spec.tp_degree)),
             drafter_bundle=spec.tp_degree,
         )
+    if spec.drafter_placement == "pool":  # the pool places its members (one separate drafter's group each)
+        return ReplicaPlan(GroupPlan(shards, "STRICT_PACK"), None, tuple(range(spec.tp_degree)), None)
     return ReplicaPlan(
         target=GroupPlan(shards, "STRICT_PACK"),
         drafter=GroupPlan([drafter_bundle(spec)], "PACK"),

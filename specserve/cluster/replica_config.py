@@ -115,7 +115,12 @@ class ReplicaConfig(BaseModel):
         1, description=f"tensor-parallel degree of the target replica: shards, a power of two from 1 to {MAX_TP}"
     )
     drafter_placement: DrafterPlacement = Field(
-        "colocated", description="drafter in the target's placement group, or on a node with the 'cheap' resource"
+        "colocated",
+        description="drafter in the target's placement group (colocated), on a node with the 'cheap' resource "
+        "(separate), or a member of a drafter pool on cheap nodes shared with other replicas of the model (pool)",
+    )
+    pool_ratio: int = Field(
+        2, ge=1, description="with drafter_placement pool: replicas one pool member drafts for at most"
     )
     overlap: bool = Field(
         False, description="draft the next chain while the target verifies (trees are drafted after each verdict)"
@@ -280,8 +285,8 @@ class ReplicaConfig(BaseModel):
     @property
     def batches_in_process(self) -> bool:
         """Whether a batched Serve replica runs the in-process batched engine: it needs nothing only the distributed
-        runtime does (tensor-parallel shards, overlap, a separate or GPU-reserving drafter actor)."""
-        distributed_only = self.tp_degree > 1 or self.overlap or self.drafter_placement == "separate"
+        runtime does (tensor-parallel shards, overlap, a separate, pooled or GPU-reserving drafter actor)."""
+        distributed_only = self.tp_degree > 1 or self.overlap or self.drafter_placement in ("separate", "pool")
         return self.batched and not distributed_only and self.gpus_per_drafter == 0
 
     def spec(self) -> ClusterSpec:

@@ -1,8 +1,9 @@
 """A drafter pool (:mod:`specserve.actors.drafter_pool`): two target replicas drafting on one pool member.
 
-On the session's local Ray cluster (one node declaring ``large`` and ``cheap``): a pool of ratio 2 and two batched
-replicas (TP 1, the draft model, float64) spawned with it share one member, placed on the ``cheap`` resource, which
-runs both replicas' request loops.
+On the session's local Ray cluster (one node declaring ``large`` and ``cheap``): two batched replicas (TP 1, the draft
+model, float64) of ``drafter_placement: pool`` with ``pool_ratio`` 2 share one member of the model's shared pool (a
+named Ray actor another process finds too), placed on the ``cheap`` resource, which runs both replicas' loops; the
+last replica's shutdown stops the member.
 
 * Exactness through the pool: requests of both replicas at once, greedy, equal transformers' greedy decoding; seeded
   T = 1 requests on both at once equal the single-request engine with the same seed.
@@ -24,7 +25,7 @@ from conftest import TinyPair
 from replicas import Case, config_for, greedy_reference
 
 from specserve.actors.coordinator import Coordinator
-from specserve.actors.drafter_pool import DrafterPool, _Member
+from specserve.actors.drafter_pool import DrafterPool, SharedPool, _Member, pool_name
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.sampling import SamplingParams
@@ -35,16 +36,18 @@ TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def pooled(ray_cluster: Any, saved_pairs: dict[str, Path]) -> Iterator[tuple[DrafterPool, list[Coordinator]]]:
-    config = config_for(Case("llama", 1, "model", "separate", False), saved_pairs["llama"], max_num_seqs=2)
-    pool = DrafterPool(config, ratio=2)
+def pooled(ray_cluster: Any, saved_pairs: dict[str, Path]) -> Iterator[tuple[SharedPool, list[Coordinator]]]:
+    """Two replicas of ``drafter_placement: pool`` (ratio 2): the model's shared pool gives both one member."""
+    config = config_for(Case("llama", 1, "model", "pool", False), saved_pairs["llama"], max_num_seqs=2, pool_ratio=2)
+    pool = SharedPool(config)
     with ThreadPoolExecutor(2) as spawn:
-        coordinators = list(spawn.map(lambda _: Coordinator.spawn(config, pool), range(2)))
+        coordinators = list(spawn.map(lambda _: Coordinator.spawn(config), range(2)))
     try:
         yield pool, coordinators
     finally:
         for coordinator in coordinators:
             coordinator.shutdown()
+        assert pool.assignments() == []  # the last replica's leaving stopped the members
         pool.shutdown()
 
 
@@ -54,14 +57,20 @@ def in_parallel(jobs: list[Any]) -> list[GenerationResult]:
 
 
 def test_two_replicas_draft_on_one_member_and_stay_exact(
-    pooled: tuple[DrafterPool, list[Coordinator]], tiny_pairs: dict[str, TinyPair]
+    pooled: tuple[SharedPool, list[Coordinator]], tiny_pairs: dict[str, TinyPair]
 ) -> None:
     import ray
 
     pool, (first, second) = pooled
     pair = tiny_pairs["llama"]
     assert len(pool.members) == 1 and pool.assignments() == [2]
-    assert first.replica.drafter is second.replica.drafter is pool.members[0]
+    assert first.replica.drafter == second.replica.drafter == pool.members[0]
+
+    @ray.remote(num_cpus=0)
+    def seen_elsewhere(config: Any) -> list[int]:  # another process of the cluster finds the same pool by its name
+        return SharedPool(config).assignments()
+
+    assert ray.get(seen_elsewhere.remote(first.replica.config), timeout=60) == [2]
     member_pid = first.processes()["drafter"]
     assert second.processes()["drafter"] == member_pid and first.processes()["shards"] != second.processes()["shards"]
     node = ray.get(pool.members[0].node_id.remote(), timeout=30)
@@ -114,3 +123,10 @@ def test_replicas_take_the_least_assigned_member_with_room_then_a_new_one(
     assert pool.assignments() == [3, 2] and pool.members == started
     with pytest.raises(UserError, match="ratio and a member limit"):
         DrafterPool(config, ratio=0)
+
+
+def test_the_shared_pool_is_named_by_the_model_and_its_drafter(saved_pairs: dict[str, Path]) -> None:
+    base = config_for(Case("llama", 1, "model", "pool", False), saved_pairs["llama"], max_num_seqs=2)
+    assert pool_name(base) == pool_name(base.model_copy(update={"tp_degree": 2, "stall_timeout_s": 3.0}))
+    for change in ({"pool_ratio": 4}, {"draft": "ngram"}, {"max_num_seqs": 4}, {"dtype": "float32"}):
+        assert pool_name(base.model_copy(update=change)) != pool_name(base), change

@@ -54,6 +54,7 @@ SAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "suffix_store": ("cluster", {}),
     "tp_degree": (4, {}),
     "drafter_placement": ("separate", {}),
+    "pool_ratio": (4, {}),
     "overlap": (True, {}),
     "threads_per_shard": (3, {}),
     "threads_per_drafter": (2, {}),
@@ -150,7 +151,7 @@ def test_cli_flags_carry_the_fields_description_default_and_choices() -> None:
         assert field.description and action.help == field.description
         assert action.default == EDGE_DEFAULTS.get(name, field.default)
     assert actions["dtype"].choices == ["float32", "float64", "bfloat16", "float16"]
-    assert actions["drafter_placement"].choices == ["colocated", "separate"]
+    assert actions["drafter_placement"].choices == ["colocated", "separate", "pool"]
     # the flags that predate the config keep their names
     flags = [ReplicaConfig.flag(name) for name in ("tp_degree", "max_ngram", "min_ngram")]
     assert flags == ["--tp", "--ngram-max", "--ngram-min"]
