@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from specserve.benchmarks.timing import synchronize
 from specserve.core.batch_graphs import BatchGraphs
 from specserve.core.buckets import VerifyBuckets, choose_buckets
 from specserve.core.graphs import CudaGraphs
@@ -31,11 +32,6 @@ from specserve.core.kv_pool import KVPool
 from specserve.core.model import BatchBlock, CausalLM
 
 MODES = ("ordinary", "captured")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def step_costs(
@@ -80,10 +76,10 @@ def step_costs(
                 graphs = owner if mode == "captured" else None
                 times = []
                 for _ in range(repeats + 1):
-                    _sync(device)
+                    synchronize(device)
                     start = time.perf_counter()
                     model.forward_batch(pool, blocks, graphs=graphs)
-                    _sync(device)
+                    synchronize(device)
                     times.append(time.perf_counter() - start)
                     for sequence in sequences[:count]:
                         pool.rollback(sequence, prefix)
