@@ -50,8 +50,11 @@ class ClusterSpec:
     cpus_per_shard: float = 1.0
     cpus_per_drafter: float = 1.0
     gpus_per_drafter: float = 0.0  # only with accelerator="gpu"; 0 = the drafter actor reserves none (runs on CPU)
+    pool_ratio: int = 2  # drafter_placement "pool": replicas one pool member drafts for
 
     def __post_init__(self) -> None:
+        if self.pool_ratio < 1:
+            raise InvalidClusterSpec(f"pool_ratio must be >= 1, got {self.pool_ratio}")
         if self.target_replicas < 1:
             raise InvalidClusterSpec(f"target_replicas must be >= 1, got {self.target_replicas}")
         if not 1 <= self.tp_degree <= MAX_TP or self.tp_degree & (self.tp_degree - 1):
@@ -126,11 +129,15 @@ def replica_placement(spec: ClusterSpec) -> ReplicaPlan:
 
 
 def cluster_demand(spec: ClusterSpec) -> dict[str, float]:
-    """Total resources all replicas ask for (what the autoscaler must provide)."""
+    """Total resources all replicas ask for (what the autoscaler must provide): with ``pool``, the shards' and
+    ``⌈target_replicas / pool_ratio⌉`` pool members' (each a separate drafter's bundle)."""
     plan = replica_placement(spec)
     total: Counter[str] = Counter()
     groups = [plan.target] + ([plan.drafter] if plan.drafter else [])
     for group in groups:
         for bundle in group.bundles:
             total.update({k: v * spec.target_replicas for k, v in bundle.items()})
+    if spec.drafter_placement == "pool":
+        members = -(-spec.target_replicas // spec.pool_ratio)
+        total.update({k: v * members for k, v in drafter_bundle(spec).items()})
     return {k: float(v) for k, v in total.items()}

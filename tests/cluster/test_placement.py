@@ -53,3 +53,14 @@ def test_cluster_demand_scales_with_replicas() -> None:
 def test_bad_specs_say_what_to_change(kwargs: dict[str, object], needle: str) -> None:
     with pytest.raises(InvalidClusterSpec, match=needle):
         ClusterSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_pool_replica_has_no_drafter_of_its_own_and_the_pool_members_are_counted() -> None:
+    spec = ClusterSpec(target_replicas=5, tp_degree=2, drafter_placement="pool", pool_ratio=2)
+    plan = replica_placement(spec)
+    assert plan.drafter is None and plan.drafter_bundle is None
+    assert plan.target.bundles == [{"CPU": 1.0, "large": 1.0}] * 2
+    # 5 replicas of 2 shards, and ceil(5 / 2) = 3 members on the cheap resource
+    assert cluster_demand(spec) == {"CPU": 13.0, "large": 10.0, "cheap": 3.0}
+    with pytest.raises(InvalidClusterSpec, match="pool_ratio"):
+        ClusterSpec(drafter_placement="pool", pool_ratio=0)
