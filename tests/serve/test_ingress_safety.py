@@ -48,8 +48,9 @@ INTERNAL = re.compile(r"internal error \(request id (req-[0-9a-f]{32})\); see th
 
 
 class Replica:
-    """A model replica in process whose generation fails after ``fail_after`` chunks, or whose health check fails
-    (``broken``) or hangs until ``release`` is set (``hangs``)."""
+    """A model replica in process whose generation fails after ``fail_after`` chunks (or after its last, when the
+    engine merged its chunks into fewer for a slow reader), or whose health check fails (``broken``) or hangs until
+    ``release`` is set (``hangs``)."""
 
     def __init__(self, server: ModelServer) -> None:
         self.server = server
@@ -81,6 +82,8 @@ class Replica:
                     raise RuntimeError(SECRET)
                 yield chunk
                 sent += 1
+        if self.fail_after is not None:  # a slow reader gets merged chunks (fewer of them): fail after the last
+            raise RuntimeError(SECRET)
 
 
 @pytest.fixture()
