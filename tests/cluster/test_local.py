@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,14 +33,23 @@ def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def free_port_pair() -> int:
-    """A port P with P and P + 1 both free (the GCS and the Ray-client server)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        if port < 65535 and processes.port_free(port) and processes.port_free(port + 1):
+    """A port P with P and P + 1 both free (the GCS and the Ray-client server), below the kernel's ephemeral range and
+    above Ray's worker ports (10002-19999 by default): a port the kernel or another Ray hands out at random (to a
+    worker's gRPC server of the test session's own cluster) could otherwise be listening on P + 1 after ``down``."""
+    low, high = 20000, min(32000, ephemeral_ports()[0]) - 2
+    for port in random.Random().sample(range(low, high), 50):
+        if processes.port_free(port) and processes.port_free(port + 1):
             return port
     raise RuntimeError("no free port pair found")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports it binds at random (Linux; the usual default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 # ---------------------------------------------------------------------------------------------
