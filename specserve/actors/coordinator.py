@@ -41,6 +41,11 @@ bug, or a draft the verifier refused as garbage (which changes nothing on rank 0
 speculation, not the request; only the request's own errors (a ``UserError``) are raised. Does not restart
 shards, nor resume a lost request elsewhere (the front end does: :mod:`specserve.core.resume`).
 
+A replica that joined a drafter pool (:mod:`specserve.actors.drafter_pool`) has each request pick its drafter, a
+member of the pool, as it starts; the health bookkeeping above is kept per drafter actor, so a member this coordinator
+saw die is passed over until it is back, and a request that finds no member (every one full or down) goes without
+speculation from the start.
+
 A replica with ``max_num_seqs`` > 1 serves that many requests at once: call :meth:`~Coordinator.stream`
 from as many threads; rank 0 verifies their drafts together, one forward per step, and the drafter
 actor runs their loops side by side. Otherwise a replica serves one request at a time (its drafter
@@ -53,6 +58,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from specserve.actors.drafter import CycleReport, DraftJob
@@ -78,6 +84,21 @@ START_TIMEOUT_S = 1800.0
 # silence no new freeze, until it shows itself alive again (answers a probe, reports a request started after the
 # kill) or this long has passed; a restarting drafter answers a probe with ActorUnavailableError anyway
 DRAFTER_KILL_SETTLE_S = 15.0
+POOL_PICKS = 3  # members a request of a pooled replica is offered before it starts without speculation
+
+
+@dataclass
+class _Watch:
+    """One drafter actor's health as a coordinator saw it: ``time.monotonic()`` of its last kill (or of finding it
+    dead), and of the latest sign that the drafter answering then was alive (a probe sent then answered, or a
+    request submitted then reported)."""
+
+    killed_at: float = -DRAFTER_KILL_SETTLE_S
+    alive_at: float = -DRAFTER_KILL_SETTLE_S
+
+    def down(self, now: float) -> bool:
+        """Killed or found dead, not seen alive since, and not long ago."""
+        return self.killed_at >= self.alive_at and now - self.killed_at < DRAFTER_KILL_SETTLE_S
 
 
 class Coordinator(GenerationFrontend):
@@ -87,9 +108,7 @@ class Coordinator(GenerationFrontend):
         self._slots = threading.BoundedSemaphore(replica.config.max_num_seqs)  # callers beyond them wait here
         self.lost: str | None = None  # why the replica's target is gone, once seen: every later request fails at once
         self._lock = threading.Lock()
-        # time.monotonic() of this coordinator's last kill of the drafter, and of the latest sign that the drafter
-        # answering then was alive (a probe sent then answered, or a request submitted then reported)
-        self._drafter_killed_at = self._drafter_alive_at = -DRAFTER_KILL_SETTLE_S
+        self._watches: dict[Any, _Watch] = {}  # per drafter actor (the replica's own, or each pool member seen)
 
     @classmethod
     def spawn(cls, config: ReplicaConfig, pool: DrafterSource | None = None) -> Coordinator:
@@ -144,9 +163,9 @@ class Coordinator(GenerationFrontend):
         self._raise_if_lost(answers[:-1], timeout_s, "at a health check")
         drafter = answers[-1]
         if drafter is None:
-            self._drafter_alive(sent)
+            self._drafter_alive(self.replica.drafter, sent)
         elif isinstance(drafter, ray.exceptions.GetTimeoutError):
-            self._kill_drafter(f"did not answer a health check within {timeout_s:g}s")
+            self._kill_drafter(self.replica.drafter, f"did not answer a health check within {timeout_s:g}s")
         elif not isinstance(drafter, ray.exceptions.ActorUnavailableError):
             raise drafter  # dead for good (its restarts spent), or broken
 
@@ -195,16 +214,17 @@ class Coordinator(GenerationFrontend):
             policy=config.policy,
         )
         out = request_output(prompt_ids, params, config, self.prompts.decode, start, stats)
+        drafter = None
         try:
-            if self._drafter_down():  # it died or was killed and has not come back yet: do not wait for it
-                logger.info("request %s starts without speculation: the drafter is restarting", request_id)
+            drafter = self._drafter_for(request_id)
+            if drafter is None:  # it died or was killed and is not back yet, or the pool is full: do not wait
                 self._started(self._wait_for_start(started, request_id), stats, start)
                 yield from self._decode_plainly(request_id, out)
                 return
             # The drafter prefills while the target does (the ref travels inside a list, so Ray does not wait
             # for it before starting the drafter's task); the drafter waits for the target before drafting.
             submitted = time.monotonic()
-            reports = replica.drafter.run.options(num_returns="streaming").remote(job, [started])
+            reports = drafter.run.options(num_returns="streaming").remote(job, [started])
             self._started(self._wait_for_start(started, request_id), stats, start)
             try:
                 while ray.wait([reports], timeout=stall_s)[0]:
@@ -213,7 +233,7 @@ class Coordinator(GenerationFrontend):
                     except StopIteration:
                         return  # the loop ended without the target finishing the request (cancelled)
                     batch: list[CycleReport] = ray.get(ref, timeout=PROBE_TIMEOUT_S)  # ready: here already
-                    self._drafter_alive(submitted)
+                    self._drafter_alive(drafter, submitted)
                     for report in batch:
                         stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
                         # the target's finish reason, from the wire
@@ -222,7 +242,7 @@ class Coordinator(GenerationFrontend):
                             return
             except ray.exceptions.RayActorError as exc:  # the drafter died (or is restarting): go on without it
                 logger.warning("request %s lost its drafter (%s); it continues without speculation", request_id, exc)
-                self._drafter_seen_down()
+                self._drafter_seen_down(drafter)
                 yield from self._decode_plainly(request_id, out)
                 return
             except ray.exceptions.RayError as exc:  # the drafter's loop failed: was its verifier (rank 0) lost?
@@ -243,11 +263,13 @@ class Coordinator(GenerationFrontend):
                 yield from self._decode_plainly(request_id, out)
                 return
             # no report for stall_s: a shard is gone (raises ReplicaLost), or the drafter is frozen (killed)
-            self._drafter_stalled(request_id, stall_s)
+            self._drafter_stalled(request_id, drafter, stall_s)
             yield from self._decode_plainly(request_id, out)
         finally:
-            if out.finish not in ("eos", "length"):  # stopped early, failed or abandoned by the caller
-                replica.drafter.cancel.remote(request_id)
+            if drafter is not None and out.finish not in ("eos", "length"):  # stopped early, failed or abandoned
+                drafter.cancel.remote(request_id)
+            if replica.pool is not None:
+                replica.pool.done(request_id)
             if self.lost is None:  # a lost target's KV is moot (and freeing it would fail on a broken process group)
                 replica.rank0.finish_request.remote(request_id)
 
@@ -273,14 +295,14 @@ class Coordinator(GenerationFrontend):
         result: Started = self._get_from_rank0(started, "admission and prefill", PROGRESS_TIMEOUT_S)
         return result
 
-    def _drafter_stalled(self, request_id: str, stall_s: float) -> None:
+    def _drafter_stalled(self, request_id: str, drafter_actor: Any, stall_s: float) -> None:
         """No report from the request's drafter for ``stall_s``: raises :class:`ReplicaLost` when a shard is gone;
         otherwise the drafter is frozen, and is killed (Ray restarts it) unless it is restarting already, or this
         coordinator killed it and has not seen it back since (another request's stall, a health check)."""
         import ray
 
         sent = time.monotonic()
-        answers = self._probe([*self.replica.shards, self.replica.drafter])
+        answers = self._probe([*self.replica.shards, drafter_actor])
         self._raise_if_lost(answers[:-1], PROBE_TIMEOUT_S, f"while request {request_id} waited for its drafter")
         drafter = answers[-1]
         if isinstance(drafter, ray.exceptions.RayActorError):  # restarting (or dead): nothing to kill
@@ -301,10 +323,10 @@ class Coordinator(GenerationFrontend):
             state,
         )
         if drafter is None:
-            self._drafter_alive(sent)
-        self._kill_drafter(f"sent request {request_id} no report for {stall_s:g}s")
+            self._drafter_alive(drafter_actor, sent)
+        self._kill_drafter(drafter_actor, f"sent request {request_id} no report for {stall_s:g}s")
 
-    def _kill_drafter(self, why: str) -> None:
+    def _kill_drafter(self, drafter: Any, why: str) -> None:
         """Kill a frozen drafter so that Ray restarts it (one of its restarts), unless this coordinator killed it
         already and it has not shown itself alive since (for at most :data:`DRAFTER_KILL_SETTLE_S`): that one is
         still dying, or restarting, and a kill now would cost another restart."""
@@ -312,19 +334,53 @@ class Coordinator(GenerationFrontend):
 
         with self._lock:
             now = time.monotonic()
-            killed = self._drafter_killed_at
-            if self._drafter_down_locked():
-                logger.warning("the replica's drafter %s; it was killed %.1fs ago and is restarting", why, now - killed)
+            watch = self._watch(drafter)
+            if watch.down(now):
+                logger.warning("a drafter %s; it was killed %.1fs ago and is restarting", why, now - watch.killed_at)
                 return
-            self._drafter_killed_at = now
-        logger.warning("the replica's drafter %s: killing it (Ray restarts it)", why)
-        ray.kill(self.replica.drafter, no_restart=False)
+            watch.killed_at = now
+        logger.warning("a drafter %s: killing it (Ray restarts it)", why)
+        ray.kill(drafter, no_restart=False)
 
-    def _drafter_seen_down(self) -> None:
-        """A request found the drafter dead (Ray restarts it): later requests start without it until it is back."""
+    def _drafter_seen_down(self, drafter: Any) -> None:
+        """A request found ``drafter`` dead (Ray restarts it): later requests start without it until it is back."""
         with self._lock:
-            if not self._drafter_down_locked():
-                self._drafter_killed_at = time.monotonic()
+            watch = self._watch(drafter)
+            now = time.monotonic()
+            if not watch.down(now):
+                watch.killed_at = now
+
+    def _watch(self, drafter: Any) -> _Watch:
+        """``drafter``'s health as this coordinator saw it (under the lock)."""
+        return self._watches.setdefault(drafter, _Watch())
+
+    def _drafter_for(self, request_id: str) -> Any | None:
+        """The drafter actor ``request_id`` drafts on, or ``None`` when it goes without speculation: the replica's
+        own drafter unless it is down; a pool's member the pool picks, passing over those this coordinator saw down
+        (and a pick that turns out down), or none when no member has room."""
+        pool = self.replica.pool
+        if pool is None:
+            if self._drafter_down(self.replica.drafter):
+                logger.info("request %s starts without speculation: the drafter is restarting", request_id)
+                return None
+            return self.replica.drafter
+        now = time.monotonic()
+        with self._lock:
+            avoid = [drafter for drafter, watch in self._watches.items() if watch.down(now)]
+        for _ in range(POOL_PICKS):
+            try:
+                member = pool.pick(request_id, avoid)
+            except Exception as exc:  # the pool itself failed (its actor lost): the request goes on without it
+                logger.warning("request %s starts without speculation: the drafter pool failed (%r)", request_id, exc)
+                return None
+            if member is None:
+                logger.info("request %s starts without speculation: no drafter pool member has room", request_id)
+                return None
+            if not self._drafter_down(member):
+                return member
+            avoid.append(member)
+        logger.info("request %s starts without speculation: the pool's members it was given are down", request_id)
+        return None
 
     def _widest_block(self, config: GenerationConfig) -> int:
         """Draft nodes beyond a chain's a request's verify block may hold: its tree's, and the configured drafter's
@@ -334,29 +390,26 @@ class Coordinator(GenerationFrontend):
         probe = max(configured, probe_nodes_of(config.drafter))
         return (config.budget.nodes if config.tree else 0) + probe
 
-    def _drafter_down(self) -> bool:
-        """The drafter was killed or found dead, has not shown itself alive since (for at most
+    def _drafter_down(self, drafter: Any) -> bool:
+        """``drafter`` was killed or found dead, has not shown itself alive since (for at most
         :data:`DRAFTER_KILL_SETTLE_S`), and does not answer a quick probe now: requests starting now go without
-        speculation rather than wait for it."""
+        it rather than wait for it."""
         with self._lock:
-            if not self._drafter_down_locked():
+            if not self._watch(drafter).down(time.monotonic()):
                 return False
         sent = time.monotonic()
-        if self._probe([self.replica.drafter], QUICK_PROBE_S)[0] is None:
-            self._drafter_alive(sent)
+        if self._probe([drafter], QUICK_PROBE_S)[0] is None:
+            self._drafter_alive(drafter, sent)
             return False
         return True
 
-    def _drafter_down_locked(self) -> bool:
-        killed = self._drafter_killed_at
-        return killed >= self._drafter_alive_at and time.monotonic() - killed < DRAFTER_KILL_SETTLE_S
-
-    def _drafter_alive(self, since: float) -> None:
-        """The drafter answered a probe sent at ``since``, or reported a request submitted then: if that was after
+    def _drafter_alive(self, drafter: Any, since: float) -> None:
+        """``drafter`` answered a probe sent at ``since``, or reported a request submitted then: if that was after
         this coordinator's last kill, Ray has restarted it, and a new silence is a new freeze."""
         with self._lock:
-            if since > self._drafter_killed_at:
-                self._drafter_alive_at = max(self._drafter_alive_at, since)
+            watch = self._watch(drafter)
+            if since > watch.killed_at:
+                watch.alive_at = max(watch.alive_at, since)
 
     # ---- the target's health
 

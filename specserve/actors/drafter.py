@@ -167,6 +167,11 @@ class DrafterActor:
         """Batched replicas: rounds of shared drafting so far, by how many requests each drafted together."""
         return self._gatherer.rounds_by_size() if self._gatherer is not None else {}
 
+    def running(self) -> list[str]:
+        """The requests whose loops run here now."""
+        with self._lock:
+            return sorted(self._running)
+
     def cancel(self, request_id: str) -> None:
         """Stop a running request's loop after its current cycle (the caller no longer wants it)."""
         with self._lock:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,7 +51,8 @@ class Replica:
     target_info: ModelInfo
     verifier_token: str = ""  # what the replica's drafters present to rank 0's verifier
     feature_layers: tuple[int, ...] = ()  # the configured drafter reads these target features (EAGLE, Medusa)
-    pool: DrafterSource | None = None  # the pool whose member ``drafter`` is (shared with other replicas), if any
+    # the pool the replica joined, if any: each request drafts on a member it picks; ``drafter`` is the pool's first
+    pool: DrafterSource | None = None
 
     @property
     def rank0(self) -> Any:
@@ -84,21 +86,31 @@ class Replica:
             ray.kill(actor)
         if self.pool is None:
             ray.kill(self.drafter)
-        else:  # the member drafts for other replicas too: the pool keeps it
-            self.pool.unassign(self.drafter)
+        else:  # the members draft for other replicas too: the pool keeps them
+            self.pool.leave(self.rank0)
         for group in self.groups:
             remove_placement_group(group)
 
 
 class DrafterSource(Protocol):
-    """Where a replica's drafter comes from when it does not start its own (a drafter pool)."""
+    """Where a replica's requests find drafters when it does not start its own (a drafter pool,
+    :mod:`specserve.actors.drafter_pool`)."""
 
-    def assign(self, info: ModelInfo) -> Any:
-        """A drafter actor for one more replica of the pool's model (``info``: the target's, from rank 0)."""
+    def join(self, info: ModelInfo, replica: Any) -> Any:
+        """One more replica of the pool's model (``info``: the target's; ``replica``: its rank 0 actor); a member's
+        drafter actor."""
         ...
 
-    def unassign(self, drafter: Any) -> None:
-        """The replica ``drafter`` was assigned to is gone."""
+    def leave(self, replica: Any) -> None:
+        """The replica that joined with rank 0 ``replica`` is gone."""
+        ...
+
+    def pick(self, request_id: str, avoid: Sequence[Any] = ()) -> Any | None:
+        """The drafter actor a starting request drafts on (not one in ``avoid``), or ``None``: none has room."""
+        ...
+
+    def done(self, request_id: str) -> None:
+        """A request that picked has ended."""
         ...
 
 
@@ -119,7 +131,8 @@ def spawn_replica(config: ReplicaConfig, pool: DrafterSource | None = None) -> R
         plan = replica_placement(dataclasses.replace(spec, drafter_placement="pool"))
     groups = [placement_group(plan.target.bundles, strategy=plan.target.strategy)]
     actors: list[Any] = []
-    assigned: Any = None  # the pool member assigned to this replica, once it is
+    shards: list[Any] = []
+    joined = False  # whether it joined the pool, once it has
     if plan.drafter is not None and pool is None:
         groups.append(placement_group(plan.drafter.bundles, strategy=plan.drafter.strategy))
     try:
@@ -139,7 +152,6 @@ def spawn_replica(config: ReplicaConfig, pool: DrafterSource | None = None) -> R
         batched = config.max_num_seqs if config.max_num_seqs > 1 else 0
         concurrency = 4 + config.max_num_seqs
         shard_cls: Any = ray.remote(TargetShardActor)
-        shards: list[Any] = []
         for rank, bundle in enumerate(plan.shard_bundles):
             resources = dict(plan.target.bundles[bundle])
             shards.append(
@@ -174,7 +186,8 @@ def spawn_replica(config: ReplicaConfig, pool: DrafterSource | None = None) -> R
         info: ModelInfo = ray.get(shards[0].describe.remote())
 
         if pool is not None:  # a member of the pool drafts for this replica (and others)
-            drafter = assigned = pool.assign(info)
+            drafter = pool.join(info, shards[0])
+            joined = True
         else:
             if plan.drafter is None:
                 assert plan.drafter_bundle is not None
@@ -188,10 +201,10 @@ def spawn_replica(config: ReplicaConfig, pool: DrafterSource | None = None) -> R
         # surfaces a drafter that cannot load (bad path, vocabulary); hidden-state drafters name their features
         feature_layers = tuple(ray.get(drafter.feature_layers.remote()))
     except ray.exceptions.ActorDiedError as exc:
-        _clean_up(actors, groups, pool, assigned)
+        _clean_up(actors, groups, pool if joined else None, shards)
         raise ReplicaStartError(f"a replica actor failed to start: {_root_cause(exc)}") from exc
     except BaseException:
-        _clean_up(actors, groups, pool, assigned)
+        _clean_up(actors, groups, pool if joined else None, shards)
         raise
     return Replica(
         config,
@@ -206,8 +219,8 @@ def spawn_replica(config: ReplicaConfig, pool: DrafterSource | None = None) -> R
     )
 
 
-def _clean_up(actors: list[Any], groups: list[Any], pool: DrafterSource | None, assigned: Any) -> None:
-    """A replica that failed to start: its own actors killed, its groups removed, its pool member handed back."""
+def _clean_up(actors: list[Any], groups: list[Any], joined: DrafterSource | None, shards: list[Any]) -> None:
+    """A replica that failed to start: its own actors killed, its groups removed, the pool it joined left."""
     import ray
     from ray.util.placement_group import remove_placement_group
 
@@ -215,8 +228,8 @@ def _clean_up(actors: list[Any], groups: list[Any], pool: DrafterSource | None, 
         ray.kill(actor)
     for group in groups:
         remove_placement_group(group)
-    if pool is not None and assigned is not None:
-        pool.unassign(assigned)
+    if joined is not None:
+        joined.leave(shards[0])
 
 
 def start_drafter(

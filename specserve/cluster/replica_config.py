@@ -120,7 +120,18 @@ class ReplicaConfig(BaseModel):
         "(separate), or a member of a drafter pool on cheap nodes shared with other replicas of the model (pool)",
     )
     pool_ratio: int = Field(
-        2, ge=1, description="with drafter_placement pool: replicas one pool member drafts for at most"
+        2,
+        ge=1,
+        description="with drafter_placement pool: replicas' full batches one pool member drafts for (it runs "
+        "pool_ratio x max_num_seqs request loops; the pool holds one member per that many requests drafting)",
+    )
+    pool_min_members: int = Field(1, ge=1, description="with drafter_placement pool: members the pool keeps running")
+    pool_max_members: int = Field(8, ge=1, description="with drafter_placement pool: members the pool grows to at most")
+    pool_upscale_delay_s: float = Field(
+        2.0, ge=0, description="with drafter_placement pool: seconds its load must want more members before it adds"
+    )
+    pool_downscale_delay_s: float = Field(
+        30.0, ge=0, description="with drafter_placement pool: seconds its load must want fewer members before it stops"
     )
     overlap: bool = Field(
         False, description="draft the next chain while the target verifies (trees are drafted after each verdict)"
@@ -265,6 +276,11 @@ class ReplicaConfig(BaseModel):
             raise InvalidSetting(
                 f"kv_pool_tokens {self.kv_pool_tokens} cannot hold one request of max_seq_len {self.max_seq_len}; "
                 "raise kv_pool_tokens (0 = room for max_num_seqs such requests) or lower max_seq_len"
+            )
+        if self.pool_min_members > self.pool_max_members:
+            raise InvalidSetting(
+                f"a drafter pool needs pool_min_members <= pool_max_members, got {self.pool_min_members} > "
+                f"{self.pool_max_members}"
             )
         self.spec()  # tp_degree a power of two, resource names, CPUs: the placement spec checks them
         return self

@@ -4,18 +4,19 @@
 
 Starts a local cluster of four nodes, every process on 127.0.0.1 (``ray.cluster_utils.Cluster``): a head with no
 custom resource, a ``large`` node and two ``cheap`` nodes. Two batched replicas of the tiny llama pair in
-``MODELS_DIR`` (TP 1) share one pool member. Streams one long greedy request on each replica, removes the member's
-cheap node (its raylet and every worker on it killed) after the first chunks, and lets both requests finish; then waits
-for Ray to restart the member on the other cheap node and sends one more request. Writes what the test checks: where
-each actor ran, every output against plain greedy decoding, the longest gap between two chunks after the kill
-(the stall the kill cost), and whether the request after the restart drafted. A separate process because the test
-session holds a single-node Ray of its own.
+``MODELS_DIR`` (TP 1) draft on one member of a drafter pool. Streams one long greedy request on each replica, removes
+the member's cheap node after the first chunks — its raylet killed, and the member's process with it, as a machine
+lost takes every process on it — and lets both requests finish; then waits for Ray to restart the member on the other
+cheap node and sends one more request. Writes what the test checks: where each actor ran, every output against plain
+greedy decoding, the longest gap between two chunks after the kill (the stall the kill cost), and whether the request
+after the restart drafted. A separate process because the test session holds a single-node Ray of its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -52,7 +53,7 @@ def main(models: Path, out: Path) -> None:
         max_num_seqs=2,
         stall_timeout_s=5.0,
     )
-    pool = DrafterPool(config, ratio=2)
+    pool = DrafterPool(config)
     coordinators = [Coordinator.spawn(config, pool) for _ in range(2)]
     try:
         member = pool.members[0]
@@ -92,7 +93,10 @@ def main(models: Path, out: Path) -> None:
         for thread in threads:
             thread.start()
         victim = next(node for node in cheap if node.node_id == report["member_node"])
+        member_pid = ray.get(member.__ray_call__.remote(lambda actor: os.getpid()), timeout=30)
         cluster.remove_node(victim, allow_graceful=False)
+        # the machine is gone: its workers with it (a worker left without its raylet may answer for a second or more)
+        os.kill(member_pid, signal.SIGKILL)
         killed.set()
         for thread in threads:
             thread.join(timeout=240)
@@ -112,6 +116,7 @@ def main(models: Path, out: Path) -> None:
                     report["member_node_after"] = None
                     break
                 time.sleep(0.5)
+        coordinators[1].check_health()  # as Serve's health checks do: the coordinator sees the member back
         again = coordinators[1].generate(prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=16, gamma=3))
         report["after_equal"] = again.output_ids == greedy(prompts[0])[: len(again.output_ids)]
         report["after_drafted"] = again.stats.drafted_tokens

@@ -1,12 +1,12 @@
 """Learned drafters through the distributed runtime: EAGLE and Medusa read features that cross the gRPC stream.
 
-The heads run in the drafter actor (a published EAGLE-3 head and a published Medusa head at TP 2 among them), which
-holds only the target's description (and loads the target's weights it needs itself). For the hidden-state drafters
-(EAGLE, Medusa) the prompt's features come back from rank 0's prefill and each verdict carries its root's and
-accepted path's features — at TP 2 from rank 0, whose residual stream is whole after every all-reduce. Layer-skip
-with a trained exit head needs no features. Output equals the single-process engine with the same
-drafter (the same accepted counts: the same features reached the drafter) and transformers' greedy
-decoding; seeded sampling equals the engine's run. The cases' replicas are spawned all at once as the module starts.
+The heads run in the drafter actor (a published EAGLE-3 head at TP 2 on a drafter pool's member and a published Medusa
+head at TP 2 among them), which holds only the target's description (and loads the target's weights it needs itself).
+For the hidden-state drafters (EAGLE, Medusa) the prompt's features come back from rank 0's prefill and each verdict
+carries its root's and accepted path's features — at TP 2 from rank 0, whose residual stream is whole after every
+all-reduce. Layer-skip with a trained exit head needs no features. Output equals the single-process engine with the
+same drafter (the same accepted counts: the same features reached the drafter) and transformers' greedy decoding;
+seeded sampling equals the engine's run. The cases' replicas are spawned all at once as the module starts.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ pytestmark = pytest.mark.timeout(300)
 
 CASES = {  # name: family, TP degree, drafter placement, drafter
     "eagle-llama-tp1-colocated": ("llama", 1, "colocated", "eagle"),
-    # a published EAGLE-3 head (SafeAILab layout, random weights, 40-token draft vocabulary) reading three layers
-    "eagle3-published-qwen2-tp2-separate": ("qwen2", 2, "separate", "eagle3"),
+    # a published EAGLE-3 head (SafeAILab layout, random weights, 40-token draft vocabulary) reading three layers, on
+    # a member of a drafter pool (the model's shared pool: the head's KV and features on the member, per request)
+    "eagle3-published-qwen2-tp2-pool": ("qwen2", 2, "pool", "eagle3"),
     # a published FasterDecoding Medusa head (random weights, two blocks per head)
     "medusa-published-llama-tp2-separate": ("llama", 2, "separate", "medusa"),
     "layerskip-exit-head-qwen2-tp1-colocated": ("qwen2", 1, "colocated", "layerskip"),

@@ -6,9 +6,10 @@ both have had a few events the replica's actor is killed (``ray.kill``: its proc
 starts a new replica, and the ingress resumes both requests there from what each client already has: each client's
 text equals an undisturbed run's, with no error event — it saw a pause, nothing else.
 
-Then a TP 2 application on the distributed runtime (target shards and drafter as Ray actors): rank 1's process is
-killed while the same two streams run. The replica fails fast (``ReplicaLost``), ``/ready`` says 503 while it is
-broken, Serve replaces it, and both streams complete with their undisturbed text.
+Then a TP 2 application on the distributed runtime (target shards as Ray actors, drafting on a member of the model's
+shared drafter pool): rank 1's process is killed while the same two streams run. The replica fails fast
+(``ReplicaLost``), ``/ready`` says 503 while it is broken, Serve replaces it — the new replica joins the same pool —
+and both streams complete with their undisturbed text.
 
 The undisturbed texts are each request's whole answer, generated alone, once, by the first application: greedy and
 drafter-invariant sampling emit the same tokens whatever the runtime (in process or distributed at TP 2, batched or
@@ -28,6 +29,7 @@ import pytest
 import requests
 from serve_helpers import deploy_without_waiting, quick_shutdown, wait_until_running
 
+from specserve.actors.drafter_pool import SharedPool
 from specserve.serve.app import MODEL, application
 from specserve.serve.config import ServeConfig
 
@@ -53,6 +55,10 @@ def app_config(pair: Path, **settings: Any) -> ServeConfig:
     )
 
 
+def tp_config(pair: Path) -> ServeConfig:
+    return app_config(pair, tp_degree=2, stall_timeout_s=5.0, drafter_placement="pool")
+
+
 @pytest.fixture(scope="module")
 def url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
     """The application batching in process; once it runs, the TP 2 one (``tp_url``) starts deploying beside it, its
@@ -60,8 +66,7 @@ def url(serve_url: str, long_context_pair: Path) -> Iterator[str]:
     from ray import serve
 
     serve.run(application(app_config(long_context_pair), quick_shutdown()), name=APP, route_prefix="/")
-    tp_config = app_config(long_context_pair, tp_degree=2, stall_timeout_s=5.0)
-    deploy_without_waiting(application(tp_config, quick_shutdown()), TP_APP, TP_PREFIX)
+    deploy_without_waiting(application(tp_config(long_context_pair), quick_shutdown()), TP_APP, TP_PREFIX)
     yield serve_url
     serve.delete(APP)
     serve.delete(TP_APP)
@@ -169,7 +174,7 @@ def test_a_killed_model_replicas_streams_resume_exactly(url: str, undisturbed: l
 
 
 @pytest.fixture(scope="module")
-def tp_url(url: str, undisturbed: list[str]) -> Iterator[str]:
+def tp_url(url: str, undisturbed: list[str], long_context_pair: Path) -> Iterator[str]:
     """The TP 2 application (deploying since ``url`` ran), once it runs, alone on the session's cluster."""
     from ray import serve
 
@@ -177,6 +182,7 @@ def tp_url(url: str, undisturbed: list[str]) -> Iterator[str]:
     wait_until_running(TP_APP)
     yield url + TP_PREFIX
     serve.delete(TP_APP)
+    SharedPool(tp_config(long_context_pair)).shutdown()  # now, not once idle for its downscale delay
 
 
 def replica_processes(app: str) -> dict[str, Any]:
@@ -188,11 +194,13 @@ def replica_processes(app: str) -> dict[str, Any]:
 
 def test_a_killed_shards_streams_resume_exactly_and_ready_says_so(tp_url: str, undisturbed: list[str]) -> None:
     """Two streams (greedy, drafter-invariant sampling) on a TP 2 replica; rank 1's process is killed after a few
-    events: /ready turns 503 while the replica is broken, and both streams complete with their undisturbed text."""
+    events: /ready turns 503 while the replica is broken, and both streams complete with their undisturbed text. The
+    new replica drafts on the pool member the lost one drafted on."""
     import os
     import signal
 
-    shard = replica_processes(TP_APP)["shards"][1]
+    before = replica_processes(TP_APP)
+    shard = before["shards"][1]
     streaming = threading.Barrier(len(BODIES) + 1)
 
     def after_event(events: int) -> None:
@@ -214,4 +222,6 @@ def test_a_killed_shards_streams_resume_exactly_and_ready_says_so(tp_url: str, u
         text, errors, tokens = RESULTS[index]
         assert errors == [] and text == want and tokens == 900, index
     wait_until_ready(tp_url)
-    assert replica_processes(TP_APP)["shards"][1] != shard  # a new replica finished them
+    after = replica_processes(TP_APP)
+    assert after["shards"][1] != shard  # a new replica finished them
+    assert after["drafter"] == before["drafter"]  # on the shared pool's member, which outlived the lost replica
