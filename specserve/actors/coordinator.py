@@ -150,6 +150,12 @@ class Coordinator(GenerationFrontend):
         stats: dict[str, int] | None = ray.get(self.replica.rank0.prefix_cache_stats.remote(), timeout=timeout_s)
         return stats
 
+    def drafter_pool_load(self) -> dict[str, Any] | None:
+        """The load of the drafter pool this replica joined (replicas, each member's state and requests, requests
+        that found no member), or ``None`` when it drafts on its own drafter."""
+        pool = self.replica.pool
+        return None if pool is None else pool.load()
+
     def check_health(self, timeout_s: float = 30.0) -> None:
         """Raises :class:`ReplicaLost` when the replica's target is gone: seen before, or a shard is dead or does not
         answer within ``timeout_s``; raises when the drafter is dead for good. A drafter that does not answer (frozen)

@@ -113,6 +113,10 @@ class DrafterSource(Protocol):
         """A request that picked has ended."""
         ...
 
+    def load(self) -> dict[str, Any]:
+        """Replicas joined; per member its state and requests; requests that found no member."""
+        ...
+
 
 def spawn_replica(config: ReplicaConfig, pool: DrafterSource | None = None) -> Replica:
     """Place and start one replica; returns once rank 0's verifier is listening. With ``pool``, a member of that

@@ -304,6 +304,9 @@ class ModelServer:
             cache_stats = getattr(self.runner, "prefix_cache_stats", None)  # the distributed runtime's rank 0
             if cache_stats is not None:
                 out["prefix_cache"] = cache_stats()
+            pool_load = getattr(self.runner, "drafter_pool_load", None)  # the runtime's drafter pool, if it joined one
+            if pool_load is not None and (load := pool_load()) is not None:
+                out["drafter_pool"] = load
         processes = getattr(self.runner, "processes", None)  # the distributed runtime's actors
         out["processes"] = processes() if processes is not None else {"engine": os.getpid()}
         return out

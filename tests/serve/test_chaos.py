@@ -185,11 +185,15 @@ def tp_url(url: str, undisturbed: list[str], long_context_pair: Path) -> Iterato
     SharedPool(tp_config(long_context_pair)).shutdown()  # now, not once idle for its downscale delay
 
 
-def replica_processes(app: str) -> dict[str, Any]:
+def replica_status(app: str) -> dict[str, Any]:
     from ray import serve
 
     status: dict[str, Any] = serve.get_deployment_handle(MODEL, app_name=app).status.remote().result()
-    return dict(status["processes"])
+    return status
+
+
+def replica_processes(app: str) -> dict[str, Any]:
+    return dict(replica_status(app)["processes"])
 
 
 def test_a_killed_shards_streams_resume_exactly_and_ready_says_so(tp_url: str, undisturbed: list[str]) -> None:
@@ -225,3 +229,5 @@ def test_a_killed_shards_streams_resume_exactly_and_ready_says_so(tp_url: str, u
     after = replica_processes(TP_APP)
     assert after["shards"][1] != shard  # a new replica finished them
     assert after["drafter"] == before["drafter"]  # on the shared pool's member, which outlived the lost replica
+    pool = replica_status(TP_APP)["drafter_pool"]
+    assert pool["replicas"] >= 1 and [state for state, _ in pool["members"]] == ["ready"]
