@@ -44,7 +44,14 @@ shards, nor resume a lost request elsewhere (the front end does: :mod:`specserve
 A replica that joined a drafter pool (:mod:`specserve.actors.drafter_pool`) has each request pick its drafter, a
 member of the pool, as it starts; the health bookkeeping above is kept per drafter actor, so a member this coordinator
 saw die is passed over until it is back, and a request that finds no member (every one full or down) goes without
-speculation from the start.
+speculation from the start. A request whose member dies mid-stream *moves* (at most :data:`POOL_MOVES` times): the
+coordinator pushes the tokens rank 0 committed that the dead member never reported, picks another member and starts
+its loop on the committed text (its draft state rebuilt there; the verifier's state is rank 0's and never moved).
+Every cycle report must follow the tokens streamed so far (its ``committed_length``): one that does not — a queued
+draft of the dead member committed after the move — ends speculation for the request, and rank 0's progress supplies
+the tokens. Greedy output is unchanged; sampled output stays distributed as the target's (drafter-invariant sampling:
+the same tokens). A hidden-state drafter's request does not move (the new member would need the whole text's
+features): it finishes plainly.
 
 A replica with ``max_num_seqs`` > 1 serves that many requests at once: call :meth:`~Coordinator.stream`
 from as many threads; rank 0 verifies their drafts together, one forward per step, and the drafter
@@ -58,7 +65,8 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specserve.actors.drafter import CycleReport, DraftJob
@@ -70,7 +78,7 @@ from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import ReplicaLost, UserError
 from specserve.core.model import load_tokenizer
 from specserve.core.prompts import PromptCodec
-from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, request_output
+from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, StreamChunk, request_output
 from specserve.core.sampling import SamplingParams
 from specserve.core.stats import RequestStats
 
@@ -85,6 +93,7 @@ START_TIMEOUT_S = 1800.0
 # kill) or this long has passed; a restarting drafter answers a probe with ActorUnavailableError anyway
 DRAFTER_KILL_SETTLE_S = 15.0
 POOL_PICKS = 3  # members a request of a pooled replica is offered before it starts without speculation
+POOL_MOVES = 2  # times a request of a pooled replica moves to another member when its member dies
 
 
 @dataclass
@@ -187,10 +196,7 @@ class Coordinator(GenerationFrontend):
             yield from self._run_admitted(prompt_ids, params, config)
 
     def _run_admitted(self, prompt_ids: list[int], params: SamplingParams, config: GenerationConfig) -> ChunkStream:
-        import ray
-
         replica = self.replica
-        stall_s = replica.config.stall_timeout_s
         request_id = uuid.uuid4().hex
         eos = () if config.ignore_eos else replica.target_info.eos_token_ids
         stats = RequestStats()
@@ -232,45 +238,30 @@ class Coordinator(GenerationFrontend):
             submitted = time.monotonic()
             reports = drafter.run.options(num_returns="streaming").remote(job, [started])
             self._started(self._wait_for_start(started, request_id), stats, start)
-            try:
-                while ray.wait([reports], timeout=stall_s)[0]:
-                    try:
-                        ref = next(reports)
-                    except StopIteration:
-                        return  # the loop ended without the target finishing the request (cancelled)
-                    batch: list[CycleReport] = ray.get(ref, timeout=PROBE_TIMEOUT_S)  # ready: here already
-                    self._drafter_alive(drafter, submitted)
-                    for report in batch:
-                        stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
-                        # the target's finish reason, from the wire
-                        yield out.push(report.new_tokens, report.finish, report.logprobs)
-                        if out.finish is not None:
-                            return
-            except ray.exceptions.RayActorError as exc:  # the drafter died (or is restarting): go on without it
-                logger.warning("request %s lost its drafter (%s); it continues without speculation", request_id, exc)
-                self._drafter_seen_down(drafter)
+            moves = 0
+            while True:
+                ended = yield from self._follow(request_id, drafter, reports, submitted, out)
+                if ended == "done":
+                    return
+                if ended == "lost" and replica.pool is not None and not layers and moves < POOL_MOVES:
+                    # a pool member died: the request goes on with another, its draft state rebuilt there from the
+                    # committed text (a hidden-state drafter would need the whole text's features: it goes plainly)
+                    context = yield from self._catch_up(request_id, out)
+                    if out.finish is not None:
+                        return
+                    member = self._drafter_for(request_id, avoid=[drafter])
+                    if member is not None:
+                        moves += 1
+                        logger.info(
+                            "request %s moves to another pool member after %d tokens", request_id, len(out.tokens)
+                        )
+                        remaining = config.max_new_tokens - len(out.tokens)
+                        job = replace(job, prompt_ids=tuple(context), max_new_tokens=remaining)
+                        drafter, submitted = member, time.monotonic()
+                        reports = drafter.run.options(num_returns="streaming").remote(job, [])
+                        continue
                 yield from self._decode_plainly(request_id, out)
                 return
-            except ray.exceptions.RayError as exc:  # the drafter's loop failed: was its verifier (rank 0) lost?
-                # (an error that cannot be unpickled here arrives as an UnserializableException, not a RayTaskError)
-                cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
-                when = f"after request {request_id}'s drafter failed ({type(cause).__name__})"
-                self._raise_if_lost(self._probe(replica.shards), PROBE_TIMEOUT_S, when)
-                if isinstance(cause, UserError):  # the request's own (a drafter it named cannot serve it)
-                    raise
-                # the target is fine: the drafter failed or sent garbage (refused by the verifier, which changed
-                # nothing); the request goes on without it
-                logger.warning(
-                    "request %s: its drafter failed (%s: %s); it continues without speculation",
-                    request_id,
-                    type(cause).__name__,
-                    cause,
-                )
-                yield from self._decode_plainly(request_id, out)
-                return
-            # no report for stall_s: a shard is gone (raises ReplicaLost), or the drafter is frozen (killed)
-            self._drafter_stalled(request_id, drafter, stall_s)
-            yield from self._decode_plainly(request_id, out)
         finally:
             if drafter is not None and out.finish not in ("eos", "length"):  # stopped early, failed or abandoned
                 drafter.cancel.remote(request_id)
@@ -300,6 +291,78 @@ class Coordinator(GenerationFrontend):
                 raise self._lose(f"rank 0 did not admit and prefill a request within {START_TIMEOUT_S:g}s (stuck)")
         result: Started = self._get_from_rank0(started, "admission and prefill", PROGRESS_TIMEOUT_S)
         return result
+
+    def _follow(
+        self, request_id: str, drafter: Any, reports: Any, submitted: float, out: RequestOutput
+    ) -> Generator[StreamChunk, None, str]:
+        """Stream ``drafter``'s cycle reports of ``request_id`` into ``out``. Returns how it ended: ``"done"`` (the
+        request finished, or its loop was cancelled), ``"lost"`` (the drafter died), ``"failed"`` (its loop failed,
+        or a cycle did not follow the tokens streamed so far) or ``"stalled"`` (no report for ``stall_timeout_s``: the
+        drafter was frozen, and killed). Raises :class:`ReplicaLost` when a shard is gone, and the request's own
+        errors."""
+        import ray
+
+        stall_s = self.replica.config.stall_timeout_s
+        try:
+            while ray.wait([reports], timeout=stall_s)[0]:
+                try:
+                    ref = next(reports)
+                except StopIteration:
+                    return "done"  # the loop ended without the target finishing the request (cancelled)
+                batch: list[CycleReport] = ray.get(ref, timeout=PROBE_TIMEOUT_S)  # ready: here already
+                self._drafter_alive(drafter, submitted)
+                for report in batch:
+                    follows = len(out.prompt_ids) + len(out.tokens) + len(report.new_tokens)
+                    if report.committed_length and report.committed_length != follows:
+                        # a cycle of a lost drafter committed after this drafter started: rank 0's progress has it
+                        logger.warning(
+                            "request %s: a cycle committed %d tokens where %d follow the stream; it continues "
+                            "without speculation",
+                            request_id,
+                            report.committed_length,
+                            follows,
+                        )
+                        drafter.cancel.remote(request_id)
+                        return "failed"
+                    out.stats.record(report.observation, report.allreduce_seconds, report.overlap_hit)
+                    # the target's finish reason, from the wire
+                    yield out.push(report.new_tokens, report.finish, report.logprobs)
+                    if out.finish is not None:
+                        return "done"
+        except ray.exceptions.RayActorError as exc:  # the drafter died (or is restarting): go on without it
+            logger.warning("request %s lost its drafter (%s)", request_id, exc)
+            self._drafter_seen_down(drafter)
+            return "lost"
+        except ray.exceptions.RayError as exc:  # the drafter's loop failed: was its verifier (rank 0) lost?
+            # (an error that cannot be unpickled here arrives as an UnserializableException, not a RayTaskError)
+            cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+            when = f"after request {request_id}'s drafter failed ({type(cause).__name__})"
+            self._raise_if_lost(self._probe(self.replica.shards), PROBE_TIMEOUT_S, when)
+            if isinstance(cause, UserError):  # the request's own (a drafter it named cannot serve it)
+                raise
+            # the target is fine: the drafter failed or sent garbage (refused by the verifier, which changed
+            # nothing); the request goes on without it
+            logger.warning(
+                "request %s: its drafter failed (%s: %s); it continues without speculation",
+                request_id,
+                type(cause).__name__,
+                cause,
+            )
+            return "failed"
+        # no report for stall_s: a shard is gone (raises ReplicaLost), or the drafter is frozen (killed)
+        self._drafter_stalled(request_id, drafter, stall_s)
+        return "stalled"
+
+    def _catch_up(self, request_id: str, out: RequestOutput) -> Generator[StreamChunk, None, list[int]]:
+        """Push rank 0's committed tokens of ``request_id`` that ``out`` lacks (cycles whose reports died with a
+        drafter), and its finish if it finished; returns every committed token, the prompt's included."""
+        committed, finish, logprobs = self._get_from_rank0(
+            self.replica.rank0.progress.remote(request_id), "a progress query", PROGRESS_TIMEOUT_S
+        )
+        missed = committed[len(out.prompt_ids) + len(out.tokens) :]
+        if missed or finish is not None:
+            yield out.push(missed, finish, logprobs[len(out.tokens) : len(out.tokens) + len(missed)])
+        return list(committed)
 
     def _drafter_stalled(self, request_id: str, drafter_actor: Any, stall_s: float) -> None:
         """No report from the request's drafter for ``stall_s``: raises :class:`ReplicaLost` when a shard is gone;
@@ -360,7 +423,7 @@ class Coordinator(GenerationFrontend):
         """``drafter``'s health as this coordinator saw it (under the lock)."""
         return self._watches.setdefault(drafter, _Watch())
 
-    def _drafter_for(self, request_id: str) -> Any | None:
+    def _drafter_for(self, request_id: str, avoid: Sequence[Any] = ()) -> Any | None:
         """The drafter actor ``request_id`` drafts on, or ``None`` when it goes without speculation: the replica's
         own drafter unless it is down; a pool's member the pool picks, passing over those this coordinator saw down
         (and a pick that turns out down), or none when no member has room."""
@@ -372,7 +435,7 @@ class Coordinator(GenerationFrontend):
             return self.replica.drafter
         now = time.monotonic()
         with self._lock:
-            avoid = [drafter for drafter, watch in self._watches.items() if watch.down(now)]
+            avoid = [*avoid, *(drafter for drafter, watch in self._watches.items() if watch.down(now))]
         for _ in range(POOL_PICKS):
             try:
                 member = pool.pick(request_id, avoid)
@@ -490,12 +553,9 @@ class Coordinator(GenerationFrontend):
         rank0 = self.replica.rank0
         cycle = 0
         while out.finish is None:
-            committed, finish, logprobs = self._get_from_rank0(
-                rank0.progress.remote(request_id), "a progress query", PROGRESS_TIMEOUT_S
-            )
-            missed = committed[len(out.prompt_ids) + len(out.tokens) :]  # cycles whose reports died with the drafter
-            if missed or finish is not None:
-                yield out.push(missed, finish, logprobs[len(out.tokens) : len(out.tokens) + len(missed)])
+            before = len(out.tokens)
+            yield from self._catch_up(request_id, out)  # cycles whose reports died with the drafter
+            if out.finish is not None or len(out.tokens) != before:
                 continue
             try:
                 outcome = self._get_from_rank0(

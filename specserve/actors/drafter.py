@@ -97,6 +97,7 @@ class CycleReport:
     allreduce_seconds: float  # of verify_seconds, tensor-parallel all-reduces
     overlap_hit: bool  # this cycle's draft was drafted during the previous verification
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asked for them
+    committed_length: int = 0  # the request's tokens on the target after this cycle (prompt included)
 
 
 class RequestCancelled(Exception):
@@ -275,6 +276,7 @@ class DrafterActor:
                             outcome.allreduce_seconds,
                             overlap_hit,
                             outcome.logprobs,
+                            outcome.committed_length,
                         )
                     )
                     if outcome.finish is not None:

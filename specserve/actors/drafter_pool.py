@@ -32,11 +32,12 @@ replica's own — share one :class:`SharedPool`: a named, detached Ray actor run
 has been gone for ``pool_downscale_delay_s`` (a replica Serve replaces finds them still there), and starts them again
 for the next.
 
-Faults are the runtime's: a member that dies costs its running requests their speculation, not their tokens — each
-request's coordinator finishes it without speculation (:class:`~specserve.actors.coordinator.Coordinator`) — and Ray
-restarts the member (``DRAFTER_MAX_RESTARTS``) on any node with the resource; meanwhile requests starting pick another
-member (a coordinator passes the members it saw die as ``avoid``). Not here: moving a running request to another
-member (it finishes plainly instead).
+Faults: a member that dies costs its running requests nothing but a moment. Each request's coordinator catches up on
+rank 0's committed tokens and moves it to another member with room, whose loop starts from the committed text (the
+draft state rebuilt there); with none to move to — or for a hidden-state drafter, which would need the whole text's
+features — the request finishes without speculation (:class:`~specserve.actors.coordinator.Coordinator`). Ray
+restarts the member (``DRAFTER_MAX_RESTARTS``) on any node with the resource; meanwhile requests starting pick
+another member (a coordinator passes the members it saw die as ``avoid``).
 """
 
 from __future__ import annotations

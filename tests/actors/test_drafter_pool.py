@@ -11,6 +11,8 @@ two at most, placed on the ``cheap`` resource.
   replica's request beside it on the member.
 * Scaling on the pool's own load: four requests at once want two members; the pool grows to two, later requests draft
   on both, and once idle it drains back to one; the target replicas neither change nor restart.
+* Faults: a member killed while both draft: its requests move to the other member, rebuilding their draft state from
+  the committed text, and finish with plain greedy decoding's tokens, none of them going without speculation.
 * Members the cluster cannot place wait as pending placement groups on the ``cheap`` resource (what the cluster
   autoscaler reads as demand for a cheap node) until the pool withdraws them.
 * The scaling rule and the pool's bookkeeping with stand-ins (no Ray): want from demand within the limits, the delays,
@@ -22,6 +24,7 @@ The fault — a shared member's node killed mid-stream — is test_pool_multinod
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +43,7 @@ from specserve.core.errors import UserError
 from specserve.core.sampling import SamplingParams
 from specserve.core.tree import TreeBudget, TreeSpec
 from specserve.drafters import DraftModelDrafter
+from specserve.drafters.none import NoDrafter
 
 pytestmark = pytest.mark.timeout(300)
 TOKENS = 24
@@ -131,11 +135,15 @@ def test_two_replicas_draft_on_one_member_and_stay_exact(
         )
 
 
-def test_the_pool_grows_under_load_and_drains_back_when_idle(
-    pooled: tuple[SharedPool, list[Coordinator]], tiny_pairs: dict[str, TinyPair]
+def test_the_pool_grows_under_load_moves_requests_off_a_dead_member_and_drains_back(
+    pooled: tuple[SharedPool, list[Coordinator]], tiny_pairs: dict[str, TinyPair], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Four requests at once (two per replica) want two members of two requests each: the pool grows to its
-    maximum; idle, it drains back to one. The replicas stay as they were."""
+    maximum. Then, while four long requests draft on both members, the second member is killed: its requests move to
+    the first (its burst room), rebuilding their draft state from the committed text, and finish exactly, drafting
+    all the way. Idle, the pool drains back to one member. The replicas stay as they were."""
+    import ray
+
     pool, coordinators = pooled
     pair = tiny_pairs["llama"]
     shards = [c.processes()["shards"] for c in coordinators]
@@ -158,6 +166,28 @@ def test_the_pool_grows_under_load_and_drains_back_when_idle(
         grown = next((load for load in seen if busy_ready_members(load) == 2), None)
     assert grown is not None, f"the pool did not grow to 2 members drafting at once: {pool.load()}"
     assert len(pool.members) == 2
+
+    long = GenerationConfig(max_new_tokens=80, gamma=3, ignore_eos=True)
+    plain = GenerationConfig(max_new_tokens=80, gamma=0, ignore_eos=True)
+    engine = SpeculativeEngine(pair.target, NoDrafter())
+    victim = pool.members[1]
+    with caplog.at_level(logging.INFO, logger="specserve.actors.coordinator"), ThreadPoolExecutor(4) as run:
+        futures = [
+            run.submit(coordinators[i % 2].generate, prompt, SamplingParams(), long) for i, prompt in enumerate(prompts)
+        ]
+        killed = False
+        while not all(future.done() for future in futures):
+            if not killed and busy_ready_members(pool.load()) == 2:  # both members drafting: kill the second
+                ray.kill(victim, no_restart=False)
+                killed = True
+            time.sleep(0.02)
+        results = [future.result() for future in futures]
+    assert killed
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.output_ids == engine.generate(list(prompt), None, plain).output_ids, f"prompt {prompt}"
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("moves to another pool member" in message for message in messages), messages
+    assert not any("without speculation" in message for message in messages), messages
 
     deadline = time.monotonic() + 60
     while len(pool.members) > 1 and time.monotonic() < deadline:  # idle: drains after the 2 s delay
