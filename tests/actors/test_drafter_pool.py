@@ -12,7 +12,8 @@ two at most, placed on the ``cheap`` resource.
 * Scaling on the pool's own load: four requests at once want two members; the pool grows to two, later requests draft
   on both, and once idle it drains back to one; the target replicas neither change nor restart.
 * Faults: a member killed while both draft: its requests move to the other member, rebuilding their draft state from
-  the committed text, and finish with plain greedy decoding's tokens, none of them going without speculation.
+  the committed text, and finish with plain decoding's tokens (greedy, and drafter-invariant sampling), none of them
+  going without speculation.
 * Members the cluster cannot place wait as pending placement groups on the ``cheap`` resource (what the cluster
   autoscaler reads as demand for a cheap node) until the pool withdraws them.
 * The scaling rule and the pool's bookkeeping with stand-ins (no Ray): want from demand within the limits, the delays,
@@ -139,9 +140,10 @@ def test_the_pool_grows_under_load_moves_requests_off_a_dead_member_and_drains_b
     pooled: tuple[SharedPool, list[Coordinator]], tiny_pairs: dict[str, TinyPair], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Four requests at once (two per replica) want two members of two requests each: the pool grows to its
-    maximum. Then, while four long requests draft on both members, the second member is killed: its requests move to
-    the first (its burst room), rebuilding their draft state from the committed text, and finish exactly, drafting
-    all the way. Idle, the pool drains back to one member. The replicas stay as they were."""
+    maximum. Then, while four long requests (greedy, and drafter-invariant sampling) draft on both members, the second
+    member is killed: its requests move to the first (its burst room), rebuilding their draft state from the committed
+    text, and finish exactly, drafting all the way. Idle, the pool drains back to one member. The replicas stay as
+    they were."""
     import ray
 
     pool, coordinators = pooled
@@ -171,9 +173,12 @@ def test_the_pool_grows_under_load_moves_requests_off_a_dead_member_and_drains_b
     plain = GenerationConfig(max_new_tokens=80, gamma=0, ignore_eos=True)
     engine = SpeculativeEngine(pair.target, NoDrafter())
     victim = pool.members[1]
+    # greedy, and drafter-invariant sampling (the same tokens whatever was drafted, moved or not)
+    samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=7, drafter_invariant=True)] * 2
     with caplog.at_level(logging.INFO, logger="specserve.actors.coordinator"), ThreadPoolExecutor(4) as run:
         futures = [
-            run.submit(coordinators[i % 2].generate, prompt, SamplingParams(), long) for i, prompt in enumerate(prompts)
+            run.submit(coordinators[i % 2].generate, prompt, sampling, long)
+            for i, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True))
         ]
         killed = False
         while not all(future.done() for future in futures):
@@ -183,8 +188,8 @@ def test_the_pool_grows_under_load_moves_requests_off_a_dead_member_and_drains_b
             time.sleep(0.02)
         results = [future.result() for future in futures]
     assert killed
-    for prompt, result in zip(prompts, results, strict=True):
-        assert result.output_ids == engine.generate(list(prompt), None, plain).output_ids, f"prompt {prompt}"
+    for prompt, sampling, result in zip(prompts, samplings, results, strict=True):
+        assert result.output_ids == engine.generate(list(prompt), sampling, plain).output_ids, (prompt, sampling)
     messages = [record.getMessage() for record in caplog.records]
     assert any("moves to another pool member" in message for message in messages), messages
     assert not any("without speculation" in message for message in messages), messages
