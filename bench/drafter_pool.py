@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve import defaults
+from specserve.benchmarks.tables import write_report
 from specserve.cluster.replica_config import ReplicaConfig
 
 LAYOUTS: dict[str, dict[str, Any]] = {  # the settings each layout changes
@@ -137,16 +138,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/drafter_pool"))
     args = parser.parse_args()
 
+    from specserve.benchmarks.buckets import prompt_ids
     from specserve.cluster.connect import connect_ray
     from specserve.core.engine import GenerationConfig, SpeculativeEngine
     from specserve.core.model import CausalLM
     from specserve.drafters.registry import build_drafter_set
-    from specserve.training.corpus import heldout_prompts
 
     target = CausalLM.load(str(defaults.DEFAULT_TARGET), dtype="float32", device="cpu")
-    assert target.tokenizer is not None
-    prompts = [list(target.tokenizer(t, add_special_tokens=False)["input_ids"])[-200:]
-               for t in heldout_prompts(args.requests)]  # fmt: skip
+    prompts = prompt_ids(target, args.requests, limit=200)
     engine = SpeculativeEngine(target, build_drafter_set(str(defaults.DEFAULT_DRAFT), target))
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=3, ignore_eos=True)
     reference = [engine.generate(p, None, generation).output_ids for p in prompts]
@@ -195,10 +194,7 @@ def main() -> None:
                      f"{r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['wire_ms']:.2f} | "
                      f"{r.get('pick_ms', '')} | {members} | {r['speculated']}/{total} | "
                      f"{r['equal_to_in_process']}/{total} |")  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "drafter_pool.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
-    (args.out / "drafter_pool.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "drafter_pool", command, rows, lines)
 
 
 if __name__ == "__main__":

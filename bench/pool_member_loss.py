@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from specserve import defaults
+from specserve.benchmarks.tables import write_report
 from specserve.cluster.replica_config import ReplicaConfig
 
 
@@ -110,16 +111,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/drafter_pool"))
     args = parser.parse_args()
 
+    from specserve.benchmarks.buckets import prompt_ids
     from specserve.cluster.connect import connect_ray
     from specserve.core.engine import GenerationConfig, SpeculativeEngine
     from specserve.core.model import CausalLM
     from specserve.drafters.none import NoDrafter
-    from specserve.training.corpus import heldout_prompts
 
     target = CausalLM.load(str(defaults.DEFAULT_TARGET), dtype="float32", device="cpu")
-    assert target.tokenizer is not None
-    prompts = [list(target.tokenizer(t, add_special_tokens=False)["input_ids"])[-200:]
-               for t in heldout_prompts(args.requests)]  # fmt: skip
+    prompts = prompt_ids(target, args.requests, limit=200)
     plain = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=0, ignore_eos=True)
     reference = [SpeculativeEngine(target, NoDrafter()).generate(p, None, plain).output_ids for p in prompts]
     config = ReplicaConfig(
@@ -153,10 +152,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['round']} | {r['stall_after_s']:.3f} | {r['longest_gap_before_s']:.3f} | {r['moved']} | "
                      f"{r['without_speculation']} | {r['equal_to_plain']}/{args.requests} |")  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pool_member_loss.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
-    (args.out / "pool_member_loss.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "pool_member_loss", command, rows, lines)
 
 
 if __name__ == "__main__":
