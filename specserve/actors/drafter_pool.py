@@ -160,7 +160,7 @@ class DrafterPool:
     """Drafter actors shared by the replicas of ``config``'s model, scaled on the pool's own load (module docstring)."""
 
     FORGET_AFTER_S = 10.0  # a request its member does not run this long after it picked it has ended (caller died)
-    REPLICA_CHECK_S = 10.0  # how often the scaling thread asks whether joined replicas still live
+    HOUSEKEEPING_S = 10.0  # how often the scaling thread asks whether joined replicas and picked requests still live
     WAITING_TTL_S = 300.0  # a request that found no member is counted as load at most this long without a done
 
     def __init__(
@@ -190,7 +190,7 @@ class DrafterPool:
         self._first: _Member | None = None  # the member join returns: never stopped while replicas remain
         self._waiting: dict[str, float] = {}  # requests no member had room for, by when they asked
         self._replicas: list[Any] = []  # the joined replicas' rank 0 actors (a replica joins once)
-        self._replicas_checked = 0.0  # time.monotonic() of the last check that they live
+        self._housekept = 0.0  # time.monotonic() of the last check that replicas and requests live
         self._empty_since = 0.0  # time.monotonic() when the last replica left
         self._info: ModelInfo | None = None
         self._lock = threading.RLock()
@@ -285,20 +285,22 @@ class DrafterPool:
         """One step of the scaling thread: forget requests that ended unsaid, move members along (placed → started
         → ready; drained → stopped), and add or drain members to the count the load wants."""
         now = time.monotonic() if now is None else now
-        self._let_dead_replicas_go(now)
-        self._forget_ended(now)
-        released: list[_Member] = []
+        if now - self._housekept >= self.HOUSEKEEPING_S:
+            self._housekept = now
+            self._let_dead_replicas_go()
+            self._forget_ended(now)
         with self._lock:
-            if not self._replicas or self._info is None:
-                idle_s = now - self._empty_since
-                if self.release_idle and self._members and idle_s >= self.scaling.downscale_delay_s:
-                    logger.info("drafter pool: no replica for %.0fs: stopping its members", idle_s)
-                    released = self._take_members()
-        for member in released:
-            self._launcher.stop(member.actor, member.group)
+            idle = not self._replicas or self._info is None
+            released = []
+            if idle and self.release_idle and now - self._empty_since >= self.scaling.downscale_delay_s:
+                released = self._take_members()
+        if released:
+            logger.info("drafter pool: no replica for %.0fs: stopping its members", now - self._empty_since)
+            for member in released:
+                self._launcher.stop(member.actor, member.group)
+        if idle:
+            return
         with self._lock:
-            if not self._replicas or self._info is None:
-                return
             self._advance()
             for request_id, since in list(self._waiting.items()):
                 if now - since > self.WAITING_TTL_S:
@@ -383,11 +385,8 @@ class DrafterPool:
                 for request_id in set(requests) - set(running):
                     member.requests.pop(request_id, None)
 
-    def _let_dead_replicas_go(self, now: float) -> None:
-        """Every :data:`REPLICA_CHECK_S`: joined replicas whose rank 0 is dead for good leave."""
-        if now - self._replicas_checked < self.REPLICA_CHECK_S:
-            return
-        self._replicas_checked = now
+    def _let_dead_replicas_go(self) -> None:
+        """Joined replicas whose rank 0 is dead for good leave."""
         with self._lock:
             replicas = list(self._replicas)
         for replica in replicas:

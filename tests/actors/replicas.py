@@ -133,3 +133,15 @@ class OneAhead:
         for name, future in self._futures.items():
             if name not in self._released and future.exception() is None:
                 future.result().shutdown()
+
+
+@contextmanager
+def replicas_at_once(config: ReplicaConfig, count: int = 2) -> Iterator[list[Coordinator]]:
+    """``count`` replicas of ``config`` spawned at once (each on a thread of its own), shut down on leaving."""
+    with ThreadPoolExecutor(count) as spawn:
+        coordinators = list(spawn.map(lambda _: Coordinator.spawn(config), range(count)))
+    try:
+        yield coordinators
+    finally:
+        for coordinator in coordinators:
+            coordinator.shutdown()

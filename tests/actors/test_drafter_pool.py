@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 from conftest import TinyPair
-from replicas import Case, config_for, greedy_reference
+from replicas import Case, config_for, greedy_reference, replicas_at_once
 
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.drafter_pool import DrafterPool, SharedPool, pool_name
@@ -65,17 +65,14 @@ def pooled(ray_cluster: Any, saved_pairs: dict[str, Path]) -> Iterator[tuple[Sha
         pool_downscale_delay_s=2.0,
     )
     pool = SharedPool(config)
-    with ThreadPoolExecutor(2) as spawn:
-        coordinators = list(spawn.map(lambda _: Coordinator.spawn(config), range(2)))
     try:
-        yield pool, coordinators
-    finally:
-        for coordinator in coordinators:
-            coordinator.shutdown()
+        with replicas_at_once(config) as coordinators:
+            yield pool, coordinators
         deadline = time.monotonic() + 60
         while pool.load()["members"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert pool.load()["members"] == []  # the last replica gone for the downscale delay: the members stopped
+    finally:
         pool.shutdown()
 
 
@@ -349,7 +346,7 @@ def test_the_pool_packs_requests_grows_and_drains_the_newest(saved_pairs: dict[s
     pool.leave(replicas[0])  # twice: once
     assert pool.load()["replicas"] == 1
     members.dead.append(replicas[1])  # its process died without leaving: the next check lets it go
-    pool.scale(time.monotonic() + DrafterPool.REPLICA_CHECK_S + 100)
+    pool.scale(time.monotonic() + DrafterPool.HOUSEKEEPING_S + 100)
     assert pool.load()["replicas"] == 0 and members.stopped == [second]  # a local pool keeps its members
     pool.shutdown()
     assert members.stopped == [second, first] and pool.members == []

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from conftest import TinyPair
 from published_heads import LAYOUTS, write_head
-from replicas import greedy_reference
+from replicas import greedy_reference, replicas_at_once
 
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.drafter_pool import SharedPool
@@ -59,13 +59,10 @@ def pooled(
         pool_max_members=1,
     )
     pool = SharedPool(config)
-    with ThreadPoolExecutor(2) as spawn:
-        coordinators = list(spawn.map(lambda _: Coordinator.spawn(config), range(2)))
     try:
-        yield pool, coordinators, spec
+        with replicas_at_once(config) as coordinators:
+            yield pool, coordinators, spec
     finally:
-        for coordinator in coordinators:
-            coordinator.shutdown()
         pool.shutdown()
 
 
