@@ -25,7 +25,7 @@ from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.engine import GenerationConfig
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 
 
 def draft_rounds(coordinator: Any) -> dict[int, int]:

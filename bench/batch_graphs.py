@@ -5,7 +5,7 @@
 
 The shipped target, float32. Per cached prefix: every row holds ``prefix`` positions, and one step appends a block of
 ``width`` tokens to each of ``rows`` rows (:mod:`specserve.benchmarks.step_costs`): the ordinary batched forward (row
-by row on a CPU) against the captured step of :mod:`specserve.core.batch_graphs` run eagerly (no CUDA graphs on a
+by row on a CPU) against the captured step of :mod:`specserve.core.static.batch_graphs` run eagerly (no CUDA graphs on a
 CPU: each layer gathers every row's span padded to the span bucket and attends in one SDPA call). What a graph saves
 (launches) a CPU cannot show; this measures what the fixed shapes cost here. Prints a Markdown table, writes JSON.
 """
@@ -21,7 +21,7 @@ import torch
 
 from specserve import defaults
 from specserve.benchmarks.step_costs import step_costs
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 
 
 def integers(text: str) -> list[int]:

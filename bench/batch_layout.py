@@ -29,7 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from specserve import defaults
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 
 
 def filled_cache(target: CausalLM, batch: int, length: int) -> DynamicCache:

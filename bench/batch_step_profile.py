@@ -24,8 +24,8 @@ import torch
 from specserve.benchmarks import batch as bench
 from specserve.core import batch_engine
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.model import BatchBlock
-from specserve.core.sampling import SamplingParams
+from specserve.core.model.causal_lm import BatchBlock
+from specserve.core.sampling.warps import SamplingParams
 
 MODES = {
     "plain": bench.Mode(bench.PLAIN, "batched", drafter="none"),

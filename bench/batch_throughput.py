@@ -23,8 +23,8 @@ from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.none import NoDrafter
 

@@ -16,7 +16,7 @@ from specserve.benchmarks import distributed as bench
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.cluster.connect import connect_ray
 from specserve.core.engine import SpeculativeEngine
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 from specserve.drafters import build_drafter
 
 

@@ -17,9 +17,9 @@ import torch
 from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
 

@@ -58,7 +58,7 @@ def main() -> None:
     from specserve.cluster.connect import connect_ray
     from specserve.cluster.replica_config import ReplicaConfig
     from specserve.core.engine import GenerationConfig
-    from specserve.core.sampling import SamplingParams
+    from specserve.core.sampling.warps import SamplingParams
 
     config = ReplicaConfig(
         target=str(defaults.DEFAULT_TARGET), draft=str(defaults.DEFAULT_DRAFT), max_num_seqs=4 if args.batched else 1

@@ -141,7 +141,7 @@ def main() -> None:
     from specserve.benchmarks.buckets import prompt_ids
     from specserve.cluster.connect import connect_ray
     from specserve.core.engine import GenerationConfig, SpeculativeEngine
-    from specserve.core.model import CausalLM
+    from specserve.core.model.causal_lm import CausalLM
     from specserve.drafters.registry import build_drafter_set
 
     target = CausalLM.load(str(defaults.DEFAULT_TARGET), dtype="float32", device="cpu")

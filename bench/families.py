@@ -40,9 +40,9 @@ from transformers import AutoModelForCausalLM
 from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.recurrent import RecurrentKVCache, StateCheckpoint
-from specserve.core.sampling import SamplingParams
+from specserve.core.kv.recurrent import RecurrentKVCache, StateCheckpoint
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
 from specserve.policies.schedules import schedules
@@ -146,7 +146,7 @@ def decode(lm: CausalLM, prompts: list[list[int]], new_tokens: int, speculate: b
 def decode_batched(lm: CausalLM, prompts: list[list[int]], new_tokens: int, speculate: bool) -> dict[str, Any]:
     """Greedy decoding of every prompt at once through the batched engine (every prompt a slot): plain, or n-gram
     lookup under the adaptive policy. A hybrid's batched steps read each row's tokens past its recurrent checkpoint
-    again (core/pool_states.py)."""
+    again (core/kv/pool_states.py)."""
 
     def new_drafter(name: str) -> NgramDrafter | NoDrafter:
         return NgramDrafter(max_ngram=3, min_ngram=1) if speculate else NoDrafter()

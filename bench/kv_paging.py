@@ -2,7 +2,7 @@
 
     python bench/kv_paging.py [--threads 1] [--requests 16] [--context 280] [--page 16] [--repeats 21]
 
-The batched engine's :class:`~specserve.core.kv_pool.KVPool` gives every request one contiguous span of
+The batched engine's :class:`~specserve.core.kv.pool.KVPool` gives every request one contiguous span of
 the positions it may hold, reserved when it starts, so a step reads each request's keys and values as a
 view, with no copy; the price is that a request that stops early held room for its whole ``max_tokens``.
 (Until commit e6cf010 the spans were slots of ``max_seq_len`` positions each; this script measured that

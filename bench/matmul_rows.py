@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from specserve import defaults
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 
 ROWS = (1, 2, 3, 4, 8, 16)
 

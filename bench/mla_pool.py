@@ -19,8 +19,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-from specserve.core.kv_pool import KVPool
-from specserve.core.model import BatchBlock, CausalLM
+from specserve.core.kv.pool import KVPool
+from specserve.core.model.causal_lm import BatchBlock, CausalLM
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 
 
 def forward_ms() -> float:

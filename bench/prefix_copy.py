@@ -2,15 +2,15 @@
 
     python bench/prefix_copy.py [--threads 1] [--lengths 100,300,600,900] [--entries 64] [--repeats 11]
 
-The prefix cache (:mod:`specserve.core.prefix_cache`) keeps the span layout of the KV pool: a hit copies the cached
+The prefix cache (:mod:`specserve.core.kv.prefix_cache`) keeps the span layout of the KV pool: a hit copies the cached
 prefix's keys and values into the newcomer's own span (every layer, keys and values), so every batched step still
 reads each request's KV as one view (a paged pool would share pages without a copy, but pay a gather of every page
 into rows at every step on this CPU: bench/kv_paging.py). This script times, on the shipped target with a pool of
 its real KV shape:
 
-* the copy of ``L`` cached positions (:meth:`~specserve.core.kv_pool.KVPool.copy`), against
+* the copy of ``L`` cached positions (:meth:`~specserve.core.kv.pool.KVPool.copy`), against
 * the prefill of the same ``L`` positions (the target's forward over them, in one chunk), which the hit replaces;
-* the index's longest-prefix lookup (:class:`~specserve.core.prefix_index.PrefixIndex`) of a 700-token prompt among
+* the index's longest-prefix lookup (:class:`~specserve.core.kv.prefix_index.PrefixIndex`) of a 700-token prompt among
   ``--entries`` cached sequences that share a 600-token prefix, against the chained block hashes vLLM uses
   (a dict of 16-token block hashes, walked block by block), timed the same way.
 
@@ -29,9 +29,9 @@ from collections.abc import Callable
 import torch
 
 from specserve import defaults
-from specserve.core.kv_pool import KVPool
-from specserve.core.model import BatchBlock, CausalLM
-from specserve.core.prefix_index import PrefixIndex
+from specserve.core.kv.pool import KVPool
+from specserve.core.kv.prefix_index import PrefixIndex
+from specserve.core.model.causal_lm import BatchBlock, CausalLM
 
 
 def median_ms(run: Callable[[], object], repeats: int) -> float:

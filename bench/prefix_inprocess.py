@@ -26,8 +26,8 @@ from specserve.benchmarks.prefix_load import Session, Texts, agent_loop, convers
 from specserve.core import batch_engine
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.registry import request_drafters
 
 PHASES: dict[str, float] = collections.defaultdict(float)

@@ -20,8 +20,8 @@ from specserve import defaults
 from specserve.benchmarks.prefix_load import Texts
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.registry import request_drafters
 
 

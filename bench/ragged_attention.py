@@ -5,14 +5,14 @@ against one FlexAttention call over the arena.
                                      [--flex none|eager|compiled|both]
 
 The batched engine's KV pool is sized in tokens: per layer one arena ``[kv_heads, tokens, head_dim]`` in
-which every request holds a contiguous span (:mod:`specserve.core.kv_pool`). Its rows can no longer be read
-as one ``[B, kv_heads, width, head_dim]`` view, so :class:`specserve.core.attention.RaggedBatch` runs one SDPA
+which every request holds a contiguous span (:mod:`specserve.core.kv.pool`). Its rows can no longer be read
+as one ``[B, kv_heads, width, head_dim]`` view, so :class:`specserve.core.attention.sdpa.RaggedBatch` runs one SDPA
 call per row over the row's own span (a view), its grouped query heads folded into the query dimension.
 The layout it replaced gave every request a slot of equal length and ran one SDPA call over all rows,
 padded to the longest context under a 4-D mask. This script times both, for the shipped target's shapes
 (its layers, query and KV heads, head size), B requests with contexts spread around ``--context`` and
 blocks of k tokens (1: plain decoding; k > 1: a verify chain under its causal mask), all layers of one
-step. ``--flex`` adds the one-call path of :mod:`specserve.core.flex_batch` (its block mask built once per step,
+step. ``--flex`` adds the one-call path of :mod:`specserve.core.attention.flex` (its block mask built once per step,
 counted in): ``eager``, FlexAttention's reference implementation, and ``compiled``, through ``torch.compile`` (its
 fast path; the first call per shape compiles and is not counted). Measures attention only (the projections and MLPs
 are the same in all); decides nothing.
@@ -33,8 +33,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from transformers import AutoConfig
 
 from specserve import defaults
-from specserve.core.attention import RaggedBatch, RaggedRow
-from specserve.core.flex_batch import block_mask
+from specserve.core.attention.flex import block_mask
+from specserve.core.attention.sdpa import RaggedBatch, RaggedRow
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -41,8 +41,8 @@ import specserve.core.target as target_module
 from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.core.engine import GenerationConfig
-from specserve.core.sampling import SamplingParams
-from specserve.core.verification import ChainVerdict
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.verify.chain import ChainVerdict
 from specserve.serve.config import ServeConfig
 from specserve.serve.model_server import ModelServer, build_runner
 

@@ -28,10 +28,10 @@ import torch
 
 from specserve import defaults
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.grammar import RequestGrammar
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.sampling_params import GrammarSpec
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.params import GrammarSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.verify.grammar import RequestGrammar
 from specserve.drafters.registry import build_drafter_set
 
 SCHEMAS: dict[str, dict[str, Any]] = {

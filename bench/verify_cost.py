@@ -15,7 +15,7 @@ import torch
 
 from specserve import defaults
 from specserve.benchmarks.timing import median_forward_seconds
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 
 
 def main() -> None:

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from specserve import defaults
 from specserve.cluster.replica_config import DISTRIBUTED_SETTINGS, MODEL_SETTINGS, ReplicaConfig
-from specserve.core.drafter_spec import suggested_gamma
+from specserve.core.draft.schedule import MAX_GAMMA, POLICY_NAMES
+from specserve.core.draft.spec_strings import suggested_gamma
 from specserve.core.errors import UserError
-from specserve.core.sampling_params import TYPICAL_DELTA, TYPICAL_EPSILON, GrammarSpec, SamplingParams
-from specserve.core.schedule import MAX_GAMMA, POLICY_NAMES
-from specserve.core.tree_spec import InvalidTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.sampling.params import TYPICAL_DELTA, TYPICAL_EPSILON, GrammarSpec, SamplingParams
+from specserve.core.tree.shapes import InvalidTree, TreeBudget, TreeSpec, TreeTopology
 
 if TYPE_CHECKING:  # the engine and the actors load torch: imported once the arguments are checked
     from specserve.actors.coordinator import Coordinator
@@ -306,7 +306,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 def build_engine(config: ReplicaConfig) -> SpeculativeEngine:
     """The target and the drafter of ``config`` in this process, with every γ policy available."""
     from specserve.core.engine import SpeculativeEngine
-    from specserve.core.model import CausalLM
+    from specserve.core.model.causal_lm import CausalLM
     from specserve.drafters import build_drafter_set
     from specserve.policies.schedules import schedules
 

@@ -33,7 +33,7 @@ from specserve.core.errors import UserError
 
 if TYPE_CHECKING:
     from specserve.core.engine import GenerationConfig, GenerationResult
-    from specserve.core.sampling import SamplingParams
+    from specserve.core.sampling.warps import SamplingParams
     from specserve.core.shadow import Bundle, Divergence
 
 EXIT = {"cleared": 0, "confirmed": 1, "near_tie": 3}

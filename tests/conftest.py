@@ -42,7 +42,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 
 # The models here are tiny: intra-op threads only add synchronisation, and on a small shared
 # machine (2 cores, often busy) they make each forward 20-200x slower through oversubscription.
@@ -414,11 +414,11 @@ RAY_FIXTURES = frozenset({"ray_cluster", "serve_url", "shared_replicas"})
 # wire codec), the engine and the batched engine against transformers' ``generate``, and every drafter's greedy
 # equality on the tiny models; the import order.
 QUICK_LOOP: dict[str, str | None] = {
-    "core/test_verification.py": None,
-    "core/test_tree_verification.py": None,
+    "core/verify/test_verification.py": None,
+    "core/verify/test_tree_verification.py": None,
     "core/test_engine.py": None,
     "core/test_batch_engine.py": None,
-    "core/test_prefix_cache.py": None,
+    "core/kv/test_prefix_cache.py": None,
     "rpc/test_codec.py": None,
     "drafters/": "greedy",
     "test_layering.py": None,

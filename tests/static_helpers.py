@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from specserve.core.buckets import VerifyBuckets
+from specserve.core.model.buckets import VerifyBuckets
 
 BUCKETS = VerifyBuckets((1, 2, 4, 8, 16))
 

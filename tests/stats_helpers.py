@@ -53,7 +53,7 @@ def two_token_fit(
     """Chi-square p-value of the token pairs ``pairs`` (two tokens emitted after ``prompt`` each) against the target's
     joint law of two tokens after ``prompt`` under the warp of ``params`` (a ``SamplingParams``), each position's
     logits processed by ``process`` first when given."""
-    from specserve.core.sampling import warp_probs
+    from specserve.core.sampling.warps import warp_probs
 
     def law(ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():

@@ -101,6 +101,26 @@ def test_the_checker_catches_forbidden_imports() -> None:
     assert "specserve.core.sampling" in names and "torch" in names
 
 
+# The rooms of core: a top level a newcomer can read, and sub-packages that say what they hold
+CORE_TOP_LEVEL_LIMIT = 12
+
+
+def test_core_top_level_stays_small() -> None:
+    top = sorted(p.stem for p in CORE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= CORE_TOP_LEVEL_LIMIT, (
+        f"specserve/core/ holds {len(top)} modules at its top level ({top}): put the new one in its room "
+        "(docs/architecture.md#the-rooms-of-core)"
+    )
+
+
+@pytest.mark.parametrize("room", sorted(p.parent for p in CORE.glob("*/__init__.py")), ids=lambda p: p.name)
+def test_every_core_room_states_its_job(room: Path) -> None:
+    doc = ast.get_docstring(ast.parse((room / "__init__.py").read_text()))
+    assert doc and "not" in doc, f"{room.relative_to(ROOT)}/__init__.py must say what the room knows and does not know"
+    code = [n for n in ast.parse((room / "__init__.py").read_text()).body if not isinstance(n, ast.Expr)]
+    assert not code, f"{room.relative_to(ROOT)}/__init__.py re-exports or runs code: import from the modules instead"
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole order
 
@@ -123,14 +143,28 @@ LEVELS = (
     # specserve/__init__.py: environment defaults (no hub) and the version. Every `import specserve.x` runs it
     # first, so it sits under everything and imports nothing of specserve.
     Level("package", (ROOT_PACKAGE,)),
-    # The bottom. core: the library (sampling, trees, verification, the model adapter, the engine loop).
-    # defaults: where this checkout keeps the shipped model pair, and the defaults every command shares; it
-    # reads the environment and nothing else. No peers: core serves any checkpoint and never learns where the
-    # shipped pair lives.
+    # The bottom: core, the library, in rooms that follow one speculation cycle over its state (docs/architecture.md
+    # #the-rooms-of-core), lowest first. errors: the one base class of the errors a caller can fix. Then what a
+    # request asks of the target's distribution (sampling) and the tree a draft is (tree); the attention paths; the
+    # state a cycle rolls back (kv); the forward over it (model); static shapes and captured steps over the forward
+    # (static); the draft side's contracts (draft); the acceptance rules and what shapes the distributions they compare
+    # (verify). No room imports a room above it and no room has peers: a room that needs another's type sits above it.
+    Level("core: errors", ("specserve.core.errors",)),
+    Level("core: sampling and trees", ("specserve.core.sampling", "specserve.core.tree")),
+    Level("core: attention", ("specserve.core.attention",)),
+    Level("core: kv", ("specserve.core.kv",)),
+    Level("core: model", ("specserve.core.model",)),
+    Level("core: static", ("specserve.core.static",)),
+    Level("core: draft", ("specserve.core.draft",)),
+    Level("core: verify", ("specserve.core.verify",)),
+    # core's top: the two halves of a cycle (draft_side, target), a request's life (request, prompts, detokenize,
+    # stats, resume, shadow) and the engines that run it (engine, batch_step, batch_engine), over every room below.
+    # defaults: where this checkout keeps the shipped model pair, and the defaults every command shares; it reads the
+    # environment and nothing else. No peers: core serves any checkpoint and never learns where the shipped pair lives.
     Level("core", ("specserve.core", "specserve.defaults")),
-    # How much to draft, and what. Both know core only, and meet there (core.schedule's Budget, core.draft's
-    # Drafter). No peers: a policy is a pure decision over estimator state and never touches a model or a
-    # drafter (docs/architecture.md#import-order); a drafter is told its budget, never asks a policy.
+    # How much to draft, and what. Both know core only, and meet there (core.draft.schedule's Budget,
+    # core.draft.drafter's Drafter). No peers: a policy is a pure decision over estimator state and never touches a
+    # model or a drafter (docs/architecture.md#import-order); a drafter is told its budget, never asks a policy.
     Level("policies and drafters", ("specserve.policies", "specserve.drafters")),
     # Distribution: the Ray actors, the gRPC wire, the cluster bootstrap. actors may import rpc (the drafter and
     # target actors serve and call the gRPC streams) and cluster (a replica places its actors with the
@@ -200,7 +234,8 @@ MODULES = frozenset(module_name(path) for path in package_files())
 
 def resolve(name: str, modules: frozenset[str] = MODULES) -> str | None:
     """The specserve module an imported name refers to: the name itself or the module defining it
-    (``specserve.core.model.CausalLM`` → ``specserve.core.model``); None for a name outside specserve."""
+    (``specserve.core.model.causal_lm.CausalLM`` → ``specserve.core.model.causal_lm``); None for a name outside
+    specserve."""
     if name != ROOT_PACKAGE and not name.startswith(ROOT_PACKAGE + "."):
         return None
     while name not in modules and "." in name:
@@ -278,7 +313,7 @@ def test_imports_follow_the_order(path: Path) -> None:
 def test_the_checker_catches_upward_imports() -> None:
     source = "\n".join(
         [
-            "from specserve.core.schedule import Budget",
+            "from specserve.core.draft.schedule import Budget",
             "from specserve import defaults",
             "from . import base",
             "import torch",
@@ -395,5 +430,5 @@ def test_the_cycle_finder_finds_cycles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"}, "g": {"a"}}
     assert cycles(graph) == [["a", "b", "c"], ["e", "f"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
-    collapsed = package_graph({"specserve.drafters.model": {"specserve.core.draft", "specserve.drafters.tree"}})
-    assert collapsed == {"specserve.drafters": {"specserve.core"}}
+    collapsed = package_graph({"specserve.drafters.model": {"specserve.core.draft.drafter", "specserve.drafters.tree"}})
+    assert collapsed == {"specserve.drafters": {"specserve.core.draft"}}

@@ -14,8 +14,8 @@ import torch
 from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters import build_drafter
 
 NEAR_TIE = 1e-4

@@ -72,14 +72,14 @@ from typing import Any
 from specserve.actors.drafter import CycleReport, DraftJob
 from specserve.actors.replica import DrafterSource, Replica, ReplicaConfig, spawn_replica
 from specserve.actors.target_shard import Started
-from specserve.core.draft import Draft
-from specserve.core.drafter_spec import probe_nodes_of
+from specserve.core.draft.drafter import Draft
+from specserve.core.draft.spec_strings import probe_nodes_of
 from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import ReplicaLost, UserError
-from specserve.core.model import load_tokenizer
+from specserve.core.model.causal_lm import load_tokenizer
 from specserve.core.prompts import PromptCodec
 from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, StreamChunk, request_output
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.stats import RequestStats
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class Coordinator(GenerationFrontend):
         return list(ray.get(self.replica.rank0.active_requests.remote(), timeout=30))
 
     def prefix_cache_stats(self, timeout_s: float = 30.0) -> dict[str, int] | None:
-        """Rank 0's prefix-cache counters (:class:`~specserve.core.prefix_cache.CacheStats`), or ``None`` when the
+        """Rank 0's prefix-cache counters (:class:`~specserve.core.kv.prefix_cache.CacheStats`), or ``None`` when the
         replica keeps no prefix cache."""
         import ray
 

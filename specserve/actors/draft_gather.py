@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.core.draft import Proposal
+from specserve.core.draft.drafter import Proposal
 from specserve.core.draft_side import DraftSide, propose_batch
 
 Runner = Callable[..., Any]  # the compute thread's run(fn, *args): every torch call goes there

@@ -2,7 +2,7 @@
 
 The actor holds its replica's configured drafter and, for requests that name them
 (:attr:`DraftJob.drafter`), the model-free ``ngram`` and ``none`` drafters, each built on the
-first request that asks for it and kept (a :class:`~specserve.core.draft.DrafterSet`). Every
+first request that asks for it and kept (a :class:`~specserve.core.draft.drafter.DrafterSet`). Every
 torch call — building drafters included — runs on the actor's compute thread.
 
 For each request the actor opens one ``Speculate`` stream to its replica's rank 0 and drives the
@@ -49,15 +49,15 @@ from specserve.actors.compute import ComputeThread
 from specserve.actors.draft_gather import DraftGatherer
 from specserve.actors.overlap import OverlapDraftSide
 from specserve.actors.suffix_store import SharedSuffixCache
-from specserve.core.draft import BatchedDrafter, Drafter, FeatureDrafter
+from specserve.core.draft.drafter import BatchedDrafter, Drafter, FeatureDrafter
+from specserve.core.draft.schedule import Budget, CycleObservation
 from specserve.core.draft_side import DraftSide
-from specserve.core.logprobs import TokenLogprob
-from specserve.core.model import ModelInfo, TargetDescription, load_tokenizer
+from specserve.core.model.causal_lm import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.request import new_draft_side
-from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.schedule import Budget, CycleObservation
+from specserve.core.sampling.warps import SamplingParams, make_generators
 from specserve.core.target import FinishReason
-from specserve.core.tree import TreeSpec
+from specserve.core.tree.draft_tree import TreeSpec
+from specserve.core.verify.logprobs import TokenLogprob
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.drafters.suffix import SuffixCache

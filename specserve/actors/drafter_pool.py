@@ -55,7 +55,7 @@ from specserve.actors.replica import start_drafter
 from specserve.cluster.placement import replica_placement
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
-from specserve.core.model import ModelInfo
+from specserve.core.model.causal_lm import ModelInfo
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from specserve.core.draft import Draft, Proposal
+from specserve.core.draft.drafter import Draft, Proposal
 from specserve.core.draft_side import DraftSide
 from specserve.core.target import CycleOutcome
 

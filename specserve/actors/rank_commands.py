@@ -22,10 +22,10 @@ from enum import IntEnum
 import torch
 
 from specserve.core.batch_step import LocalPool
-from specserve.core.kv_pool import KVPool
-from specserve.core.model import BatchBlock, CausalLM, KVCache
+from specserve.core.kv.pool import KVPool
+from specserve.core.model.causal_lm import BatchBlock, CausalLM, KVCache
 from specserve.core.target import PooledSequence
-from specserve.core.tree import DraftTree
+from specserve.core.tree.draft_tree import DraftTree
 
 HEADER_SIZE = 4  # [op, sequence, a, b], int64
 

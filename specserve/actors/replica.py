@@ -30,7 +30,7 @@ from specserve.actors.target_shard import TargetShardActor
 from specserve.cluster.placement import replica_placement
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.errors import UserError
-from specserve.core.model import ModelInfo
+from specserve.core.model.causal_lm import ModelInfo
 
 # Times Ray restarts a replica's drafter actor after it dies (or its coordinator kills it, frozen); its requests
 # meanwhile finish without speculation (specserve.actors.coordinator), later ones draft again.

@@ -1,6 +1,6 @@
 """``TargetShardActor``: one tensor-parallel rank of a target replica (a plain class, made remote at spawn time).
 
-Every rank loads the target, then :func:`~specserve.core.tensor_parallel.shard_model` keeps its
+Every rank loads the target, then :func:`~specserve.core.model.tensor_parallel.shard_model` keeps its
 share of each block; the ranks of one replica form a ``torch.distributed`` group (gloo on CPU,
 NCCL on GPU) whose deterministic all-reduces run inside the model's own forward.
 
@@ -62,18 +62,18 @@ from specserve.actors.rank_commands import (
     follow,
 )
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
-from specserve.core.draft import Proposal
+from specserve.core.draft.drafter import Proposal
 from specserve.core.errors import UserError
-from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, memory_tokens, pool_tokens
-from specserve.core.logprobs import TokenLogprob
-from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
-from specserve.core.prefix_cache import Hit, PrefixCache
-from specserve.core.prefix_store import PrefixStore
+from specserve.core.kv.pool import DEFAULT_MEMORY_FRACTION, KVPool, memory_tokens, pool_tokens
+from specserve.core.kv.prefix_cache import Hit, PrefixCache
+from specserve.core.kv.prefix_store import PrefixStore
+from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
+from specserve.core.model.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
 from specserve.core.request import new_verifier
-from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.sampling.warps import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, FinishReason, PooledSequence, TargetVerifier
-from specserve.core.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
-from specserve.core.tree import DraftTree
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.verify.logprobs import TokenLogprob
 from specserve.rpc.verifier import UnknownRequest, VerifierServer
 
 logger = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ class TargetShardActor:
         tokens it reserves), and rank 0 verifies the drafts of its running requests together,
         one forward per step, waiting at most ``batch_wait_s`` for a step to fill, and prefills newcomers
         ``prefill_tokens`` tokens at a time between steps. With ``prefix_caching`` rank 0 keeps a prefix cache over
-        the pool (:mod:`specserve.core.prefix_cache`) and every rank mirrors its copies, trims and evictions."""
+        the pool (:mod:`specserve.core.kv.prefix_cache`) and every rank mirrors its copies, trims and evictions."""
         self.compute = ComputeThread(num_threads)
         self.rank, self.world_size = rank, world_size
         self.target = self.compute.run(CausalLM.load, model_dir, dtype=dtype, device=device)
@@ -373,7 +373,7 @@ class TargetShardActor:
             threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
 
     def _pool_size(self) -> int:
-        """``kv_pool_tokens``, or :func:`~specserve.core.kv_pool.pool_tokens` of this rank's share of the heads: the
+        """``kv_pool_tokens``, or :func:`~specserve.core.kv.pool.pool_tokens` of this rank's share of the heads: the
         fewest over the ranks (each reads its own device's free memory; the pools mirror each other's spans)."""
         if self._pool_tokens:
             return self._pool_tokens
@@ -467,7 +467,7 @@ class TargetShardActor:
 
         A batched replica first waits until its KV pool has the tokens the request reserves (its prompt and output, and
         its widest draft: ``tree_nodes`` for trees); one that could never fit is refused at once
-        (:class:`~specserve.core.kv_pool.PoolFull`). It prefills in chunks of at most ``prefill_tokens`` tokens, each
+        (:class:`~specserve.core.kv.pool.PoolFull`). It prefills in chunks of at most ``prefill_tokens`` tokens, each
         its own turn on the compute thread, so the running requests' steps go on between them: a long prompt delays them
         by one chunk at a time."""
         self._require_rank0()
@@ -754,7 +754,7 @@ class TargetShardActor:
         return held
 
     def prefix_cache_stats(self) -> dict[str, int] | None:
-        """Rank 0: the prefix cache's counters (:class:`~specserve.core.prefix_cache.CacheStats`), or ``None``."""
+        """Rank 0: the prefix cache's counters (:class:`~specserve.core.kv.prefix_cache.CacheStats`), or ``None``."""
         with self._lock:
             return self._cache.stats.as_dict() if self._cache is not None else None
 

@@ -1,7 +1,7 @@
 """transformers' own decoding, the baseline the benchmarks measure our engine against.
 
 :func:`hf_generate` runs ``model.generate`` on one prompt the way every benchmark compares with: transformers'
-own attention (:func:`~specserve.core.attention.native_attention`, for an assistant model too), the target's
+own attention (:func:`~specserve.core.attention.sdpa.native_attention`, for an assistant model too), the target's
 EOS tokens, greedy or sampled with top-k and top-p off, seeded through torch's global generator (which is what
 ``generate`` samples from). Extra keyword arguments go to ``generate`` unchanged: an ``assistant_model``,
 ``prompt_lookup_num_tokens``, ``cache_implementation="static"`` (which transformers compiles by itself on a GPU).
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from specserve.core.attention import native_attention
-from specserve.core.model import CausalLM
+from specserve.core.attention.sdpa import native_attention
+from specserve.core.model.causal_lm import CausalLM
 
 
 def hf_generate(

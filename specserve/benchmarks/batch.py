@@ -111,13 +111,13 @@ from specserve.benchmarks.batch_loop import (
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.draft import Drafter
-from specserve.core.drafter_spec import is_model_free
+from specserve.core.draft.drafter import Drafter
+from specserve.core.draft.schedule import MAX_GAMMA
+from specserve.core.draft.spec_strings import is_model_free
 from specserve.core.engine import GenerationConfig, SpeculativeEngine, StreamChunk
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import MAX_GAMMA
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.drafters.none import NoDrafter
 from specserve.drafters.registry import request_drafters

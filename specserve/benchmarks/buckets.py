@@ -6,12 +6,12 @@ Two measurements of the shipped pair (``bench/buckets.py``), on a fixed number o
   tokens, on three caches, interleaved so that the three share the machine's drift (every repeat visits every k,
   in alternating directions, and the caches in rotating order at each k):
 
-  - ``dynamic`` — today's growing cache (:class:`~specserve.core.model.KVCache`), the block at its own width;
-  - ``static`` — the static-shape cache (:mod:`specserve.core.static_cache`) with no buckets: its own width too;
+  - ``dynamic`` — today's growing cache (:class:`~specserve.core.model.causal_lm.KVCache`), the block at its own width;
+  - ``static`` — the static-shape cache (:mod:`specserve.core.static.slots`) with no buckets: its own width too;
   - ``bucketed`` — the static cache with the default buckets (``--buckets``; by default
-    :data:`~specserve.core.buckets.CPU_BUCKETS`): the block padded to its bucket, so its cost is its bucket's.
+    :data:`~specserve.core.model.buckets.CPU_BUCKETS`): the block padded to its bucket, so its cost is its bucket's.
 
-  Then :func:`~specserve.core.buckets.choose_buckets` on the ``static`` costs (widths not measured count as
+  Then :func:`~specserve.core.model.buckets.choose_buckets` on the ``static`` costs (widths not measured count as
   unavailable: the buckets are chosen among the measured widths), set against the default buckets: at every k
   where the two pad to different widths, what each width costs.
 * **Engine tokens/s** — for each drafter (the draft model, n-gram) and each γ, greedy, ``ignore_eos``: the growing-
@@ -25,7 +25,7 @@ Two measurements of the shipped pair (``bench/buckets.py``), on a fixed number o
 Results: ``buckets.json``, ``buckets.md`` (the tables, with the command and thread count) and ``buckets.png``
 (T_verify(k) per cache, speedups per γ) under ``--out``; progress goes to stderr, the tables to stdout, then one
 JSON line. ``--quick`` is a smoke run (a few k, one prompt × 8 tokens, γ 1 and 4). CPU only; trains nothing and
-changes no default: what the numbers say about :data:`~specserve.core.buckets.CPU_BUCKETS` is for a person to
+changes no default: what the numbers say about :data:`~specserve.core.model.buckets.CPU_BUCKETS` is for a person to
 decide.
 """
 
@@ -53,13 +53,13 @@ from specserve.benchmarks.prompts import heldout_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
 from specserve.benchmarks.timing import synchronize
-from specserve.core.buckets import NO_BUCKETS, VerifyBuckets, choose_buckets, default_buckets
+from specserve.core.draft.schedule import MAX_GAMMA
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, KVCache
-from specserve.core.schedule import MAX_GAMMA
-from specserve.core.static_cache import StaticKVCache, StaticTarget
-from specserve.core.static_options import StaticOptions
+from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets, choose_buckets, default_buckets
+from specserve.core.model.causal_lm import CausalLM, KVCache
+from specserve.core.static.options import StaticOptions
+from specserve.core.static.slots import StaticKVCache, StaticTarget
 from specserve.drafters import build_drafter_set
 
 STEM = "buckets"

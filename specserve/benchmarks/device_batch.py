@@ -8,14 +8,15 @@ of :mod:`specserve.benchmarks.batch_loop` (held-out prompts in turn, ``max_new_t
 * ``ours/batched-gamma-3`` — the same engine with the draft model at γ 3 (the shipped pair only: a random Llama has
   no draft model, and its tokens mean nothing to one);
 * ``ours/batched-plain-ragged`` — on CUDA, batched plain again with the row-by-row attention forced, beside the
-  one-call FlexAttention path the device takes by default (:mod:`specserve.core.flex_batch`);
+  one-call FlexAttention path the device takes by default (:mod:`specserve.core.attention.flex`);
 * ``ours/batched-plain-graphed`` and ``ours/batched-gamma-3-graphed`` — on CUDA, with static shapes: the target's
-  steps and the draft model's forwards captured as CUDA graphs at bucketed shapes (:mod:`specserve.core.batch_graphs`);
+  steps and the draft model's forwards captured as CUDA graphs at bucketed shapes
+  (:mod:`specserve.core.static.batch_graphs`);
 * ``hf/generate-batch`` — transformers' continuous batching (the manager behind ``generate_batch``: its paged
   attention, same device, same requests).
 
 Per run: tokens/s (all tokens over the wall time, prefill included), ITL p50 and TTFT p50, the attention path the
-batched forward took (:func:`~specserve.core.flex_batch.batch_attention`), and how many of our outputs equal the
+batched forward took (:func:`~specserve.core.attention.flex.batch_attention`), and how many of our outputs equal the
 request's greedy tokens one at a time (:class:`~specserve.core.engine.SpeculativeEngine`, no drafter). On CUDA, at the
 largest level, a few decode steps of batched plain are counted, eager and graphed: host synchronisations (CUDA's sync
 debug mode) and kernel launches (the profiler's CUDA events), per step. A target takes the faster of a method and its
@@ -46,11 +47,11 @@ from specserve.benchmarks.batch_loop import (
     run_hf_batching,
 )
 from specserve.benchmarks.step_costs import step_costs
+from specserve.core.attention.flex import ENV, batch_attention
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.flex_batch import ENV, batch_attention
-from specserve.core.model import CausalLM
-from specserve.core.static_options import StaticOptions
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.static.options import StaticOptions
 from specserve.drafters.none import NoDrafter
 from specserve.drafters.registry import request_drafters
 from specserve.policies.schedules import schedules
@@ -221,7 +222,7 @@ def batched_section(
         if attention == "flex":  # the row-by-row path beside it: which is faster here is measured, not assumed
             runs.append(("ours/batched-plain-ragged", partial(ragged, run_level, model, None, prompts, concurrency,
                                                               max_seq_len, max_new_tokens)))  # fmt: skip
-        if graphs:  # the steps captured as CUDA graphs (core/batch_graphs.py)
+        if graphs:  # the steps captured as CUDA graphs (core/static/batch_graphs.py)
             runs.append(("ours/batched-plain-graphed", partial(run_level, model, None, prompts, concurrency,
                                                                max_seq_len, max_new_tokens, True)))  # fmt: skip
         if draft is not None:

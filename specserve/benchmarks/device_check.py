@@ -4,7 +4,7 @@ Run it as ``bench/device_check.sh`` (or ``python bench/device_check.py``), which
 GPU. In one process, within a wall-clock budget (:data:`BUDGET_SECONDS`, under the script's 8 minutes), it measures:
 
 * **plain** — plain decoding of the shipped target over the held-out prompts: our engine with CUDA graphs
-  (``graphs``: :mod:`specserve.core.static_cache` with graphs), on static shapes without graphs (``static``) and on
+  (``graphs``: :mod:`specserve.core.static.slots` with graphs), on static shapes without graphs (``static``) and on
   the growing cache (``dynamic``, ``static=None``), against transformers' ``generate`` (``hf/eager``, whose greedy
   tokens are also the reference of every exactness check) and its static-cache mode, which transformers compiles
   by itself on a GPU (``hf/static``, timed after a warm-up that compiles it);
@@ -62,13 +62,13 @@ from specserve.benchmarks.device_batch import MAX_NEW_TOKENS as BATCH_MAX_NEW_TO
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.benchmarks.tally import Tally
 from specserve.benchmarks.timing import median_forward_seconds, synchronize
-from specserve.core.draft import DrafterSet, TreeDrafter
+from specserve.core.draft.drafter import DrafterSet, TreeDrafter
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
-from specserve.core.graphs import GraphCache
-from specserve.core.model import CausalLM, KVCache
-from specserve.core.static_cache import StaticKVCache, StaticTarget
-from specserve.core.static_options import StaticOptions
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.model.causal_lm import CausalLM, KVCache
+from specserve.core.static.graphs import GraphCache
+from specserve.core.static.options import StaticOptions
+from specserve.core.static.slots import StaticKVCache, StaticTarget
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters import build_drafter_set
 
 BUDGET_SECONDS = 430.0
@@ -76,7 +76,7 @@ BUDGET_SECONDS = 430.0
 Python's start, the plot and slack."""
 RESERVE_SECONDS = 10.0  # kept back from every estimate for writing the results
 MUST_NOT_LOAD = ("ray", "llguidance")  # the device image has neither; nothing the check runs may need them
-# EAGLE-2's shape at 15 nodes: with the root a block of 16, a GPU bucket (specserve.core.buckets.GPU_BUCKETS)
+# EAGLE-2's shape at 15 nodes: with the root a block of 16, a GPU bucket (specserve.core.model.buckets.GPU_BUCKETS)
 TREE = TreeSpec("dynamic", budget=TreeBudget(depth=6, width=3, nodes=15, expand=3))
 VERIFY_KS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 LLAMA_PROMPTS = 3

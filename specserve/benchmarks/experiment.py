@@ -20,7 +20,7 @@ in one file, built with no arguments, that satisfies :class:`~specserve.policies
 through the same harness, live or replayed::
 
     # my_policy.py — specserve experiment --policies fixed:4,adaptive,none,my_policy.py:FirstDepth
-    from specserve.core.schedule import Budget
+    from specserve.core.draft.schedule import Budget
     from specserve.policies.base import PolicyState
 
     class FirstDepth:
@@ -82,9 +82,9 @@ from specserve.benchmarks.arguments import (
 )
 from specserve.benchmarks.tables import table_cell
 from specserve.cluster.replica_config import ReplicaConfig
-from specserve.core.drafter_spec import is_model_free
+from specserve.core.draft.schedule import MAX_GAMMA, Budget, FixedSchedule, Schedule, ScheduleFactory
+from specserve.core.draft.spec_strings import is_model_free
 from specserve.core.errors import UserError
-from specserve.core.schedule import MAX_GAMMA, Budget, FixedSchedule, Schedule, ScheduleFactory
 from specserve.policies.base import Policy
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
 from specserve.policies.estimators import Estimators, ReplicaPrior
@@ -355,7 +355,7 @@ def _live(cfg: ExperimentConfig, specs: list[PolicySpec]) -> list[Cell]:
 
     from specserve.benchmarks.prompts import heldout_prompts, load_prompts
     from specserve.core.engine import GenerationConfig, SpeculativeEngine
-    from specserve.core.sampling import SamplingParams
+    from specserve.core.sampling.warps import SamplingParams
 
     torch.manual_seed(cfg.seed)
     target, drafters = _load_models(cfg)
@@ -414,7 +414,7 @@ def _live(cfg: ExperimentConfig, specs: list[PolicySpec]) -> list[Cell]:
 
 
 def _load_models(cfg: ExperimentConfig) -> tuple[Any, Any]:
-    from specserve.core.model import CausalLM
+    from specserve.core.model.causal_lm import CausalLM
     from specserve.drafters.registry import build_drafter_set
 
     for directory in (cfg.target, cfg.draft):

@@ -81,14 +81,14 @@ from specserve.benchmarks.speculative import BenchConfig, run_hf, run_hf_assiste
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
-from specserve.core.draft import Drafter
-from specserve.core.drafter_spec import LOOKAHEAD_PREFIX, REST_PREFIX
+from specserve.core.draft.drafter import Drafter
+from specserve.core.draft.schedule import MAX_GAMMA
+from specserve.core.draft.spec_strings import LOOKAHEAD_PREFIX, REST_PREFIX
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import MAX_GAMMA
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
 TARGET_SPEEDUP = 2.0  # EAGLE's target over plain greedy decoding (issue 7)

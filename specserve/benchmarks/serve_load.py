@@ -52,8 +52,8 @@ from specserve import defaults
 from specserve.benchmarks.arguments import RUNS_DIR, add_output_arguments, number_list, print_results, stdout_to_stderr
 from specserve.benchmarks.tally import report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
+from specserve.core.draft.schedule import MAX_GAMMA
 from specserve.core.errors import UserError
-from specserve.core.schedule import MAX_GAMMA
 
 DEFAULT_MODES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("off", {"enabled": False}),

@@ -61,13 +61,13 @@ from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import report_paths, save_report
 from specserve.benchmarks.timing import median_forward_seconds
-from specserve.core.draft import Drafter
-from specserve.core.drafter_spec import is_model_free
+from specserve.core.draft.drafter import Drafter
+from specserve.core.draft.schedule import MAX_GAMMA
+from specserve.core.draft.spec_strings import is_model_free
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import MAX_GAMMA
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 

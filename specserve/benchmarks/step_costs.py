@@ -1,18 +1,19 @@
 """T(rows, width): what one batched step costs by its rows and block width, and the row buckets that table implies.
 
 A batched step over ``rows`` sequences, each holding ``prefix`` cached positions, appends a block of ``width`` tokens to
-every row (:meth:`~specserve.core.model.CausalLM.forward_batch`), and is rolled back after. :func:`step_costs` times it
-(median ms over ``repeats``, after one untimed run that warms up or captures the shape) for every ``rows`` in
+every row (:meth:`~specserve.core.model.causal_lm.CausalLM.forward_batch`), and is rolled back after. :func:`step_costs`
+times it (median ms over ``repeats``, after one untimed run that warms up or captures the shape) for every ``rows`` in
 ``1 .. max_rows`` (or the levels given) at each width, two ways:
 
 * ``ordinary`` — the eager batched forward (row by row on a CPU, FlexAttention on CUDA:
-  :mod:`specserve.core.flex_batch`);
-* ``captured`` — the captured step of :mod:`specserve.core.batch_graphs`, at exactly that many rows (one row bucket
+  :mod:`specserve.core.attention.flex`);
+* ``captured`` — the captured step of :mod:`specserve.core.static.batch_graphs`, at exactly that many rows (one row
+bucket
   per count), replayed as a CUDA graph on CUDA and run eagerly elsewhere.
 
-:func:`~specserve.core.buckets.choose_buckets` on the captured costs of one width gives the row counts worth a graph of
-their own: every other count pads up to the next one (``row_buckets``). Used by the device check's batched sections and
-``bench/batch_graphs.py``. Decides nothing on its own.
+:func:`~specserve.core.model.buckets.choose_buckets` on the captured costs of one width gives the row counts worth a
+graph of their own: every other count pads up to the next one (``row_buckets``). Used by the device check's batched
+sections and ``bench/batch_graphs.py``. Decides nothing on its own.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from typing import Any
 import torch
 
 from specserve.benchmarks.timing import synchronize
-from specserve.core.batch_graphs import BatchGraphs
-from specserve.core.buckets import VerifyBuckets, choose_buckets
-from specserve.core.graphs import CudaGraphs
-from specserve.core.kv_pool import KVPool
-from specserve.core.model import BatchBlock, CausalLM
+from specserve.core.kv.pool import KVPool
+from specserve.core.model.buckets import VerifyBuckets, choose_buckets
+from specserve.core.model.causal_lm import BatchBlock, CausalLM
+from specserve.core.static.batch_graphs import BatchGraphs
+from specserve.core.static.graphs import CudaGraphs
 
 MODES = ("ordinary", "captured")
 

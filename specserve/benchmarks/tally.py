@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.stats import RequestStats
 
 T = TypeVar("T")

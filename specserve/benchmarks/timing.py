@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.core.model import CausalLM, KVCache
-from specserve.core.static_cache import StaticKVCache
+from specserve.core.model.causal_lm import CausalLM, KVCache
+from specserve.core.static.slots import StaticKVCache
 
 
 def synchronize(device: torch.device) -> None:

@@ -8,11 +8,11 @@ and ``max_new_tokens``, with the same draft model, exact at every temperature:
 * ``chain k`` — the draft model's k-token chain (sampled with q at temperature > 0);
 * ``static k (depth d)`` — a Medusa-style calibrated topology: the k index paths of at most
   ``STATIC_DEPTHS`` levels with the highest product of rank probabilities
-  (:meth:`~specserve.core.tree.TreeTopology.best_first`), where
+  (:meth:`~specserve.core.tree.draft_tree.TreeTopology.best_first`), where
   ``rank_probs[r]`` is how often the target's greedy token is the draft's rank-r candidate on
   calibration prompts that are not benchmark prompts (:func:`calibrate_rank_probs`);
 * ``dynamic k (d w e)`` — expand the ``e`` most confident nodes per level into ``w`` children
-  each, down to depth ``d``, keep the best ``k`` nodes (:class:`~specserve.core.tree.TreeBudget`;
+  each, down to depth ``d``, keep the best ``k`` nodes (:class:`~specserve.core.tree.draft_tree.TreeBudget`;
   sampled trees spend the ``k`` while growing instead);
 * ``plain`` — no drafting, the baseline of every speedup.
 
@@ -51,12 +51,12 @@ from specserve.benchmarks.arguments import (
 from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
+from specserve.core.draft.schedule import MAX_GAMMA
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import MAX_GAMMA
-from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter_set
 
 # Dynamic (depth, width, expand) per k: one confident path with alternatives on its nodes (expand 1: each level

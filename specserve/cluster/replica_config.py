@@ -36,11 +36,11 @@ from pydantic_core import PydanticUndefined
 
 from specserve import defaults
 from specserve.cluster.placement import MAX_TP, Accelerator, ClusterSpec, DrafterPlacement
-from specserve.core.buckets import VerifyBuckets
-from specserve.core.checkpoint_dir import check_checkpoint_dir
-from specserve.core.drafter_spec import absolute_spec, check_drafter_spec
+from specserve.core.draft.spec_strings import absolute_spec, check_drafter_spec
 from specserve.core.errors import UserError
-from specserve.core.static_options import StaticOptions
+from specserve.core.model.buckets import VerifyBuckets
+from specserve.core.model.checkpoint_dir import check_checkpoint_dir
+from specserve.core.static.options import StaticOptions
 
 Dtype = Literal["float32", "float64", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]  # one GPU per process: Ray gives each actor its own (CUDA_VISIBLE_DEVICES)
@@ -56,7 +56,7 @@ class InvalidSetting(UserError):
 
 def resolve_model_path(spec: str) -> str:
     """``spec`` (a target directory or any drafter spec) with the directory it names made absolute when that
-    directory exists here; anything else unchanged (:func:`specserve.core.drafter_spec.absolute_spec`)."""
+    directory exists here; anything else unchanged (:func:`specserve.core.draft.spec_strings.absolute_spec`)."""
     return absolute_spec(spec)
 
 
@@ -195,7 +195,7 @@ class ReplicaConfig(BaseModel):
         "max_seq_len, within kv_cache_memory",
     )
     kv_cache_memory: float = Field(
-        0.5,  # specserve.core.kv_pool.DEFAULT_MEMORY_FRACTION (a test checks they agree)
+        0.5,  # specserve.core.kv.pool.DEFAULT_MEMORY_FRACTION (a test checks they agree)
         gt=0,
         le=1,
         description="batched replicas with kv_pool_tokens 0: the KV pool takes at most this share of the memory free "

@@ -1,10 +1,13 @@
 """The core: everything one target replica needs to run exact speculative decoding, in one process or on many.
 
-Sampling parameters and warps, the exact acceptance rules (and the one opt-in lossy rule), draft trees, the model
-adapter with KV rollback and compaction, tensor-parallel sharding, the drafter, schedule and processor contracts,
-structured output, the draft and verify sides of a cycle, how a request starts and streams out
-(:mod:`specserve.core.request`), the single-request engine, the KV pool and batched engine, and the static-shape
-engine (buckets, preallocated KV slots, CUDA graphs). docs/architecture.md lists every module.
+Its rooms follow one speculation cycle over its state (docs/architecture.md#the-rooms-of-core), lowest first:
+``sampling`` (what a request asks of the target's distribution), ``tree`` (what a draft tree is), ``attention`` (the
+attention paths), ``kv`` (the state a cycle rolls back: KV caches, recurrent checkpoints, the KV pool, the prefix
+cache), ``model`` (the forward over a Hugging Face causal LM, tensor parallelism), ``static`` (static shapes and
+captured steps), ``draft`` (the drafter and schedule contracts) and ``verify`` (the exact acceptance rules and what
+shapes the distributions they compare). At the top: the two halves of a cycle (``draft_side``, ``target``), a
+request's life (``request``, ``prompts``, ``detokenize``, ``stats``, ``resume``, ``shadow``), the engines
+(``engine``, ``batch_step``, ``batch_engine``) and ``errors``, which every room may raise.
 
 Nothing in ``specserve.core`` imports Ray, gRPC or another part of specserve: the distributed runtime reuses these
 objects (the actors drive the same draft and verify sides), and the drafters and policies meet here through contract

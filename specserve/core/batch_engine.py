@@ -1,6 +1,6 @@
 """Continuous batching in one process: many requests, one target forward per step.
 
-:class:`BatchedEngine` holds a :class:`~specserve.core.kv_pool.KVPool` and the running requests.
+:class:`BatchedEngine` holds a :class:`~specserve.core.kv.pool.KVPool` and the running requests.
 Requests join and leave between steps. One :meth:`BatchedEngine.step`:
 
 1. **admit and prefill** — waiting requests start, first come first served, while fewer than
@@ -14,10 +14,10 @@ Requests join and leave between steps. One :meth:`BatchedEngine.step`:
    knowing the batch size (a goodput-aware schedule drafts less in a larger batch), the chains of
    adaptive requests are aligned to one length (:func:`~specserve.core.draft_side.align_chains`), and
    the drafts are made (:func:`~specserve.core.draft_side.propose_batch`): chains of drafters that share
-   a :class:`~specserve.core.draft.ChainBatcher` (a draft model over its own KV pool) in shared
+   a :class:`~specserve.core.draft.drafter.ChainBatcher` (a draft model over its own KV pool) in shared
    forwards, every other proposal (trees, n-gram, none) with the request's own drafter;
 3. **verify** — the target scores every request's block in **one** forward
-   (:meth:`~specserve.core.model.CausalLM.forward_batch`); each request's
+   (:meth:`~specserve.core.model.causal_lm.CausalLM.forward_batch`); each request's
    :class:`~specserve.core.target.TargetVerifier` decides on its own rows by the same exact rules
    as the single-request engine, with the request's own generators, and rolls back or compacts
    its own span of the pool;
@@ -39,12 +39,12 @@ much is proposed, never the output's law). Each request gets its own drafter fro
 is the request's), given back when the request ends. Each step's observation carries the batch size,
 the positions the forward computed and the step's time, which the policies' step-cost estimate learns.
 
-Hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.FeatureDrafter`) get the target's
+Hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.drafter.FeatureDrafter`) get the target's
 features from the batched forwards themselves: each prefill chunk's, in order, from the chunk's first
 position (together, what the single engine's prefill hands over at once: every prompt token's but the
 last), then each cycle's root and accepted tokens' from the step's verify forward (one
-:class:`~specserve.core.model.FeatureCapture` per row that wants them). A layer-skip drafter
-(:class:`~specserve.core.draft.SharesTargetKV`) is not given the target's cache here: a request's KV is
+:class:`~specserve.core.model.causal_lm.FeatureCapture` per row that wants them). A layer-skip drafter
+(:class:`~specserve.core.draft.drafter.SharesTargetKV`) is not given the target's cache here: a request's KV is
 its span of the pool, so the drafter keeps a cache of its own, as it does in a drafter process.
 """
 
@@ -56,9 +56,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specserve.core.batch_graphs import batch_graphs
 from specserve.core.batch_step import LocalPool, StepResult, kv_tokens, verify_batch
-from specserve.core.draft import (
+from specserve.core.draft.drafter import (
     BatchedDrafter,
     Drafter,
     FeatureDrafter,
@@ -68,18 +67,19 @@ from specserve.core.draft import (
     drafter_counters,
     probe_nodes,
 )
+from specserve.core.draft.schedule import ScheduleFactory, fixed_schedules
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import request_failure
-from specserve.core.graphs import GraphBackend
-from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION, KVPool, pool_tokens
-from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
-from specserve.core.prefix_cache import Hit, PrefixCache
+from specserve.core.kv.pool import DEFAULT_MEMORY_FRACTION, KVPool, pool_tokens
+from specserve.core.kv.prefix_cache import Hit, PrefixCache
+from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, StreamChunk, start_request
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import ScheduleFactory, fixed_schedules
-from specserve.core.static_options import StaticOptions
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.static.batch_graphs import batch_graphs
+from specserve.core.static.graphs import GraphBackend
+from specserve.core.static.options import StaticOptions
 from specserve.core.target import CycleOutcome, PooledSequence, TargetVerifier
 
 
@@ -134,13 +134,13 @@ class BatchedEngine(GenerationFrontend):
         prefix_caching: bool = True,
         graph_backend: GraphBackend | None = None,
     ) -> None:
-        """``static``: run every step at the bucket of its widest block (:mod:`specserve.core.buckets`; the KV pool
-        is preallocated either way). ``kv_memory_fraction``: without ``kv_pool_tokens``, the pool takes at most that
-        share of the memory free on the target's device (:func:`~specserve.core.kv_pool.pool_tokens`).
+        """``static``: run every step at the bucket of its widest block (:mod:`specserve.core.model.buckets`; the KV
+        pool is preallocated either way). ``kv_memory_fraction``: without ``kv_pool_tokens``, the pool takes at most
+        that share of the memory free on the target's device (:func:`~specserve.core.kv.pool.pool_tokens`).
         ``prefix_caching``: reuse the KV of prefixes earlier (or running) requests cached, within a namespace
-        (:mod:`specserve.core.prefix_cache`). With ``static``, steps that fit its buckets replay as captured graphs
-        (:mod:`specserve.core.batch_graphs`) on a CUDA device with ``cuda_graphs``, or through ``graph_backend`` when
-        one is given (the tests' stand-in)."""
+        (:mod:`specserve.core.kv.prefix_cache`). With ``static``, steps that fit its buckets replay as captured graphs
+        (:mod:`specserve.core.static.batch_graphs`) on a CUDA device with ``cuda_graphs``, or through ``graph_backend``
+        when one is given (the tests' stand-in)."""
         if prefill_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"prefill_tokens and max_num_seqs must be >= 1, got {prefill_tokens}, {max_num_seqs}")
         self.prefill_tokens = prefill_tokens
@@ -319,7 +319,7 @@ class BatchedEngine(GenerationFrontend):
 
     def _cacheable(self, request: _Request) -> list[int]:
         """The prompt positions a request may take from the prefix cache: all but its last token, and no more than
-        its drafter can follow (:class:`~specserve.core.draft.PrefixReusing`: the features it holds)."""
+        its drafter can follow (:class:`~specserve.core.draft.drafter.PrefixReusing`: the features it holds)."""
         return request.prompt_ids[: len(request.prompt_ids) - 1][: request.reuse_limit]
 
     def _lookup(self, request: _Request) -> Hit | None:

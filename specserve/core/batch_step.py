@@ -1,10 +1,10 @@
 """One batched verification step over a KV pool, written once for every batched runtime.
 
 :func:`verify_batch` scores every request's verify block in **one** target forward over the pool
-(:meth:`~specserve.core.model.CausalLM.forward_batch`: rows padded to the widest block, each row attending
+(:meth:`~specserve.core.model.causal_lm.CausalLM.forward_batch`: rows padded to the widest block, each row attending
 over only its own prefix and block), then lets each request's :class:`~specserve.core.target.TargetVerifier`
 decide on its own rows by the exact rules, with its own generators, and roll back or compact its own
-sequence. The decisions take one copy to the host for the whole step (:mod:`specserve.core.staged`): every
+sequence. The decisions take one copy to the host for the whole step (:mod:`specserve.core.verify.staged`): every
 verifier stages its verdict on the device (the rules' work, every row's next token, the logprobs asked for, whether
 its logits are finite), one transfer brings every request's numbers over, and each verifier commits from them.
 Typical acceptance (lossy, opted into) still reads its own tensors while staging (its rule walks on the host).
@@ -28,14 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.core.batch_graphs import BatchGraphs
-from specserve.core.buckets import VerifyBuckets
-from specserve.core.draft import Proposal
+from specserve.core.draft.drafter import Proposal
 from specserve.core.errors import request_failure
-from specserve.core.kv_pool import KVPool
-from specserve.core.model import BatchBlock, CausalLM, FeatureCapture
-from specserve.core.staged import Staged, read
+from specserve.core.kv.pool import KVPool
+from specserve.core.model.buckets import VerifyBuckets
+from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture
+from specserve.core.static.batch_graphs import BatchGraphs
 from specserve.core.target import CycleOutcome, PoolOps, TargetVerifier
+from specserve.core.verify.staged import Staged, read
 
 
 class LocalPool:
@@ -45,7 +45,7 @@ class LocalPool:
         self, target: CausalLM, pool: KVPool, buckets: VerifyBuckets | None = None, graphs: BatchGraphs | None = None
     ) -> None:
         """``buckets``: every step runs at the bucket of its widest block (static shapes); ``graphs``: steps that fit
-        its buckets run as captured steps (:mod:`specserve.core.batch_graphs`)."""
+        its buckets run as captured steps (:mod:`specserve.core.static.batch_graphs`)."""
         self.target = target
         self.pool = pool
         self.buckets = buckets
@@ -72,7 +72,7 @@ def kv_tokens(sequence_tokens: int, tree_nodes: int = 0) -> int:
     """KV positions a request reserves in a pool: its prompt and output (``sequence_tokens``), and for a request that
     drafts trees of up to ``tree_nodes`` nodes, room for its last verify block. A cycle caches every committed token
     but the last, then verifies a block of that token and its drafts; chains are cut to the tokens the request may
-    still emit minus one (:func:`~specserve.core.draft.propose`), so they stay within ``sequence_tokens``, but a
+    still emit minus one (:func:`~specserve.core.draft.drafter.propose`), so they stay within ``sequence_tokens``, but a
     tree's nodes may outnumber them (only its depth is cut)."""
     return sequence_tokens + tree_nodes
 

@@ -5,7 +5,7 @@ draft each cycle), the hand-off of the target's features to a hidden-state draft
 cycle's observation. Its driver calls two methods per cycle:
 
 1. :meth:`DraftSide.propose` — the schedule's next budget, then the drafter's proposal (a chain or
-   a tree: a :data:`~specserve.core.draft.Proposal`) within the tokens the request may still emit;
+   a tree: a :data:`~specserve.core.draft.drafter.Proposal`) within the tokens the request may still emit;
 2. :meth:`DraftSide.on_verdict` — given the target's :class:`~specserve.core.target.CycleOutcome`
    for that proposal: the schedule observes the cycle, and, unless the request ended, the drafter
    is told what was committed and handed the cycle's features.
@@ -25,7 +25,7 @@ from typing import cast
 
 import torch
 
-from specserve.core.draft import (
+from specserve.core.draft.drafter import (
     BatchedDrafter,
     ChainBatcher,
     Draft,
@@ -37,10 +37,10 @@ from specserve.core.draft import (
     check_can_draft,
     propose,
 )
+from specserve.core.draft.schedule import BatchPlanned, Budget, CycleObservation, Schedule
 from specserve.core.errors import request_failure
-from specserve.core.model import KVCache
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import BatchPlanned, Budget, CycleObservation, Schedule
+from specserve.core.model.causal_lm import KVCache
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.target import CycleOutcome
 
 
@@ -88,7 +88,7 @@ class DraftSide:
         target_cache: KVCache | None = None,
     ) -> None:
         """Reset the drafter for this request. ``target_cache``: the request's target KV in this process, which a
-        drafter made of the target's own first layers (:class:`~specserve.core.draft.SharesTargetKV`) reads."""
+        drafter made of the target's own first layers (:class:`~specserve.core.draft.drafter.SharesTargetKV`) reads."""
         self.drafter.start(prompt_ids, params, generator)
         if target_cache is not None and isinstance(self.drafter, SharesTargetKV):
             self.drafter.share_target_cache(target_cache)
@@ -271,10 +271,10 @@ def propose_batch(sides: Sequence[DraftSide], batch_sizes: Sequence[int] | None 
     """Every side's next proposal for one batched step of ``len(sides)`` requests.
 
     Each schedule first plans its budget knowing the batch size; the chains of schedules that allow it
-    (:class:`~specserve.core.schedule.BatchPlanned`: the goodput-aware adaptive policy; a fixed γ stays fixed) are
+    (:class:`~specserve.core.draft.schedule.BatchPlanned`: the goodput-aware adaptive policy; a fixed γ stays fixed) are
     cut or lengthened to the step width that pays best for the whole batch (:func:`choose_chains`); then the
-    chains of drafters that share a :class:`~specserve.core.draft.ChainBatcher` (a draft model over one KV pool) are
-    drafted together, each request charged an equal share of the group's time, and every other proposal (trees,
+    chains of drafters that share a :class:`~specserve.core.draft.drafter.ChainBatcher` (a draft model over one KV pool)
+    are drafted together, each request charged an equal share of the group's time, and every other proposal (trees,
     n-gram, none) is drafted on its own. Every request's drafter sees the calls it would see alone, so the proposals
     are the same.
 

@@ -13,16 +13,16 @@ One cycle, in four named phases (after EAGLE/Medusa's decomposition of a specula
 
 The target's cache always holds every committed token except the last, which is fed at the
 head of the next verify block. The engine knows nothing about where drafts come from (any
-:class:`~specserve.core.draft.Drafter`) nor about tokenisation beyond a decode function. Plain
+:class:`~specserve.core.draft.drafter.Drafter`) nor about tokenisation beyond a decode function. Plain
 decoding is the same loop with the ``none`` drafter, so the two are measured like for like.
 
 Each request names its drafter (:attr:`GenerationConfig.drafter`): ``default`` (the engine's
 configured drafter), ``ngram`` or ``none``. The engine takes them from a
-:class:`~specserve.core.draft.DrafterSet`; given a bare drafter, it can serve only that one
+:class:`~specserve.core.draft.drafter.DrafterSet`; given a bare drafter, it can serve only that one
 (``specserve.drafters.build_drafter_set`` makes a set that builds the others on first use).
 Output is exact whichever drafter runs; the choice only changes speed.
 
-A drafter that reads the target's hidden states (:class:`~specserve.core.draft.FeatureDrafter`:
+A drafter that reads the target's hidden states (:class:`~specserve.core.draft.drafter.FeatureDrafter`:
 EAGLE, Medusa) gets them from the verifier's own forwards: the prompt's after the prefill, and
 each cycle's root and accepted tokens' after the verdict.
 """
@@ -34,13 +34,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_can_draft, drafter_counters
-from specserve.core.model import CausalLM, KVCache
+from specserve.core.draft.drafter import REQUEST_DRAFTERS, Drafter, DrafterSet, check_can_draft, drafter_counters
+from specserve.core.draft.schedule import MAX_GAMMA, ScheduleFactory, fixed_schedules
+from specserve.core.model.causal_lm import CausalLM, KVCache
 from specserve.core.prompts import InvalidRequest, PromptCodec
 from specserve.core.request import ChunkStream, GenerationConfig, GenerationResult, StreamChunk, start_request
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import MAX_GAMMA, ScheduleFactory, fixed_schedules
-from specserve.core.static_cache import StaticOptions, StaticTarget, use_static_shapes
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.static.slots import StaticOptions, StaticTarget, use_static_shapes
 from specserve.core.target import FinishReason, LocalSequence
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class SpeculativeEngine(GenerationFrontend):
         schedules: ScheduleFactory = fixed_schedules,
         static: StaticOptions | None = None,
     ) -> None:
-        """``static``: run the target on the static-shape engine (:mod:`specserve.core.static_cache`: preallocated
+        """``static``: run the target on the static-shape engine (:mod:`specserve.core.static.slots`: preallocated
         KV, verify blocks padded to buckets, CUDA graphs on a GPU), and a draft model's steps likewise; ``None``:
         growing caches and blocks at their own widths."""
         self.target = target

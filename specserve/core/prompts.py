@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from specserve.core.errors import InvalidRequest
-from specserve.core.grammar import compiler_for
-from specserve.core.model import ModelInfo
-from specserve.core.processors import check_logit_bias
-from specserve.core.sampling_params import SamplingParams
+from specserve.core.model.causal_lm import ModelInfo
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.verify.grammar import compiler_for
+from specserve.core.verify.processors import check_logit_bias
 
 __all__ = ["InvalidRequest", "PromptCodec"]
 

@@ -9,7 +9,7 @@ engine and the batched engine. Where a request's halves live in different proces
 rank 0 of a target replica its verifier (:func:`new_verifier`), the drafter actor its draft side
 (:func:`new_draft_side`), the coordinator its output (:func:`request_output`).
 
-A request's grammar is compiled once: :func:`new_verifier` asks :mod:`specserve.core.grammar` for it, which
+A request's grammar is compiled once: :func:`new_verifier` asks :mod:`specserve.core.verify.grammar` for it, which
 compiles each spec once per vocabulary and hands every user (the edge's check, the verifier, a draft model) a fresh
 matcher of that one compiled grammar.
 
@@ -27,17 +27,17 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.core.detokenize import Decode, TextStream
-from specserve.core.draft import Drafter, check_drafter_name
+from specserve.core.draft.drafter import Drafter, check_drafter_name
+from specserve.core.draft.schedule import MAX_GAMMA, Budget, ScheduleFactory, check_policy_name
 from specserve.core.draft_side import DraftSide
 from specserve.core.errors import InvalidRequest
-from specserve.core.grammar import request_grammar
-from specserve.core.logprobs import TokenLogprob
-from specserve.core.model import CausalLM
-from specserve.core.sampling import RequestGenerators, SamplingParams, make_generators
-from specserve.core.schedule import MAX_GAMMA, Budget, ScheduleFactory, check_policy_name
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import RequestGenerators, SamplingParams, make_generators
 from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason, TargetSequence, TargetVerifier
-from specserve.core.tree import TreeSpec
+from specserve.core.tree.draft_tree import TreeSpec
+from specserve.core.verify.grammar import request_grammar
+from specserve.core.verify.logprobs import TokenLogprob
 
 __all__ = [
     "ChunkStream",

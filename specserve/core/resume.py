@@ -14,7 +14,7 @@ What the continuation reproduces:
 
 * **greedy** — the same tokens as an undisturbed run (the target's argmax of the same prefix);
 * **drafter-invariant sampling** — the same tokens: the noise of each position is keyed by the
-  request seed and the token's absolute position (:mod:`specserve.core.invariant`), which the
+  request seed and the token's absolute position (:mod:`specserve.core.verify.invariant`), which the
   continuation keeps;
 * **other sampling** — a continuation distributed exactly as the target's given the prefix, but not
   the tokens an undisturbed run would have drawn: the request's random stream depends on the drafts
@@ -36,12 +36,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specserve.core.detokenize import Decode, TextStream
-from specserve.core.invariant import noise_key
-from specserve.core.logprobs import TokenLogprob
 from specserve.core.request import GenerationConfig, RequestOutput, StreamChunk
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason
+from specserve.core.verify.invariant import noise_key
+from specserve.core.verify.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)

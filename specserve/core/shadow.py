@@ -1,7 +1,7 @@
 """Shadow checks: does a finished speculative request equal what plain decoding of the same request gives?
 
 Speculation must change nothing: greedy output is the target's own greedy decoding, and a seeded
-drafter-invariant sample (:mod:`specserve.core.invariant`) is a function of the seed and the target
+drafter-invariant sample (:mod:`specserve.core.verify.invariant`) is a function of the seed and the target
 alone. So a replica can take a finished request, decode it again without a drafter, and compare
 token for token. This module holds what that takes, with no scheduling and no I/O but the bundle:
 
@@ -45,11 +45,11 @@ from typing import Any, Literal
 
 import torch
 
-from specserve.core.invariant import gumbel_noise
-from specserve.core.logprobs import TokenLogprob
 from specserve.core.request import GenerationConfig
-from specserve.core.sampling_params import MAX_LOGPROBS, GrammarSpec, SamplingParams
-from specserve.core.tree_spec import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.sampling.params import MAX_LOGPROBS, GrammarSpec, SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.verify.invariant import gumbel_noise
+from specserve.core.verify.logprobs import TokenLogprob
 
 SHADOW_NAMESPACE = "specserve-shadow"  # never a client's: theirs are "" or 32 hex digits (serve.schemas)
 ALTERNATIVES = MAX_LOGPROBS  # the plain run's top log-probabilities per token, to price a divergence

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.core.schedule import CycleObservation
+from specserve.core.draft.schedule import CycleObservation
 
 
 @dataclass
@@ -36,7 +36,7 @@ class RequestStats:
     tree_shapes: list[tuple[int, int]] = field(default_factory=list)  # tree runs: (nodes, depth) per cycle
     budgets: list[int] = field(default_factory=list)  # the budget the policy chose per cycle (γ, or tree nodes)
     observations: list[CycleObservation] = field(default_factory=list)  # every cycle, as the policy saw it
-    # what the drafter counted (core.draft.CountingDrafter: matches, match tokens, pool hits...), when it counts
+    # what the drafter counted (core.draft.drafter.CountingDrafter: matches, match tokens, pool hits...), when it counts
     drafter_counters: Counter[str] = field(default_factory=Counter)
     total_seconds: float = 0.0
 

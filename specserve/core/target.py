@@ -2,24 +2,24 @@
 
 :class:`TargetVerifier` is the one implementation of "score ``[last committed] + proposal`` in one
 forward, apply the exact rules, cut the new tokens at EOS and ``max_new_tokens``, roll the KV back
-to the committed text" — for chains (the rules of :mod:`specserve.core.verification`) and for
-draft trees (tree attention, the rules of :mod:`specserve.core.tree_verification`, then KV
+to the committed text" — for chains (the rules of :mod:`specserve.core.verify.chain`) and for
+draft trees (tree attention, the rules of :mod:`specserve.core.verify.tree`, then KV
 compaction to the accepted path), behind one :meth:`TargetVerifier.verify`. The single-process
 engine and the distributed target replica (rank 0 of its tensor-parallel shards) both run it,
 so the two cannot drift apart.
 
 Where the keys and values live is behind :class:`TargetSequence`: one process
-(:class:`LocalSequence`, a :class:`~specserve.core.model.KVCache`), one span of a batched
+(:class:`LocalSequence`, a :class:`~specserve.core.model.causal_lm.KVCache`), one span of a batched
 engine's KV pool (:class:`PooledSequence`), or several tensor-parallel shards that mirror every
 forward and rollback (``specserve.actors``). A batched step splits :meth:`TargetVerifier.verify`
 in two: every request's :meth:`~TargetVerifier.block` goes into one forward, then each request's
 verifier decides on its own rows (:meth:`~TargetVerifier.decide`). Stop strings are not
 handled here: they need detokenisation and end the request, so the caller cuts for them.
 
-For hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.FeatureDrafter`) the verifier
+For hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.drafter.FeatureDrafter`) the verifier
 is built with their ``feature_layers``: the prefill returns the prompt's features and every cycle's
 outcome the features of its root and accepted tokens, taken from the same forward that verified them
-(in a batched step, the batch's forward, which fills one :class:`~specserve.core.model.FeatureCapture`
+(in a batched step, the batch's forward, which fills one :class:`~specserve.core.model.causal_lm.FeatureCapture`
 per row: :meth:`TargetVerifier.new_capture`).
 """
 
@@ -33,27 +33,27 @@ from typing import Literal, Protocol
 
 import torch
 
-from specserve.core.draft import Draft, Proposal
+from specserve.core.draft.drafter import Draft, Proposal
 from specserve.core.errors import RequestFailed
-from specserve.core.grammar import RequestGrammar, mask_logits
-from specserve.core.invariant import invariant_scores
-from specserve.core.kv_pool import KVPool
-from specserve.core.logprobs import TokenLogprob, logprob_tensors, read_logprobs
-from specserve.core.model import BatchBlock, CausalLM, FeatureCapture, KVCache
-from specserve.core.processors import PenaltyState
-from specserve.core.sampling import SamplingParams, warp_probs
-from specserve.core.staged import Host, Staged
-from specserve.core.static_cache import StaticKVCache
-from specserve.core.tree import ROOT, DraftTree, block_nodes
-from specserve.core.tree_verification import TreeVerdict, greedy_tree_walk, sampled_tree_walk, tree_rows_stochastic
-from specserve.core.typical import verify_chain_typical, verify_tree_typical
-from specserve.core.verification import (
+from specserve.core.kv.pool import KVPool
+from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture, KVCache
+from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.static.slots import StaticKVCache
+from specserve.core.tree.draft_tree import ROOT, DraftTree, block_nodes
+from specserve.core.verify.chain import (
     ChainVerdict,
     TokenKind,
     chain_rows_greedy,
     chain_rows_stochastic,
     chain_verdict,
 )
+from specserve.core.verify.grammar import RequestGrammar, mask_logits
+from specserve.core.verify.invariant import invariant_scores
+from specserve.core.verify.logprobs import TokenLogprob, logprob_tensors, read_logprobs
+from specserve.core.verify.processors import PenaltyState
+from specserve.core.verify.staged import Host, Staged
+from specserve.core.verify.tree import TreeVerdict, greedy_tree_walk, sampled_tree_walk, tree_rows_stochastic
+from specserve.core.verify.typical import verify_chain_typical, verify_tree_typical
 
 FinishReason = Literal["eos", "length", "stop"]
 
@@ -68,7 +68,7 @@ class TargetSequence(Protocol):
         self, input_ids: torch.Tensor, last_only: bool = False, capture: FeatureCapture | None = None
     ) -> torch.Tensor:
         """Append ``input_ids`` ([k] int64) and return their next-token logits ([k, vocab]); with ``capture``, keep
-        the block's features there (:class:`~specserve.core.model.FeatureCapture`)."""
+        the block's features there (:class:`~specserve.core.model.causal_lm.FeatureCapture`)."""
         ...
 
     def rollback(self, length: int) -> None:
@@ -90,7 +90,7 @@ class TreeSequence(TargetSequence, Protocol):
 
 class LocalSequence:
     """A sequence whose KV cache lives in this process: a growing one, or a static-shape engine's preallocated
-    slot (:class:`~specserve.core.static_cache.StaticKVCache`)."""
+    slot (:class:`~specserve.core.static.slots.StaticKVCache`)."""
 
     def __init__(self, target: CausalLM, cache: KVCache | StaticKVCache | None = None) -> None:
         self.target = target
@@ -127,8 +127,8 @@ class PoolOps(Protocol):
         last_only: bool = False,
         capture: Sequence[FeatureCapture | None] | None = None,
     ) -> list[torch.Tensor]:
-        """:meth:`~specserve.core.model.CausalLM.forward_batch` on the pool: per block its logits; ``capture``, one
-        per block (or ``None``), is filled with each block's features."""
+        """:meth:`~specserve.core.model.causal_lm.CausalLM.forward_batch` on the pool: per block its logits;
+        ``capture``, one per block (or ``None``), is filled with each block's features."""
         ...
 
     def rollback(self, seq_id: int, length: int) -> None: ...
@@ -137,7 +137,7 @@ class PoolOps(Protocol):
 
 
 class PooledSequence:
-    """A sequence whose KV lives in a :class:`~specserve.core.kv_pool.KVPool` (batched serving), as ``seq_id``.
+    """A sequence whose KV lives in a :class:`~specserve.core.kv.pool.KVPool` (batched serving), as ``seq_id``.
 
     Its own forwards (a prefill, or a cycle verified alone) are one-row batched forwards; a batched step
     scores its block together with the other sequences' (:meth:`TargetVerifier.block`)."""
@@ -185,7 +185,7 @@ class CycleOutcome:
     step_positions: int = 0  # positions that forward computed (rows x widest block); 0 = this block's alone
     # the target's greedy token after each probe node of the proposal (ProbingDrafter); () without a probe
     probe_argmax: tuple[int, ...] = ()
-    # one per new token when the request asks for logprobs (specserve.core.logprobs); () otherwise
+    # one per new token when the request asks for logprobs (specserve.core.verify.logprobs); () otherwise
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -208,9 +208,9 @@ class TargetVerifier:
         grammar: RequestGrammar | None = None,
     ) -> None:
         """``feature_layers``: the target features a hidden-state drafter reads
-        (:class:`~specserve.core.draft.FeatureDrafter`); :meth:`prefill` then returns the prompt's and each
+        (:class:`~specserve.core.draft.drafter.FeatureDrafter`); :meth:`prefill` then returns the prompt's and each
         :class:`CycleOutcome` carries the cycle's. ``grammar``: the request's structured output
-        (:mod:`specserve.core.grammar`, compiled from ``params.grammar``), at the start of its output."""
+        (:mod:`specserve.core.verify.grammar`, compiled from ``params.grammar``), at the start of its output."""
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         self.sequence = sequence
@@ -272,11 +272,12 @@ class TargetVerifier:
 
     def verify(self, proposal: Proposal) -> CycleOutcome:
         r"""One cycle: score ``[last committed] + proposal`` in one forward, decide by the chain rules (a
-        :class:`~specserve.core.draft.Draft`) or the tree rules (a :class:`~specserve.core.tree.DraftTree`),
-        commit, and roll the KV back (or compact it) to the committed text.
+        :class:`~specserve.core.draft.drafter.Draft`) or the tree rules (a
+        :class:`~specserve.core.tree.draft_tree.DraftTree`), commit, and roll the KV back (or compact it) to the
+        committed text.
 
         With ``params.drafter_invariant`` (and T > 0) the greedy rule runs on log p + G from
-        :mod:`specserve.core.invariant`: q is ignored and the request's generator is not consumed, so the
+        :mod:`specserve.core.verify.invariant`: q is ignored and the request's generator is not consumed, so the
         output does not depend on the drafter.
 
         A batched step splits this in two: the batch scores every request's :meth:`block` in one forward (with
@@ -302,7 +303,8 @@ class TargetVerifier:
 
     def block(self, proposal: Proposal, seq_id: int) -> BatchBlock:
         """This cycle's verify block ``[last committed] + proposal`` as one row of a batched forward
-        (:meth:`~specserve.core.model.CausalLM.forward_batch`) whose sequence ``seq_id`` holds this request's KV."""
+        (:meth:`~specserve.core.model.causal_lm.CausalLM.forward_batch`) whose sequence ``seq_id`` holds this request's
+        KV."""
         self._check_running()
         scored = self._cut_to_grammar(proposal)
         tokens, parents = block_nodes(scored.tokens, scored.parents, scored.probe)
@@ -310,7 +312,7 @@ class TargetVerifier:
 
     def _cut_to_grammar(self, proposal: Proposal) -> Proposal:
         """The proposal the target scores: ``proposal`` itself, or with a grammar, what is left once the nodes it
-        can never accept are cut (:meth:`~specserve.core.grammar.RequestGrammar.prune`); remembered for
+        can never accept are cut (:meth:`~specserve.core.verify.grammar.RequestGrammar.prune`); remembered for
         :meth:`decide`."""
         if self.grammar is None:
             return proposal
@@ -343,10 +345,11 @@ class TargetVerifier:
         features: torch.Tensor | None = None,  # [size + 1, width] the block's features (feature layers only)
     ) -> Staged[CycleOutcome]:
         """:meth:`decide` up to the host: the rules' device work, and what the host needs of it as tensors
-        (:mod:`specserve.core.staged`), with the rest — the verdict, the commit, the rollback or compaction — to run
-        once they are copied. A probe's rows follow the draft's: only their greedy tokens are kept (for the drafter);
-        the rules never see them. Typical acceptance (lossy, opted into) still reads its own tensors while staging
-        (its rule walks on the host). Nothing is committed until the verdict finishes; stage one cycle at a time."""
+        (:mod:`specserve.core.verify.staged`), with the rest — the verdict, the commit, the rollback or compaction — to
+        run once they are copied. A probe's rows follow the draft's: only their greedy tokens are kept (for the
+        drafter); the rules never see them. Typical acceptance (lossy, opted into) still reads its own tensors while
+        staging (its rule walks on the host). Nothing is committed until the verdict finishes; stage one cycle at a
+        time."""
         self._check_running()
         start = time.perf_counter() if start is None else start
         sent, proposal = proposal, self._cut_to_grammar(proposal)  # the logits are the cut proposal's
@@ -421,10 +424,10 @@ class TargetVerifier:
 
     def _chain_rows(self, draft: Draft, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chain rules on the device: the accepted count and every row's next token
-        (:func:`~specserve.core.verification.chain_rows_greedy`)."""
+        (:func:`~specserve.core.verify.chain.chain_rows_greedy`)."""
         tokens = draft.tokens.to(self.device)
         if self.params.lossy_acceptance:
-            # LOSSY, opted into (specserve.core.typical): Medusa's typical acceptance; q unused; greedy at T = 0.
+            # LOSSY, opted into (specserve.core.verify.typical): Medusa's typical acceptance; q unused; greedy at T = 0.
             # Its rule reads its own tensors: the verdict is made here, and its numbers travel as the others'.
             generator = None if self.params.greedy else self.generator
             eps, delta = self.params.typical_epsilon, self.params.typical_delta
@@ -445,11 +448,11 @@ class TargetVerifier:
         self, tree: DraftTree, target_logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, TreeVerdict | None]:
         """The tree rules on the device: every row's next token and, for the sampled rule, its accepted child
-        (``chosen``, -1 for none; :func:`~specserve.core.tree_verification.tree_rows_stochastic`); the greedy rules
+        (``chosen``, -1 for none; :func:`~specserve.core.verify.tree.tree_rows_stochastic`); the greedy rules
         need only every row's argmax. The host walks them from the root. Typical acceptance decides here (its walk
         reads the tensors), and every row's next token is then the verdict's."""
         params = self.params
-        if params.lossy_acceptance:  # LOSSY, opted into: Medusa's typical acceptance (specserve.core.typical)
+        if params.lossy_acceptance:  # LOSSY, opted into: Medusa's typical acceptance (specserve.core.verify.typical)
             generator = None if params.greedy else self.generator
             eps, delta = params.typical_epsilon, params.typical_delta
             verdict = verify_tree_typical(warp_probs(target_logits, params), tree, generator, eps, delta)

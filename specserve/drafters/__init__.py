@@ -1,4 +1,4 @@
-"""Drafter implementations behind the contract in :mod:`specserve.core.draft`, and their registry."""
+"""Drafter implementations behind the contract in :mod:`specserve.core.draft.drafter`, and their registry."""
 
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter

@@ -1,19 +1,20 @@
 """Draft-model chains for many requests at once: one KV pool, one draft forward per drafted position.
 
-:class:`BatchedDraftModel` is a :class:`~specserve.core.draft.ChainBatcher` over one draft model. Each request's drafter
-(:class:`PooledDraftModelDrafter`, from :meth:`BatchedDraftModel.new_drafter`) keeps its KV in a span of ``max_seq_len``
-positions of the batcher's :class:`~specserve.core.kv_pool.KVPool`, taken by ``start`` and given back by ``release``.
+:class:`BatchedDraftModel` is a :class:`~specserve.core.draft.drafter.ChainBatcher` over one draft model. Each request's
+drafter (:class:`PooledDraftModelDrafter`, from :meth:`BatchedDraftModel.new_drafter`) keeps its KV in a span of
+``max_seq_len`` positions of the batcher's :class:`~specserve.core.kv.pool.KVPool`, taken by ``start`` and given back by
+``release``.
 :meth:`BatchedDraftModel.propose_chains` drafts every request's chain together: each row first catches up (its span
 rolled back to the longest prefix shared with its committed text, the rest fed as a ragged block), then grows by one
-token per forward while its budget lasts, all rows in the same :meth:`~specserve.core.model.CausalLM.forward_batch`
-calls, which compute each row's last logits only. So 16 requests drafting γ tokens cost γ forwards of 16 rows instead of
-16 × γ forwards of one row.
+token per forward while its budget lasts, all rows in the same
+:meth:`~specserve.core.model.causal_lm.CausalLM.forward_batch` calls, which compute each row's last logits only. So 16
+requests drafting γ tokens cost γ forwards of 16 rows instead of 16 × γ forwards of one row.
 
 Per request the result is :class:`~specserve.drafters.model.DraftModelDrafter`'s, call for call: the same
 catch-up, the same token choice (greedy argmax; the keyed-noise token in drafter-invariant mode; otherwise a
 draw from the warped q with the request's own generator, q sent with the draft), the same mask and stop under a
-grammar (:class:`~specserve.core.grammar.DraftGrammar`), the same ``max_positions`` cut, and rejected drafts never
-leak into later proposals. A row's logits differ from a one-row forward's only
+grammar (:class:`~specserve.core.verify.grammar.DraftGrammar`), the same ``max_positions`` cut, and rejected drafts
+never leak into later proposals. A row's logits differ from a one-row forward's only
 by rounding. Random draws are made row by row in the order given, one generator per request; when sampled
 requests share a generator their chains are drafted one request after another, so that generator still sees
 the draws it would see alone.
@@ -39,16 +40,16 @@ from functools import partial
 
 import torch
 
-from specserve.core.batch_graphs import batch_graphs
-from specserve.core.draft import ChainBatcher, Draft, Drafter, check_chain_call
-from specserve.core.grammar import DraftGrammar, mask_logits
-from specserve.core.graphs import GraphBackend
-from specserve.core.invariant import invariant_tokens
-from specserve.core.kv_pool import KVPool, PoolFull
-from specserve.core.model import BatchBlock, CausalLM, TargetDescription
-from specserve.core.sampling import SamplingParams, sample, warp_probs
-from specserve.core.static_options import StaticOptions
-from specserve.core.tree import DraftTree, TreeSpec
+from specserve.core.draft.drafter import ChainBatcher, Draft, Drafter, check_chain_call
+from specserve.core.kv.pool import KVPool, PoolFull
+from specserve.core.model.causal_lm import BatchBlock, CausalLM, TargetDescription
+from specserve.core.sampling.warps import SamplingParams, sample, warp_probs
+from specserve.core.static.batch_graphs import batch_graphs
+from specserve.core.static.graphs import GraphBackend
+from specserve.core.static.options import StaticOptions
+from specserve.core.tree.draft_tree import DraftTree, TreeSpec
+from specserve.core.verify.grammar import DraftGrammar, mask_logits
+from specserve.core.verify.invariant import invariant_tokens
 from specserve.drafters.tree import TreeModelDrafter
 from specserve.drafters.vocabulary import check_same_vocabulary
 
@@ -63,7 +64,7 @@ class BatchedDraftModel:
 
     ``max_num_seqs`` requests may hold a span at once, each of ``max_seq_len`` positions. A proposal of
     ``b`` tokens after ``n`` committed ones needs ``n + b - 1`` positions; a request whose chains are cut to the
-    tokens it may still emit minus one (as :func:`specserve.core.draft.propose` cuts them) stays within its
+    tokens it may still emit minus one (as :func:`specserve.core.draft.drafter.propose` cuts them) stays within its
     prompt + ``max_new_tokens``. Not thread-safe.
     """
 
@@ -77,8 +78,9 @@ class BatchedDraftModel:
         static: StaticOptions | None = None,
         graph_backend: GraphBackend | None = None,
     ) -> None:
-        """``static``: the forwards that fit its buckets replay as captured graphs (:mod:`specserve.core.batch_graphs`:
-        on a CUDA device with ``cuda_graphs``, or through ``graph_backend``, the tests' stand-in)."""
+        """``static``: the forwards that fit its buckets replay as captured graphs
+        (:mod:`specserve.core.static.batch_graphs`: on a CUDA device with ``cuda_graphs``, or through ``graph_backend``,
+        the tests' stand-in)."""
         if target is not None:
             check_same_vocabulary(target, draft)
         if catch_up_tokens < 1:
@@ -247,7 +249,7 @@ class _Row:
 class PooledDraftModelDrafter:
     """One request's draft-model drafter whose KV is a span of a :class:`BatchedDraftModel`'s pool.
 
-    A :class:`~specserve.core.draft.BatchedDrafter`: ``start`` takes a span (giving back the one it held),
+    A :class:`~specserve.core.draft.drafter.BatchedDrafter`: ``start`` takes a span (giving back the one it held),
     ``release`` gives it back (idempotent; call it when the request ends or is cancelled, or the span is lost
     to the pool), and ``propose`` alone is a batch of one. Trees are drafted alone, with a cache of their own.
     """

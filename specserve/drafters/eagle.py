@@ -13,12 +13,12 @@ test"), so it learns to draft from them.
 is an :class:`_EagleSession`: chains, static trees and EAGLE-2's dynamic trees (confidence
 expansion + reranking), greedy, sampled (children without replacement, sent with q) and
 drafter-invariant, exactly as for a small draft LM. It is a
-:class:`~specserve.core.draft.FeatureDrafter`: the runtime hands it the target's features of the
+:class:`~specserve.core.draft.drafter.FeatureDrafter`: the runtime hands it the target's features of the
 prompt and of each verdict's root and accepted tokens, so before each proposal the head's KV
 holds real inputs for every committed position but the last, and the session feeds the few new
 ones first (causal), then the tree level by level with tree attention.
 
-The head's keys and values live in a slot of a :class:`HeadSlots` (:mod:`specserve.core.static_cache`), shared by
+The head's keys and values live in a slot of a :class:`HeadSlots` (:mod:`specserve.core.static.slots`), shared by
 every request's drafter over the same head: by default eager and unpadded, exactly the forwards a growing cache would
 run; on the static-shape engine (:meth:`EagleDrafter.use_static_shapes`) each block pads to its bucket — a tree
 level's reach back over the nodes forwarded before it too — and on a GPU replays as a CUDA graph.
@@ -36,14 +36,14 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache
 
-from specserve.core.buckets import NO_BUCKETS
-from specserve.core.draft import ChainBatcher, Draft
-from specserve.core.graphs import GraphBackend
-from specserve.core.model import CausalLM, TargetDescription
-from specserve.core.prefix_store import PrefixStore
-from specserve.core.sampling import SamplingParams
-from specserve.core.static_cache import SlotBlock, SlotRows, StaticKVCache, StaticOptions, StaticSlots
-from specserve.core.tree import ROOT, DraftTree, TreeSpec
+from specserve.core.draft.drafter import ChainBatcher, Draft
+from specserve.core.kv.prefix_store import PrefixStore
+from specserve.core.model.buckets import NO_BUCKETS
+from specserve.core.model.causal_lm import CausalLM, TargetDescription
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.static.graphs import GraphBackend
+from specserve.core.static.slots import SlotBlock, SlotRows, StaticKVCache, StaticOptions, StaticSlots
+from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeSpec
 from specserve.drafters.eagle_batch import EagleChains
 from specserve.drafters.eagle_head import FeatureHead, check_head_fits
 from specserve.drafters.eagle_layouts import load_head

@@ -3,9 +3,9 @@
 An :class:`~specserve.drafters.eagle.EagleDrafter` alone drafts a chain of γ tokens in γ forwards of its one-layer head
 (the first catches the head up on the committed positions it has not seen, each later one feeds the token just drafted
 with the head's own output as its feature). At 16 requests that is 16 × γ small forwards a step, each costing mostly
-its launch. :class:`EagleChains` is the :class:`~specserve.core.draft.ChainBatcher` every drafter over one head shares
-(:meth:`~specserve.drafters.eagle.EagleDrafter.fresh` hands it on): it drafts all their chains in γ forwards of the
-batch (:meth:`~specserve.drafters.eagle.HeadSlots.run_rows`, over each request's own slot of the head's keys and
+its launch. :class:`EagleChains` is the :class:`~specserve.core.draft.drafter.ChainBatcher` every drafter over one head
+shares (:meth:`~specserve.drafters.eagle.EagleDrafter.fresh` hands it on): it drafts all their chains in γ forwards of
+the batch (:meth:`~specserve.drafters.eagle.HeadSlots.run_rows`, over each request's own slot of the head's keys and
 values).
 
 Per request the result is the drafter's own ``propose``, call for call: the same catch-up, the same token choice
@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from specserve.core.draft import ChainBatcher, Draft, Drafter, check_chain_call
+from specserve.core.draft.drafter import ChainBatcher, Draft, Drafter, check_chain_call
 
 logger = logging.getLogger(__name__)
 

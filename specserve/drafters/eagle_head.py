@@ -35,7 +35,7 @@ from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_c
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from specserve.core.model import CausalLM, TargetDescription
+    from specserve.core.model.causal_lm import CausalLM, TargetDescription
 
 KIND = "eagle"
 OWN_LAYOUT = "specserve EAGLE"

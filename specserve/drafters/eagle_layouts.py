@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from specserve.core.drafter_spec import speculative_tokens
+from specserve.core.draft.spec_strings import speculative_tokens
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 from specserve.drafters.eagle3 import Eagle3Config, Eagle3Head, default_aux_layers
 from specserve.drafters.eagle_head import KIND, TRAIN_HINT, EagleConfig, EagleHead, EagleLoadError, FeatureHead
 from specserve.drafters.head_files import CONFIG_FILE, read_config_json, read_weights

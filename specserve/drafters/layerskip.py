@@ -1,6 +1,6 @@
 """Layer-skip self-speculation: draft with the target's own first L decoder layers, its final norm and LM head.
 
-:func:`early_exit_model` builds a :class:`~specserve.core.model.CausalLM` *view* of a loaded target
+:func:`early_exit_model` builds a :class:`~specserve.core.model.causal_lm.CausalLM` *view* of a loaded target
 that runs only its first ``layers`` decoder blocks: the module objects (and so every weight) are
 the target's own — no copy, no extra memory — and only the config the view carries says
 ``num_hidden_layers = layers``, so its KV cache has ``layers`` layers. :class:`LayerSkipDrafter`
@@ -18,7 +18,7 @@ head's weights only) and loaded against a target (:func:`load_exit_head`), which
 made for another target shape. Training lives in :mod:`specserve.training.exit_head`.
 
 KV: in one process the drafter shares the target's cache for its layers
-(:class:`~specserve.core.draft.SharesTargetKV`): the target's first L cache layers already hold the
+(:class:`~specserve.core.draft.drafter.SharesTargetKV`): the target's first L cache layers already hold the
 committed text but its last token, exactly what the view would compute, so each proposal feeds
 only the last committed token and the drafts into them and rolls them back before the target
 verifies. A drafter in another process (the distributed drafter actor) keeps a cache of its own.
@@ -37,12 +37,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specserve.core.draft import Draft
+from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, KVCache
-from specserve.core.sampling import SamplingParams
-from specserve.core.static_cache import StaticOptions
-from specserve.core.tree import DraftTree, TreeSpec
+from specserve.core.model.causal_lm import CausalLM, KVCache
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.static.slots import StaticOptions
+from specserve.core.tree.draft_tree import DraftTree, TreeSpec
 from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.tree import TreeModelDrafter
@@ -276,7 +276,7 @@ class LayerSkipDrafter(DraftModelDrafter):
 
     def share_target_cache(self, cache: KVCache) -> None:
         """Draft on the target cache's first ``layers`` layers (the same keys and values the view computes for
-        the committed text) instead of a cache of its own: see :class:`~specserve.core.draft.SharesTargetKV`."""
+        the committed text) instead of a cache of its own: see :class:`~specserve.core.draft.drafter.SharesTargetKV`."""
         shared = self.model.new_cache()
         shared.inner.layers = list(cache.inner.layers[: self.layers])  # the target's layer objects, not copies
         self._shared = self._cache = shared

@@ -5,7 +5,7 @@ No draft model. Each proposal carries two parts, scored by the target in **one**
 * the **draft**: up to ``candidates`` n-grams from the pool whose first token is the last committed
   token (the root), their continuations merged into a trie (a tree budget) or the most recent one
   (a chain). The target verifies it by the exact rules, like any deterministic draft;
-* the **probe** (:class:`~specserve.core.draft.ProbingDrafter`): the lookahead window, ``ngram - 1``
+* the **probe** (:class:`~specserve.core.draft.drafter.ProbingDrafter`): the lookahead window, ``ngram - 1``
   levels of ``window`` guessed tokens. Level 0 is a chain after the root (a Jacobi guess of the next
   ``window`` tokens); the token of level ``l`` in column ``j`` follows the one of level ``l - 1`` in
   the same column. As a tree: level-0 column ``j``'s parent is column ``j - 1`` (the root for 0), level
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.core.draft import Draft
-from specserve.core.drafter_spec import LOOKAHEAD_DEFAULTS, check_lookahead, lookahead_settings
+from specserve.core.draft.drafter import Draft
+from specserve.core.draft.spec_strings import LOOKAHEAD_DEFAULTS, check_lookahead, lookahead_settings
 from specserve.core.errors import UserError
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import ROOT, DraftTree, TreeSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeSpec
 from specserve.drafters.history import CommittedHistory
 from specserve.drafters.ngram import ContinuationTrie
 

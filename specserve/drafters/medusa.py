@@ -3,7 +3,7 @@
 Implements Medusa-1 (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
 Multiple Decoding Heads"). Head k (k = 1 .. K) reads the target's feature of position t — its last
 hidden state, after the final norm (``hidden_states[num_layers]``, see
-:class:`~specserve.core.draft.FeatureDrafter`) — passes it through ``num_layers_per_head`` residual
+:class:`~specserve.core.draft.drafter.FeatureDrafter`) — passes it through ``num_layers_per_head`` residual
 blocks ``h + SiLU(W h + b)`` and then through the target's own frozen LM head, and predicts the
 token at position t + k + 1 (the LM head itself predicts t + 1). ``W`` and ``b`` start at zero, so
 an untrained head predicts what the LM head predicts.
@@ -20,7 +20,7 @@ one feature, so a proposal costs one small forward whatever the draft's size:
 * trees — the node at index path ``(r_0, ..., r_d)`` is head d + 1's rank-``r_d`` candidate (its
   tokens depend on the depth and rank only, not on the parent, as in Medusa); static topologies
   lose the levels beyond K, and a dynamic budget becomes the static topology
-  :meth:`~specserve.core.tree.TreeTopology.best_first` builds from ``rank_probs`` — head 1's
+  :meth:`~specserve.core.tree.draft_tree.TreeTopology.best_first` builds from ``rank_probs`` — head 1's
   top-r hit rates measured by the trainer on held-out text and stored in ``config.json``
   (:data:`DEFAULT_RANK_PROBS` when a directory has none), ranks below the budget's ``width``, depth
   ``min(depth, K)``. ``expand`` does not apply: the children cost no forward.
@@ -50,10 +50,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from specserve.core.draft import Draft
-from specserve.core.model import CausalLM, TargetDescription
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.draft.drafter import Draft
+from specserve.core.model.causal_lm import CausalLM, TargetDescription
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_head_config
 from specserve.drafters.medusa_layouts import TRAIN_HINT, InvalidMedusaHeads, OwnLMHeads, is_published, read_published
 

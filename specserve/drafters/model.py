@@ -3,7 +3,7 @@
 At temperature 0 the drafter proposes its argmax and sends no q. Otherwise it samples each
 token from its own distribution warped with the request's temperature / top-k / top-p, and
 sends exactly that distribution as q, which is what exact rejection sampling needs. In the
-drafter-invariant mode (``SamplingParams.drafter_invariant``, :mod:`specserve.core.invariant`) it
+drafter-invariant mode (``SamplingParams.drafter_invariant``, :mod:`specserve.core.verify.invariant`) it
 couples to the verifier's noise instead: the token at absolute position t is
 argmax(log q_t + G_t) with the same keyed Gumbel noise G_t the target uses, sent without q (a point
 mass, which the greedy-on-scores rule of that mode accepts whenever it equals the target's token).
@@ -14,8 +14,8 @@ tokens), so rejected draft tokens never leak into later proposals.
 
 Under a grammar (structured output) the drafter drafts only what the grammar allows: each step's logits are
 masked by the request's grammar after the committed text and the tokens drafted so far
-(:class:`~specserve.core.grammar.DraftGrammar`), so the q it sends is the masked law it sampled from, and it stops
-at the end of the text. Without that, most of its drafts would be cut by the verifier.
+(:class:`~specserve.core.verify.grammar.DraftGrammar`), so the q it sends is the masked law it sampled from, and it
+stops at the end of the text. Without that, most of its drafts would be cut by the verifier.
 
 Trees (:meth:`DraftModelDrafter.propose_tree`) are drafted by a
 :class:`~specserve.drafters.tree.TreeModelDrafter` on the same model, with a cache of its own.
@@ -27,13 +27,13 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.core.draft import Draft
-from specserve.core.grammar import DraftGrammar, mask_logits
-from specserve.core.invariant import invariant_tokens
-from specserve.core.model import CausalLM, KVCache, TargetDescription
-from specserve.core.sampling import SamplingParams, sample, warp_probs
-from specserve.core.static_cache import StaticKVCache, StaticOptions, StaticTarget
-from specserve.core.tree import DraftTree, TreeSpec
+from specserve.core.draft.drafter import Draft
+from specserve.core.model.causal_lm import CausalLM, KVCache, TargetDescription
+from specserve.core.sampling.warps import SamplingParams, sample, warp_probs
+from specserve.core.static.slots import StaticKVCache, StaticOptions, StaticTarget
+from specserve.core.tree.draft_tree import DraftTree, TreeSpec
+from specserve.core.verify.grammar import DraftGrammar, mask_logits
+from specserve.core.verify.invariant import invariant_tokens
 from specserve.drafters.tree import TreeModelDrafter
 from specserve.drafters.vocabulary import check_same_vocabulary
 
@@ -56,7 +56,7 @@ class DraftModelDrafter:
         self._static: StaticTarget | None = None  # static shapes for the chain steps (use_static_shapes)
 
     def use_static_shapes(self, options: StaticOptions) -> None:
-        """Draft chains on the static-shape engine (:mod:`specserve.core.static_cache`): a preallocated cache, the
+        """Draft chains on the static-shape engine (:mod:`specserve.core.static.slots`): a preallocated cache, the
         catch-up block padded to a bucket, and on a GPU each one-token step replayed as a CUDA graph. Trees keep a
         growing cache of their own."""
         self._static = StaticTarget(self.model, options)

@@ -41,7 +41,7 @@ from specserve.drafters.eagle_head import FeatureHead
 from specserve.drafters.head_files import SHARDED_INDEX, WEIGHTS_FILE
 
 if TYPE_CHECKING:
-    from specserve.core.model import CausalLM
+    from specserve.core.model.causal_lm import CausalLM
 
 SPEC = "mtp"
 OWN_TENSORS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")  # the rest is the decoder layer

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specserve.core.draft import Draft
+from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
-from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.history import CommittedHistory
 
 # Matches of one n-gram size whose continuations a tree may use: bounds the work on long histories.

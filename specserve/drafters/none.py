@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.core.draft import Draft
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import DraftTree, TreeSpec
+from specserve.core.draft.drafter import Draft
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import DraftTree, TreeSpec
 
 
 class NoDrafter:

@@ -1,7 +1,7 @@
 """Build a drafter from its name: ``none``, ``ngram``, ``suffix``, ``lookahead[:W,N,G]``, ``layerskip:L|DIR``,
 ``eagle:DIR``, ``medusa:DIR``, ``mtp``, ``rest:FILE``, a model dir.
 
-:func:`build_drafter_set` wraps the configured drafter in a :class:`~specserve.core.draft.DrafterSet`
+:func:`build_drafter_set` wraps the configured drafter in a :class:`~specserve.core.draft.drafter.DrafterSet`
 whose builder is :func:`build_drafter` with the same options, so a request can also choose
 ``ngram``, ``suffix`` or ``none`` (built on first use, then kept). Loads no model other than the configured one.
 """
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from specserve.core.draft import REQUEST_DRAFTERS, Drafter, DrafterSet, check_drafter_name
-from specserve.core.drafter_spec import (
+from specserve.core.draft.drafter import REQUEST_DRAFTERS, Drafter, DrafterSet, check_drafter_name
+from specserve.core.draft.spec_strings import (
     BUILTIN_DRAFTERS,
     EAGLE_PREFIX,
     LAYERSKIP_PREFIX,
@@ -24,8 +24,8 @@ from specserve.core.drafter_spec import (
     TEXT_PREFIX,
 )
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, TargetDescription
-from specserve.core.static_options import StaticOptions
+from specserve.core.model.causal_lm import CausalLM, TargetDescription
+from specserve.core.static.options import StaticOptions
 from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.layerskip import LayerSkipDrafter
 from specserve.drafters.lookahead import LookaheadDrafter
@@ -162,7 +162,7 @@ def request_drafters(
     static: StaticOptions | None = None,
 ) -> Callable[[str], Drafter]:
     """For the batched engine: ``new_drafter(name)`` gives each request a drafter of its own (``name`` one of
-    :data:`~specserve.core.draft.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
+    :data:`~specserve.core.draft.drafter.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
     requests' drafters (each keeps its own cache); ``ngram``, ``suffix`` and ``none`` are cheap to build per request
     (the ``suffix`` drafters share one global store of finished requests' outputs: ``suffix_cache``, or a new one).
     Drafters that read the target's features or KV (EAGLE, MTP, Medusa, layer-skip) load their weights (and, given
@@ -174,7 +174,8 @@ def request_drafters(
     :class:`~specserve.drafters.batched_model.PooledDraftModelDrafter` of one
     :class:`~specserve.drafters.batched_model.BatchedDraftModel` whose KV pool holds that many requests of that
     many positions (a drafter holds its span from ``start`` to ``release``); with ``static`` options, its forwards
-    replay as captured graphs where they fit (:mod:`specserve.core.batch_graphs`). Other drafters are unaffected."""
+    replay as captured graphs where they fit (:mod:`specserve.core.static.batch_graphs`). Other drafters are
+    unaffected."""
     if max_seq_len is not None and max_num_seqs is None:
         raise ValueError("max_seq_len sizes the draft model's KV pool; give max_num_seqs with it")
     configured: CausalLM | str = spec

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specserve.core.draft import Draft
+from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
 
 SEPARATOR = -1  # between documents of the global store: no match and no continuation crosses it
 EMPTY = np.empty(0, dtype=np.int64)

@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.core.draft import Draft
+from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, TargetDescription
-from specserve.core.sampling import SamplingParams
+from specserve.core.model.causal_lm import CausalLM, TargetDescription
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.history import CommittedHistory
 from specserve.drafters.model import DraftModelDrafter
 

@@ -4,7 +4,7 @@ How a node's children are chosen depends on the request (:meth:`TreeModelDrafter
 
 * **greedy** (temperature 0) — *deterministic* children: the draft model's top-ranked tokens
   after the node's path. They carry no q; verification treats each as a point-mass proposal
-  (:mod:`specserve.core.tree_verification`), exact at any temperature.
+  (:mod:`specserve.core.verify.tree`), exact at any temperature.
 * **sampled** (temperature > 0) — children drawn *without replacement* from the draft's warped
   distribution q (same temperature / top-k / top-p as the request), sent with q so the verifier
   runs SpecInfer's recursive rejection for that law: the first child alone is accepted with
@@ -14,7 +14,7 @@ How a node's children are chosen depends on the request (:meth:`TreeModelDrafter
 
 Shapes:
 
-* **static** — a :class:`~specserve.core.tree.TreeTopology` (index paths): the node at path
+* **static** — a :class:`~specserve.core.tree.draft_tree.TreeTopology` (index paths): the node at path
   ``(r_0, ..., r_d)`` is the rank-``r_d`` child of its parent (the r-th best, or the r-th drawn).
 * **dynamic**, greedy (EAGLE-2) — grow level by level: expand the ``width`` frontier nodes with
   the highest cumulative draft confidence (product of the draft's probabilities along the path)
@@ -34,7 +34,7 @@ end). A dynamic tree of depth d, like a chain of d tokens, costs d draft forward
 request's sampling parameters.
 
 For drafter-invariant requests (``coupling`` = their :class:`SamplingParams`; see
-:mod:`specserve.core.invariant`) each node's rank-0 child is the *coupled* token
+:mod:`specserve.core.verify.invariant`) each node's rank-0 child is the *coupled* token
 argmax(log q + G_t) under the request's keyed Gumbel noise at the child's absolute position t
 (the one the target will emit if it agrees with the draft), followed by the draft's best tokens
 other than it; in dynamic trees it takes the rank-0 child's confidence, so pruning keeps it as
@@ -50,11 +50,11 @@ from typing import Protocol
 
 import torch
 
-from specserve.core.draft import Draft
-from specserve.core.invariant import invariant_tokens
-from specserve.core.model import CausalLM, KVCache, TargetDescription
-from specserve.core.sampling import SamplingParams, sample, warp_probs
-from specserve.core.tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.draft.drafter import Draft
+from specserve.core.model.causal_lm import CausalLM, KVCache, TargetDescription
+from specserve.core.sampling.warps import SamplingParams, sample, warp_probs
+from specserve.core.tree.draft_tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.verify.invariant import invariant_tokens
 from specserve.drafters.vocabulary import check_same_vocabulary
 
 

@@ -8,7 +8,7 @@ so that neither has to import the other for it. Only compares vocabularies; draf
 from __future__ import annotations
 
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, TargetDescription
+from specserve.core.model.causal_lm import CausalLM, TargetDescription
 
 
 class VocabularyMismatch(UserError):

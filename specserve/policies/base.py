@@ -7,7 +7,7 @@ carries, so the same decision code runs live in the engine and coordinator and o
 trace simulator. Whatever it decides, the output stays exact: a budget only changes how much
 is proposed, never how proposals are verified.
 
-:class:`~specserve.core.schedule.Budget` and :class:`~specserve.core.schedule.CycleObservation` live in
+:class:`~specserve.core.draft.schedule.Budget` and :class:`~specserve.core.draft.schedule.CycleObservation` live in
 ``core`` (the engine loop speaks them without importing policies) and are re-exported here.
 The estimators that produce the state live in :mod:`specserve.policies.estimators`; the
 controller that ties estimators and a policy to one request in :mod:`specserve.policies.controller`.
@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from specserve.core.schedule import Budget, CycleObservation
+from specserve.core.draft.schedule import Budget, CycleObservation
 
 __all__ = ["Budget", "CycleObservation", "Policy", "PolicyState"]
 

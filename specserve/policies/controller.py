@@ -9,13 +9,13 @@ cycles off), and records a JSON-ready :attr:`history`. In a batched engine it is
 the next step verifies, and reads its share of such a step off the replica's
 :class:`~specserve.policies.step_costs.StepCostEstimator`, which every cycle's observation feeds; it tells
 the engine what it expects of a chain of each length and what drafting it costs, so that the engine can choose
-the step's width (:class:`~specserve.core.schedule.BatchPlanned`), which may cut or lengthen the chain it planned
+the step's width (:class:`~specserve.core.draft.schedule.BatchPlanned`), which may cut or lengthen the chain it planned
 (the observation says what was drafted). A probe the engine cut (one request's probe would widen
 every row of the step) stays due and is asked again each cycle, so probes go through when enough requests
 probe together.
 
 Under a static-shape engine the controller is given the engine's
-:class:`~specserve.core.buckets.VerifyBuckets` (by default the replica prior's): its estimators then learn
+:class:`~specserve.core.model.buckets.VerifyBuckets` (by default the replica prior's): its estimators then learn
 T_verify per bucket the forward ran at and price each block at its bucket
 (:class:`~specserve.policies.costs.CostEstimator`); a replica prior pooling other buckets is refused.
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from specserve.core.buckets import NO_BUCKETS, VerifyBuckets
-from specserve.core.tree import TreeSpec
+from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
+from specserve.core.tree.draft_tree import TreeSpec
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
 from specserve.policies.estimators import Estimators, ReplicaPrior
 from specserve.policies.prior import REQUEST_HALF_LIFE_CYCLES, VERIFY_TABLE_SIZE, EstimatorPrior
@@ -115,7 +115,7 @@ class SpeculationController:
         # each cycle until it goes through, which it does once enough requests probe in the same step
         self._deferred_probe: Budget | None = None
 
-    # What a batched engine asks to choose a step's width (specserve.core.schedule.BatchPlanned)
+    # What a batched engine asks to choose a step's width (specserve.core.draft.schedule.BatchPlanned)
 
     def expected_tokens(self, gamma: int) -> float:
         """E[tokens committed] by a chain of ``gamma`` drafts under the estimates of the last decision."""

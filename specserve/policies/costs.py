@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from specserve.core.buckets import NO_BUCKETS, VerifyBuckets
+from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.policies.base import CycleObservation
 from specserve.policies.prior import (
     DEFAULT_PRIOR,

@@ -1,6 +1,6 @@
 """Acceptance drift and the speedup a replica is getting now: change points per drafter and draft position.
 
-:class:`DriftMonitor` is fed every finished request's cycles (:class:`~specserve.core.schedule.CycleObservation`)
+:class:`DriftMonitor` is fed every finished request's cycles (:class:`~specserve.core.draft.schedule.CycleObservation`)
 with the drafter that drafted them, and keeps per drafter:
 
 * **Acceptance by position, smoothed.** For draft position i (a tree's depth), the acceptance of i given every
@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from specserve.core.schedule import CycleObservation
+from specserve.core.draft.schedule import CycleObservation
 from specserve.policies.prior import decay_factor
 from specserve.policies.step_costs import StepCostEstimator
 

@@ -27,7 +27,7 @@ Conventions (all documented again where used):
   the deepest observed one), and at depth 1 with nothing known it is :data:`DEFAULT_ALPHA`.
 * **Costs.** Times are seconds. Verify time includes ``wire_seconds`` (the round trip is paid per cycle).
   Tree draft cost is modelled per level (one draft forward per depth, widths batched), so x = depth.
-* **Verify buckets.** Given :class:`~specserve.core.buckets.VerifyBuckets` (a static-shape engine pads a
+* **Verify buckets.** Given :class:`~specserve.core.model.buckets.VerifyBuckets` (a static-shape engine pads a
   block of k positions up to ``buckets.width(k)``), verify times are learned per width the forward ran at,
   and T_verify(k) is priced at its bucket — never above a wider bucket's cost (see :class:`CostEstimator`).
   Without buckets (the default) every block runs at its own width, as before.
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import threading
 
-from specserve.core.buckets import NO_BUCKETS, VerifyBuckets
+from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.policies.acceptance import AcceptanceEstimator
 from specserve.policies.base import Budget, CycleObservation, PolicyState
 from specserve.policies.costs import CostEstimator

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from specserve.core.draft.schedule import POLICY_NAMES as REQUEST_POLICY_NAMES
 from specserve.core.errors import UserError
-from specserve.core.schedule import POLICY_NAMES as REQUEST_POLICY_NAMES
-from specserve.core.tree import TreeSpec
+from specserve.core.tree.draft_tree import TreeSpec
 from specserve.policies.base import Budget, Policy, PolicyState
 from specserve.policies.rates import predicted_rate
 
@@ -283,7 +283,9 @@ _FACTORIES: Mapping[str, tuple[Callable[..., Policy], tuple[str, ...]]] = {
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 if tuple(REQUEST_POLICY_NAMES) != POLICY_NAMES:  # the names a request may give (core) must be exactly these
-    raise ImportError(f"policy registry {POLICY_NAMES} disagrees with specserve.core.schedule {REQUEST_POLICY_NAMES}")
+    raise ImportError(
+        f"policy registry {POLICY_NAMES} disagrees with specserve.core.draft.schedule {REQUEST_POLICY_NAMES}"
+    )
 
 
 def build_policy(name: str, **options: Any) -> Policy:

@@ -1,6 +1,6 @@
 """Per-request schedules for the engine and the distributed runtime, from the policy name a request gives.
 
-:func:`schedules` returns the :data:`~specserve.core.schedule.ScheduleFactory` that
+:func:`schedules` returns the :data:`~specserve.core.draft.schedule.ScheduleFactory` that
 :class:`~specserve.core.engine.SpeculativeEngine` and the drafter actor call once per request:
 ``fixed`` drafts the request's own γ or tree every cycle; ``heuristic`` starts at the request's γ
 and follows transformers' +2 / −1 schedule; ``adaptive`` chooses each cycle's γ (and, when the
@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specserve.core.buckets import VerifyBuckets
-from specserve.core.schedule import (
+from specserve.core.draft.schedule import (
     POLICY_NAMES,
     Budget,
     FixedSchedule,
@@ -25,6 +24,7 @@ from specserve.core.schedule import (
     ScheduleFactory,
     check_policy_name,
 )
+from specserve.core.model.buckets import VerifyBuckets
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController, resolve_buckets
 from specserve.policies.estimators import ReplicaPrior
 from specserve.policies.policies import build_policy

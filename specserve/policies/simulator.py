@@ -69,9 +69,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.core.buckets import VerifyBuckets
+from specserve.core.draft.schedule import Budget, CycleObservation, Schedule
 from specserve.core.errors import UserError
-from specserve.core.schedule import Budget, CycleObservation, Schedule
+from specserve.core.model.buckets import VerifyBuckets
 from specserve.policies.base import Policy
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController, resolve_buckets
 from specserve.policies.estimators import ReplicaPrior

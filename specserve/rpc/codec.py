@@ -2,10 +2,10 @@
 
 * tensors travel as dtype + shape + raw bytes (never pickled); :func:`decode_tensor` checks that
   the byte count matches the shape and dtype before viewing the buffer;
-* a proposal (:data:`~specserve.core.draft.Proposal`: a chain or a tree, through their one
+* a proposal (:data:`~specserve.core.draft.drafter.Proposal`: a chain or a tree, through their one
   interface) becomes a ``DraftTree`` message: its nodes' tokens and parents, the rules that
-  verify it (``RULES_CHAIN`` for a :class:`~specserve.core.draft.Draft`, ``RULES_TREE_*`` for a
-  :class:`~specserve.core.tree.DraftTree` by how its children were sampled), and per node the q
+  verify it (``RULES_CHAIN`` for a :class:`~specserve.core.draft.drafter.Draft`, ``RULES_TREE_*`` for a
+  :class:`~specserve.core.tree.draft_tree.DraftTree` by how its children were sampled), and per node the q
   it was drawn from, sparsely (support + probabilities, as doubles, with q's dtype named), which
   is exact: the support is where the drafter could have sampled, and the receiver rebuilds q bit
   for bit in its original dtype; and a probe's nodes (Lookahead's window), when the proposal has one;
@@ -33,14 +33,14 @@ from typing import TypeVar
 import torch
 from google.protobuf.message import DecodeError
 
-from specserve.core.draft import Proposal, proposal_from_nodes
-from specserve.core.drafter_spec import MAX_PROBE_NODES
+from specserve.core.draft.drafter import Proposal, proposal_from_nodes
+from specserve.core.draft.spec_strings import MAX_PROBE_NODES
 from specserve.core.errors import UserError
-from specserve.core.logprobs import TokenLogprob
 from specserve.core.target import CycleOutcome, FinishReason, Verdict
-from specserve.core.tree import DraftTree, InvalidTree, VerifyRules
-from specserve.core.tree_verification import TreeVerdict
-from specserve.core.verification import ChainVerdict, TokenKind
+from specserve.core.tree.draft_tree import DraftTree, InvalidTree, VerifyRules
+from specserve.core.verify.chain import ChainVerdict, TokenKind
+from specserve.core.verify.logprobs import TokenLogprob
+from specserve.core.verify.tree import TreeVerdict
 from specserve.rpc.gen import speculation_pb2 as pb
 
 M = TypeVar("M", pb.DraftTree, pb.Verdict)
@@ -148,8 +148,8 @@ def encode_draft(request_id: str, cycle: int, proposal: Proposal) -> pb.DraftTre
 
 
 def decode_draft(message: pb.DraftTree, vocab_size: int, device: torch.device | str = "cpu") -> Proposal:
-    """Validate a received message: a chain :class:`~specserve.core.draft.Draft` under the chain rules, a
-    :class:`~specserve.core.tree.DraftTree` under the tree rules, with q rebuilt bit for bit (or none)."""
+    """Validate a received message: a chain :class:`~specserve.core.draft.drafter.Draft` under the chain rules, a
+    :class:`~specserve.core.tree.draft_tree.DraftTree` under the tree rules, with q rebuilt bit for bit (or none)."""
     nodes = len(message.token_ids)
     if len(message.parents) != nodes:
         raise WireError(f"draft tree has {nodes} tokens but {len(message.parents)} parents")

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from specserve.core.draft import Proposal
+from specserve.core.draft.drafter import Proposal
 from specserve.core.errors import UserError
 from specserve.core.target import CycleOutcome
 from specserve.rpc.codec import (

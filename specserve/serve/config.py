@@ -18,8 +18,8 @@ from pydantic import Field, model_validator
 
 from specserve import defaults
 from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig, with_edge_default
-from specserve.core.drafter_spec import suggested_gamma
-from specserve.core.schedule import MAX_GAMMA
+from specserve.core.draft.schedule import MAX_GAMMA
+from specserve.core.draft.spec_strings import suggested_gamma
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
 # A served replica batches by default (the library's ReplicaConfig keeps 1: one request at a time; BENCHMARKS.md §15

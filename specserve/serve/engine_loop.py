@@ -49,9 +49,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from specserve.core.engine import GenerationConfig, StreamChunk
 from specserve.core.errors import UserError
-from specserve.core.prefix_cache import PrefixCache
+from specserve.core.kv.prefix_cache import PrefixCache
 from specserve.core.prompts import InvalidRequest, PromptCodec
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -71,8 +71,8 @@ from starlette.exceptions import HTTPException
 
 from specserve.core.engine import GenerationResult, StreamChunk
 from specserve.core.errors import ReplicaLost, UserError
-from specserve.core.logprobs import TokenLogprob
 from specserve.core.resume import Resume
+from specserve.core.verify.logprobs import TokenLogprob
 from specserve.serve.body import read_body
 from specserve.serve.config import ServeConfig
 from specserve.serve.engine_loop import EngineStopped

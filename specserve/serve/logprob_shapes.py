@@ -9,7 +9,7 @@
 A token's text is its own decoding, special tokens included (an end-of-sequence token reads ``</s>``, though
 the completion's text leaves it out). A log-probability of minus infinity (a token a warp removed, with
 ``logprobs_mode: processed``) is sent as :data:`NEG_INF_LOGPROB`, as vLLM does: JSON has no infinity. Shapes
-what :mod:`specserve.core.logprobs` computed; computes nothing itself.
+what :mod:`specserve.core.verify.logprobs` computed; computes nothing itself.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from specserve.core.logprobs import TokenLogprob
+from specserve.core.verify.logprobs import TokenLogprob
 
 NEG_INF_LOGPROB = -9999.0
 TokenText = Callable[[int], str]  # one token id -> its text

@@ -3,7 +3,7 @@
 Ray exports them from every node's metrics agent with a ``ray_`` prefix (e.g.
 ``ray_specserve_accepted_tokens_total``); Ray adds the node and worker tags. Each metric here
 carries ``model`` and ``lossy`` tags — ``lossy="true"`` marks anything produced by a lossy
-acceptance mode (a request's ``speculation.acceptance: typical``, :mod:`specserve.core.typical`),
+acceptance mode (a request's ``speculation.acceptance: typical``, :mod:`specserve.core.verify.typical`),
 so exact and lossy runs never mix on a dashboard. Per-request metrics take the request's own
 ``lossy``; the replica's queue gauges keep the deployment's.
 
@@ -26,7 +26,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from specserve.core.prefix_cache import CacheStats
+from specserve.core.kv.prefix_cache import CacheStats
 from specserve.core.stats import RequestStats
 
 TAGS = ("model", "lossy")

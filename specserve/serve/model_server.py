@@ -65,13 +65,13 @@ from dataclasses import asdict
 from typing import Any
 
 from specserve.cluster.replica_config import InvalidSetting
-from specserve.core.drafter_spec import drafter_kind
+from specserve.core.draft.spec_strings import drafter_kind
 from specserve.core.engine import GenerationConfig, GenerationFrontend, StreamChunk
 from specserve.core.errors import ReplicaLost, UserError
-from specserve.core.prefix_cache import CacheStats
+from specserve.core.kv.prefix_cache import CacheStats
 from specserve.core.prompts import PromptCodec
 from specserve.core.resume import Resume, ResumedOutput, continuation
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.shadow import ShadowJob
 from specserve.core.stats import RequestStats
 from specserve.policies.drift import DriftMonitor
@@ -120,7 +120,7 @@ def load_batched_engine(config: ServeConfig) -> GenerationFrontend:
     import torch
 
     from specserve.core.batch_engine import BatchedEngine
-    from specserve.core.model import CausalLM
+    from specserve.core.model.causal_lm import CausalLM
     from specserve.drafters.registry import request_drafters
     from specserve.policies.schedules import schedules
 
@@ -249,7 +249,7 @@ class ModelServer:
 
     def drafter_tag(self, generation: GenerationConfig) -> str:
         """Who drafted a request, as the metrics name it: ``none`` (speculation off), the request's own drafter, or
-        the kind of the replica's configured one (:func:`~specserve.core.drafter_spec.drafter_kind`)."""
+        the kind of the replica's configured one (:func:`~specserve.core.draft.spec_strings.drafter_kind`)."""
         if generation.gamma == 0 and generation.tree is None:
             return "none"
         return generation.drafter if generation.drafter != "default" else drafter_kind(self.config.draft)

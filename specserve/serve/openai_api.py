@@ -38,10 +38,10 @@ from typing import Any
 
 from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, StreamChunk
 from specserve.core.errors import UserError
-from specserve.core.processors import check_logit_bias
 from specserve.core.prompts import PromptCodec
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.stats import RequestStats
+from specserve.core.verify.processors import check_logit_bias
 from specserve.serve.config import ServeConfig
 from specserve.serve.errors import RequestError
 from specserve.serve.logprob_shapes import TokenText, chat_logprobs, completion_logprobs, mean_logprob

@@ -3,7 +3,7 @@
 Requests are pydantic models whose every field carries a description. The edge is strict and
 bounded: types are JSON's own (no ``true`` for a number, no ``"16"`` for an integer; an integer is
 a number, as JSON clients send ``"temperature": 1``), every number has bounds (``seed`` in
-[0, 2**63), ``top_k`` at most :data:`~specserve.core.sampling_params.MAX_TOP_K`, ``max_tokens`` at
+[0, 2**63), ``top_k`` at most :data:`~specserve.core.sampling.params.MAX_TOP_K`, ``max_tokens`` at
 most :data:`MAX_TOKENS`, no NaN or infinity...), an OpenAI field this server does not implement
 (``tools``, ``echo``, ``suffix``...) is refused unless it asks for
 nothing (absent, ``null`` or its no-op value), and a field that is no OpenAI field nor one of
@@ -16,8 +16,8 @@ and :data:`~specserve.serve.errors.STRICT`, the strictness every request object 
 OpenAI's ``logprobs`` (completions: how many alternatives; chat: ``logprobs`` + ``top_logprobs``), ``logit_bias``,
 ``presence_penalty``, ``frequency_penalty``, ``n``, (completions) ``best_of`` and ``response_format``
 (``json_object``, ``json_schema``; on completions too, as in vLLM) are served, exactly under speculation
-(:mod:`specserve.core.processors`, :mod:`specserve.core.logprobs`, :mod:`specserve.core.grammar`), and so is the
-``structured_outputs`` extension (vLLM's: ``json``, ``regex``, ``grammar`` in Lark, ``choice``).
+(:mod:`specserve.core.verify.processors`, :mod:`specserve.core.verify.logprobs`, :mod:`specserve.core.verify.grammar`),
+and so is the ``structured_outputs`` extension (vLLM's: ``json``, ``regex``, ``grammar`` in Lark, ``choice``).
 
 Extensions beyond the OpenAI API: ``top_k``, ``min_p``, ``repetition_penalty``, ``logprobs_mode`` (``raw`` or
 ``processed``), ``ignore_eos`` and the ``speculation`` object (how the request drafts, and its acceptance
@@ -50,8 +50,7 @@ from pydantic import (
 )
 
 from specserve.core.engine import GenerationConfig
-from specserve.core.sampling import SamplingParams
-from specserve.core.sampling_params import (
+from specserve.core.sampling.params import (
     GREEDY_BELOW,
     MAX_BIASED_TOKENS,
     MAX_GRAMMAR_CHARS,
@@ -62,6 +61,7 @@ from specserve.core.sampling_params import (
     MAX_TOP_K,
     GrammarSpec,
 )
+from specserve.core.sampling.warps import SamplingParams
 from specserve.serve.errors import STRICT, RequestError, tagged_union_error
 from specserve.serve.speculation_schema import SpeculationOptions
 

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from specserve.core.engine import GenerationConfig, StreamChunk
-from specserve.core.logprobs import TokenLogprob
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.shadow import ShadowJob, classify, plain_request, skip_reason, write_bundle
 from specserve.core.stats import RequestStats
+from specserve.core.verify.logprobs import TokenLogprob
 from specserve.serve.metrics import ServeMetrics
 
 logger = logging.getLogger("ray.serve")

@@ -1,13 +1,13 @@
 """The ``speculation`` extension of the request bodies: how one request drafts, validated at the HTTP edge.
 
 :class:`SpeculationOptions` is the ``speculation`` object, a field of every completion and chat request and no
-OpenAI field: drafting on or off; γ (at most :data:`~specserve.core.schedule.MAX_GAMMA`); the drafter (the
+OpenAI field: drafting on or off; γ (at most :data:`~specserve.core.draft.schedule.MAX_GAMMA`); the drafter (the
 deployment's configured one, ``ngram``, ``suffix``, ``lookahead`` or ``none``: a draft model cannot be chosen per
 request); the draft shape, a chain (:class:`ChainTree`), a dynamic tree within a budget (:class:`DynamicTree`) or a
-static topology (:class:`StaticTree`) of :mod:`specserve.core.tree`, bounded by :data:`MAX_TREE_DEPTH`,
+static topology (:class:`StaticTree`) of :mod:`specserve.core.tree.draft_tree`, bounded by :data:`MAX_TREE_DEPTH`,
 :data:`MAX_TREE_WIDTH` and :data:`MAX_TREE_NODES` so that no request can ask for a giant tree; the policy;
-drafter-invariant sampling (:mod:`specserve.core.invariant`); and the acceptance rule: exact, or Medusa's *lossy*
-typical acceptance (:mod:`specserve.core.typical`), refused unless ``lossy`` is true as well. Does not: turn the
+drafter-invariant sampling (:mod:`specserve.core.verify.invariant`); and the acceptance rule: exact, or Medusa's *lossy*
+typical acceptance (:mod:`specserve.core.verify.typical`), refused unless ``lossy`` is true as well. Does not: turn the
 options into engine settings (the request does: :meth:`~specserve.serve.schemas.CompletionRequest.sampling` and
 :meth:`~specserve.serve.schemas.CompletionRequest.generation`), hold the OpenAI fields
 (:mod:`specserve.serve.schemas`), or report what speculation did (the answer's ``speculation`` summary:
@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, ValidatorFunctionWrapHandler, field_validator
 
-from specserve.core.sampling import TYPICAL_DELTA, TYPICAL_EPSILON
-from specserve.core.schedule import MAX_GAMMA
-from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.draft.schedule import MAX_GAMMA
+from specserve.core.sampling.warps import TYPICAL_DELTA, TYPICAL_EPSILON
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.serve.errors import STRICT, tagged_union_error
 
 # The largest draft tree a request may ask for: every node is a position of the target's verify pass.

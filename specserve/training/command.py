@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from specserve import defaults
-from specserve.core.drafter_spec import EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
+from specserve.core.draft.spec_strings import EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
 from specserve.core.errors import UserError
 
 TRAINABLE = ("pair", "eagle", "medusa", "exit-head")

@@ -78,7 +78,7 @@ def build(
     """Tokenise ``data`` (or the default corpus) with the tokenizer in ``tokenizer_dir`` and write the datastore."""
     import numpy as np
 
-    from specserve.core.model import load_tokenizer
+    from specserve.core.model.causal_lm import load_tokenizer
     from specserve.drafters.datastore import build_datastore, tokenize_texts, tokenizer_fingerprint, tokenizer_size
     from specserve.training import corpus
     from specserve.training.heads import folder_files

@@ -4,7 +4,7 @@ The early-exit view drafts with the target's first L layers, then its final norm
 exit head is a small residual MLP between layer L and that norm, trained so the view's next-token
 distribution matches the whole target's: the loss is KL(target ‖ view) per position, averaged.
 Each batch is one target forward (no grad) giving both the layer-L hidden states
-(``hidden_states[L]``, the numbering of :func:`~specserve.core.model.select_features`) and the
+(``hidden_states[L]``, the numbering of :func:`~specserve.core.model.causal_lm.select_features`) and the
 target's logits; the head, then the target's frozen norm and LM head, run on those states with
 gradients flowing only into the head. The head starts as the identity (plain layer-skip), so the
 "untrained" numbers of the report are plain layer-skip's.
@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 from specserve.drafters.layerskip import ExitHead, LayerSkipDrafter, decoder_stack, save_exit_head
 from specserve.training import heads, loop
 from specserve.training.loop import LossFn

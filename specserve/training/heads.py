@@ -2,7 +2,7 @@
 
 The heads trained here (EAGLE, Medusa, the layer-skip exit head) all learn from a frozen target's
 hidden states (:func:`target_features`, with the serving definition
-:func:`~specserve.core.model.select_features`) and are judged the same way: by running the real
+:func:`~specserve.core.model.causal_lm.select_features`) and are judged the same way: by running the real
 speculative engine on held-out prompts (:func:`heldout_acceptance`) rather than by a proxy.
 Token streams come from the default corpus (the standard library) or a user's folder of text or
 code (:func:`token_streams`). Does not define any head or loss.
@@ -19,13 +19,13 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from specserve.core.draft import Drafter
+from specserve.core.draft.drafter import Drafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, select_features
-from specserve.core.sampling import SamplingParams
+from specserve.core.model.causal_lm import CausalLM, select_features
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.stats import RequestStats
-from specserve.core.tree import TreeSpec
+from specserve.core.tree.draft_tree import TreeSpec
 from specserve.training import corpus
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java", ".json", ".toml")

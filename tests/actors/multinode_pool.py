@@ -34,8 +34,8 @@ def main(models: Path, out: Path) -> None:
     from specserve.cluster.connect import loopback_only
     from specserve.cluster.replica_config import ReplicaConfig
     from specserve.core.engine import GenerationConfig, SpeculativeEngine
-    from specserve.core.model import CausalLM
-    from specserve.core.sampling import SamplingParams
+    from specserve.core.model.causal_lm import CausalLM
+    from specserve.core.sampling.warps import SamplingParams
     from specserve.drafters.none import NoDrafter
 
     local = {"node_ip_address": "127.0.0.1"}

@@ -31,9 +31,9 @@ from replicas import Case, config_for, greedy_reference, spawned_at_once
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specserve.core.errors import GrammarFailed, RequestFailed
-from specserve.core.sampling import SamplingParams
-from specserve.core.sampling_params import GrammarSpec
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.sampling.params import GrammarSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter_set
 
 pytestmark = pytest.mark.timeout(300)
@@ -229,7 +229,7 @@ def give_up_after(masks: int) -> Callable[[Any], None]:
     masks, as llguidance's lexer does when a grammar exhausts its budget mid-text (``masks`` < 0: undo)."""
 
     def patch(_shard: Any) -> None:
-        from specserve.core.grammar import GrammarCompiler
+        from specserve.core.verify.grammar import GrammarCompiler
 
         original = getattr(GrammarCompiler, "_unpatched_compile", GrammarCompiler.compile)
         if masks < 0:

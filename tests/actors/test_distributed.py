@@ -20,9 +20,9 @@ from replicas import Case, OneAhead, config_for, greedy_reference
 
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.sampling import SamplingParams
-from specserve.core.sampling_params import GrammarSpec
-from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.sampling.params import GrammarSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter
 
 pytestmark = pytest.mark.timeout(300)

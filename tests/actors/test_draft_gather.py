@@ -18,10 +18,10 @@ import torch
 from conftest import TinyPair
 
 from specserve.actors.draft_gather import DraftGatherer
-from specserve.core.draft import Draft, Drafter
+from specserve.core.draft.drafter import Draft, Drafter
+from specserve.core.draft.schedule import Budget, FixedSchedule
 from specserve.core.draft_side import DraftSide
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import Budget, FixedSchedule
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.model import DraftModelDrafter
 

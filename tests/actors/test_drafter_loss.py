@@ -20,7 +20,7 @@ from replicas import Case, config_for, greedy_reference
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.replica import ReplicaConfig
 from specserve.core.engine import GenerationConfig, GenerationResult
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 

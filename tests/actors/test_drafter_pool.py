@@ -41,8 +41,8 @@ from specserve.actors.drafter_pool import DrafterPool, SharedPool, pool_name
 from specserve.actors.pool_scaling import PoolScaling, ScaleDecider
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters import DraftModelDrafter
 from specserve.drafters.none import NoDrafter
 

@@ -39,7 +39,7 @@ from test_drafter_loss import longest, plain_cycles, tp1_config
 from specserve.actors.coordinator import Coordinator
 from specserve.core.engine import GenerationConfig, GenerationResult
 from specserve.core.errors import ReplicaLost
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 

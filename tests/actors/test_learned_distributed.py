@@ -28,8 +28,8 @@ from replicas import greedy_reference, spawned_at_once
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.replica import ReplicaConfig
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.layerskip import ExitHead, save_exit_head
 from specserve.drafters.registry import build_drafter
 

@@ -21,9 +21,9 @@ from mtp_checkpoints import write_checkpoint
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.replica import ReplicaConfig
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
 pytestmark = pytest.mark.timeout(300)

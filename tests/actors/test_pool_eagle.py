@@ -28,8 +28,8 @@ from specserve.actors.coordinator import Coordinator
 from specserve.actors.drafter_pool import SharedPool
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
 pytestmark = pytest.mark.timeout(300)

@@ -32,9 +32,9 @@ from specserve.actors.rank_commands import (
     pack_blocks,
     unpack_blocks,
 )
-from specserve.core.kv_pool import KVPool
-from specserve.core.model import BatchBlock
-from specserve.core.tree import DraftTree
+from specserve.core.kv.pool import KVPool
+from specserve.core.model.causal_lm import BatchBlock
+from specserve.core.tree.draft_tree import DraftTree
 
 
 class Wire:

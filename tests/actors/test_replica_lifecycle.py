@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.replica import ReplicaConfig, ReplicaStartError
 from specserve.core.engine import GenerationConfig
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,10 +68,10 @@ class TestOneTp2Replica:
 def check_every_shards_kv(shape: str, coordinator: Coordinator, pair: TinyPair) -> None:
     import ray
 
-    from specserve.core.draft import propose
-    from specserve.core.sampling import make_generators
-    from specserve.core.schedule import Budget
-    from specserve.core.tree import DraftTree, TreeBudget, TreeSpec
+    from specserve.core.draft.drafter import propose
+    from specserve.core.draft.schedule import Budget
+    from specserve.core.sampling.warps import make_generators
+    from specserve.core.tree.draft_tree import DraftTree, TreeBudget, TreeSpec
     from specserve.drafters.model import DraftModelDrafter
     from specserve.rpc.verifier import VerifierStream, open_channel
 

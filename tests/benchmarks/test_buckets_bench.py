@@ -12,8 +12,8 @@ import pytest
 
 from specserve.benchmarks import buckets
 from specserve.benchmarks.buckets import BucketBenchConfig, Cell
-from specserve.core.buckets import CPU_BUCKETS, VerifyBuckets
 from specserve.core.errors import UserError
+from specserve.core.model.buckets import CPU_BUCKETS, VerifyBuckets
 
 
 def test_quick_run_writes_every_cache_and_engine_and_outputs_match(

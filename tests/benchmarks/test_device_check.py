@@ -29,7 +29,7 @@ from specserve.benchmarks.device_check import (
     graph_counts,
     summarise,
 )
-from specserve.core.graphs import GraphCache
+from specserve.core.static.graphs import GraphCache
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = {"load", "plain", "drafters", "verify_cost", "syncs", "batched_target", "llama_1b", "batched_llama_1b",

@@ -21,7 +21,7 @@ from specserve.benchmarks.prompts import (
     renamed_identifier,
     repetitive_prompts,
 )
-from specserve.core.drafter_spec import is_model_free
+from specserve.core.draft.spec_strings import is_model_free
 from specserve.core.errors import UserError
 from specserve.drafters.layerskip import ExitHead, save_exit_head
 from specserve.training.datastore import build as build_datastore

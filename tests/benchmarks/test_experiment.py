@@ -10,13 +10,13 @@ import pytest
 
 from specserve.benchmarks import experiment
 from specserve.cli import main
+from specserve.core.draft.schedule import Budget, FixedSchedule
 from specserve.core.errors import UserError
-from specserve.core.schedule import Budget, FixedSchedule
 from specserve.policies.simulator import WorkloadModel, simulate
 from specserve.policies.traces import read_trace
 
 CUSTOM_POLICY = """
-from specserve.core.schedule import Budget
+from specserve.core.draft.schedule import Budget
 from specserve.policies.base import PolicyState
 
 

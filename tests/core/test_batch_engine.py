@@ -26,13 +26,13 @@ from head_helpers import random_heads, trained_head
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.batch_step import LocalPool
-from specserve.core.draft import Draft, Drafter
+from specserve.core.draft.drafter import Draft, Drafter
 from specserve.core.engine import GenerationConfig, GenerationResult, InvalidRequest, SpeculativeEngine
-from specserve.core.kv_pool import KVPool
-from specserve.core.model import BatchBlock, FeatureCapture
-from specserve.core.sampling import SamplingParams
+from specserve.core.kv.pool import KVPool
+from specserve.core.model.causal_lm import BatchBlock, FeatureCapture
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.target import LocalSequence, PooledSequence, TargetVerifier
-from specserve.core.tree import DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.draft_tree import DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.layerskip import LayerSkipDrafter
 from specserve.drafters.medusa import MedusaDrafter

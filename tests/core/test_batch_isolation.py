@@ -33,13 +33,13 @@ from conftest import TinyPair, assert_pool_empty
 from test_batch_engine import alone, mixed_requests, pooled_drafter_factory
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.draft import Drafter
+from specserve.core.draft.drafter import Drafter
 from specserve.core.engine import GenerationConfig, GenerationResult
 from specserve.core.errors import GrammarFailed, RequestFailed
-from specserve.core.grammar import GrammarCompiler
-from specserve.core.processors import PenaltyState
-from specserve.core.sampling import SamplingParams
-from specserve.core.sampling_params import GrammarSpec
+from specserve.core.sampling.params import GrammarSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.verify.grammar import GrammarCompiler
+from specserve.core.verify.processors import PenaltyState
 from specserve.drafters.ngram import NgramDrafter
 from specserve.serve.engine_loop import EngineLoop
 

@@ -26,10 +26,10 @@ import torch
 from conftest import EOS_ID, MAX_POSITIONS, REF_TOKENS, TinyPair, no_cache_greedy_ids
 from stats_helpers import draws_over_seeds
 
-from specserve.core.draft import REQUEST_DRAFTERS, Draft, Drafter, DrafterSet
+from specserve.core.draft.drafter import REQUEST_DRAFTERS, Draft, Drafter, DrafterSet
 from specserve.core.engine import MAX_GAMMA, GenerationConfig, GenerationResult, InvalidRequest, SpeculativeEngine
-from specserve.core.model import CausalLM, KVCache
-from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.model.causal_lm import CausalLM, KVCache
+from specserve.core.sampling.warps import SamplingParams, warp_probs
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, build_drafter_set
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]

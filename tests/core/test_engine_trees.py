@@ -10,11 +10,11 @@ import pytest
 import torch
 from conftest import TinyPair
 
-from specserve.core.draft import Draft
+from specserve.core.draft.drafter import Draft
 from specserve.core.engine import GenerationConfig, InvalidRequest, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter_set
 
 SPECS = {

@@ -2,9 +2,9 @@
 
 A request with a grammar is checked where it enters (the HTTP edge's or the engine's
 :meth:`~specserve.core.prompts.PromptCodec.check_grammar`), then verified against it and drafted under it (a draft
-model masks its proposals by it). :func:`~specserve.core.grammar.compile_grammar` is the one function that compiles
-a grammar; these tests count its calls per request on the single-request and the batched engine, with the draft model
-drafting, and check the output is still the target's own greedy decoding (a grammar that allows every text the
+model masks its proposals by it). :func:`~specserve.core.verify.grammar.compile_grammar` is the one function that
+compiles a grammar; these tests count its calls per request on the single-request and the batched engine, with the draft
+model drafting, and check the output is still the target's own greedy decoding (a grammar that allows every text the
 target writes changes nothing).
 """
 
@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from conftest import BOS_ID, PAD_ID, VOCAB, TinyPair, char_tokenizer, finish_all
 
-from specserve.core import grammar as grammar_module
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import SpeculativeEngine
-from specserve.core.grammar import compiler_for
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 from specserve.core.request import GenerationConfig
-from specserve.core.sampling import SamplingParams
-from specserve.core.sampling_params import GrammarSpec
+from specserve.core.sampling.params import GrammarSpec
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.verify import grammar as grammar_module
+from specserve.core.verify.grammar import compiler_for
 from specserve.drafters import build_drafter_set
 from specserve.drafters.registry import request_drafters
 

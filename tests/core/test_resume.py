@@ -16,7 +16,7 @@ from conftest import TinyPair
 
 from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from specserve.core.resume import Resume, ResumedOutput, continuation, resumed_seed
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 
 GREEDY = SamplingParams()

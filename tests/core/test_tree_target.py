@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import EOS_ID, TinyPair
 
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams, warp_probs
 from specserve.core.target import LocalSequence, TargetVerifier
-from specserve.core.tree import ChildSampling, DraftTree, TreeTopology
+from specserve.core.tree.draft_tree import ChildSampling, DraftTree, TreeTopology
 
 TOPOLOGIES = {
     "chain4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],

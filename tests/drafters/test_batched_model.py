@@ -19,10 +19,10 @@ import pytest
 import torch
 from conftest import MAX_POSITIONS, VOCAB, TinyPair
 
-from specserve.core.draft import BatchedDrafter, ChainBatcher, Draft
-from specserve.core.kv_pool import PoolFull
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.draft.drafter import BatchedDrafter, ChainBatcher, Draft
+from specserve.core.kv.pool import PoolFull
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.batched_model import BatchedDraftModel, PooledDraftModelDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import VOCAB, TinyPair, build_draft, build_model, char_tokenizer
 
-from specserve.core.draft import Draft, Drafter
-from specserve.core.model import CausalLM, ModelLoadError
-from specserve.core.sampling import SamplingParams, make_generators, warp_probs
+from specserve.core.draft.drafter import Draft, Drafter
+from specserve.core.model.causal_lm import CausalLM, ModelLoadError
+from specserve.core.sampling.warps import SamplingParams, make_generators, warp_probs
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, VocabularyMismatch, build_drafter
 from specserve.drafters.ngram import lookup
 

@@ -22,9 +22,9 @@ from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fi
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM, select_features
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.model.causal_lm import CausalLM, select_features
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.eagle_head import EagleConfig, EagleHead
 from specserve.training import heads, loop

@@ -10,9 +10,9 @@ import torch
 from conftest import TinyPair
 from head_helpers import trained_head
 
-from specserve.core.draft import BatchedDrafter, Draft
-from specserve.core.model import select_features
-from specserve.core.sampling import SamplingParams
+from specserve.core.draft.drafter import BatchedDrafter, Draft
+from specserve.core.model.causal_lm import select_features
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.eagle import EagleDrafter, HeadSlots
 from specserve.drafters.eagle_batch import SHORT_CATCH_UP, EagleChains
 

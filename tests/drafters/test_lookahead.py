@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.draft import Draft, ProbingDrafter
-from specserve.core.drafter_spec import InvalidDrafterSpec, check_drafter_spec, is_model_free, probe_nodes_of
+from specserve.core.draft.drafter import Draft, ProbingDrafter
+from specserve.core.draft.spec_strings import InvalidDrafterSpec, check_drafter_spec, is_model_free, probe_nodes_of
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, LocalSequence, TargetVerifier
-from specserve.core.tree import ROOT, DraftTree, InvalidTree, TreeBudget, TreeSpec, TreeTopology, block_nodes
-from specserve.core.verification import ChainVerdict, TokenKind
+from specserve.core.tree.draft_tree import ROOT, DraftTree, InvalidTree, TreeBudget, TreeSpec, TreeTopology, block_nodes
+from specserve.core.verify.chain import ChainVerdict, TokenKind
 from specserve.drafters import build_drafter
 from specserve.drafters.lookahead import LookaheadDrafter, LookaheadSettings, NgramPool
 from specserve.drafters.registry import build_drafter_set, request_drafters

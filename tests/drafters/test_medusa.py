@@ -22,11 +22,11 @@ from head_helpers import random_heads
 from safetensors.torch import load_file
 from stats_helpers import chi2_pvalue
 
-from specserve.core.draft import FeatureDrafter, TreeDrafter
+from specserve.core.draft.drafter import FeatureDrafter, TreeDrafter
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams, warp_probs
-from specserve.core.tree import ROOT, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.tree.draft_tree import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.medusa import (
     CONFIG_FILE,
     WEIGHTS_FILE,

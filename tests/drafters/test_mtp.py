@@ -37,10 +37,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.static_cache import StaticOptions
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.static.slots import StaticOptions
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.mtp import check_mtp_target
 from specserve.drafters.registry import build_drafter, request_drafters

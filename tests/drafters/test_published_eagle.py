@@ -47,13 +47,13 @@ from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fi
 
 from specserve import cli
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.drafter_spec import suggested_gamma
+from specserve.core.draft.spec_strings import suggested_gamma
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.static_cache import StaticOptions
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.static.slots import StaticOptions
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.registry import build_drafter
 from specserve.generate import chosen_gamma

@@ -37,9 +37,9 @@ from published_medusa import (
 
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.medusa import InvalidMedusaHeads, MedusaDrafter
 from specserve.drafters.registry import build_drafter
 

@@ -17,9 +17,9 @@ from stats_helpers import batched_runs, check_single_engine_agrees, chi2_pvalue,
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams, warp_probs
-from specserve.core.tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.tree.draft_tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.tree import TreeModelDrafter
 

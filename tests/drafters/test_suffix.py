@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.draft import Drafter, TreeDrafter
-from specserve.core.drafter_spec import check_drafter_spec
+from specserve.core.draft.drafter import Drafter, TreeDrafter
+from specserve.core.draft.spec_strings import check_drafter_spec
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams, make_generators
+from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters import build_drafter
 from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.drafters.suffix import (

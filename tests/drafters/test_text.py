@@ -18,8 +18,8 @@ from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fi
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams, make_generators
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams, make_generators
 from specserve.drafters import DraftModelDrafter, build_drafter
 from specserve.drafters.text import TextDrafter
 from specserve.drafters.vocabulary import VocabularyMismatch

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.core.schedule import Budget
+from specserve.core.draft.schedule import Budget
 from specserve.policies.base import PolicyState
 from specserve.policies.policies import AdaptivePolicy
 

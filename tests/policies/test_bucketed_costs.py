@@ -16,8 +16,8 @@ import pytest
 from synthetic_streams import DRAFT_MS_PER_TOKEN, MS, constant_alpha, cpu_verify_seconds, run_stream
 from test_simulator import record_trace
 
-from specserve.core.buckets import NO_BUCKETS, VerifyBuckets, bucketed_costs
-from specserve.core.schedule import Schedule
+from specserve.core.draft.schedule import Schedule
+from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets, bucketed_costs
 from specserve.policies import (
     AdaptivePolicy,
     Budget,

@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 
-from specserve.core.schedule import Budget, CycleObservation
+from specserve.core.draft.schedule import Budget, CycleObservation
 from specserve.policies.drift import MIN_REACHED, WARMUP, DriftMonitor, RequestCusum
 
 

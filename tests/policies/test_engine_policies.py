@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 import pytest
 from conftest import REF_TOKENS, TinyPair
 
+from specserve.core.draft.schedule import POLICY_NAMES as CORE_POLICY_NAMES
 from specserve.core.engine import GenerationConfig, InvalidRequest, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.schedule import POLICY_NAMES as CORE_POLICY_NAMES
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter_set
 from specserve.policies import POLICY_NAMES
 from specserve.policies.estimators import ReplicaPrior

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from specserve.core.draft.schedule import Budget, FixedSchedule
 from specserve.core.errors import UserError
-from specserve.core.schedule import Budget, FixedSchedule
-from specserve.core.tree import TreeBudget, TreeSpec
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
 from specserve.policies.policies import build_policy
 from specserve.policies.simulator import (
     CostCurves,

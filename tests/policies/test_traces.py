@@ -7,9 +7,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from specserve.core.draft.schedule import Budget, CycleObservation
 from specserve.core.errors import UserError
-from specserve.core.schedule import Budget, CycleObservation
-from specserve.core.tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
 from specserve.policies.traces import CorruptTrace, TraceRecord, TraceWriter, read_trace, read_traces
 
 

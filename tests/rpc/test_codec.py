@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from specserve.core.draft import Draft
-from specserve.core.logprobs import TokenLogprob
-from specserve.core.sampling import SamplingParams, warp_probs
+from specserve.core.draft.drafter import Draft
+from specserve.core.sampling.warps import SamplingParams, warp_probs
 from specserve.core.target import CycleOutcome, FinishReason
-from specserve.core.tree import ChildSampling, DraftTree
-from specserve.core.tree_verification import TreeVerdict
-from specserve.core.verification import ChainVerdict, TokenKind
+from specserve.core.tree.draft_tree import ChildSampling, DraftTree
+from specserve.core.verify.chain import ChainVerdict, TokenKind
+from specserve.core.verify.logprobs import TokenLogprob
+from specserve.core.verify.tree import TreeVerdict
 from specserve.rpc import codec
 from specserve.rpc.codec import WireError
 from specserve.rpc.gen import speculation_pb2 as pb

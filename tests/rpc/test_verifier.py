@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import VOCAB, TinyPair, hf_greedy_ids
 
-from specserve.core.draft import Draft, Proposal, propose
+from specserve.core.draft.drafter import Draft, Proposal, propose
+from specserve.core.draft.schedule import Budget
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams, make_generators
-from specserve.core.schedule import Budget
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.warps import SamplingParams, make_generators
 from specserve.core.target import CycleOutcome, LocalSequence, TargetVerifier
-from specserve.core.verification import TokenKind
+from specserve.core.verify.chain import TokenKind
 from specserve.drafters.model import DraftModelDrafter
 from specserve.rpc import codec
 from specserve.rpc.gen import speculation_pb2 as pb

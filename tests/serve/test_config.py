@@ -29,8 +29,8 @@ from specserve.cluster.replica_config import (
     ReplicaConfig,
     resolve_model_path,
 )
-from specserve.core.kv_pool import DEFAULT_MEMORY_FRACTION
-from specserve.core.schedule import MAX_GAMMA
+from specserve.core.draft.schedule import MAX_GAMMA
+from specserve.core.kv.pool import DEFAULT_MEMORY_FRACTION
 from specserve.serve.config import SERVE_MAX_NUM_SEQS, ServeConfig
 from specserve.serve.deploy_file import DeployFileError, load_serve_file
 

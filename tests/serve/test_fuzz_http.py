@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from ray.serve import Application
 from serve_helpers import deploy_without_waiting, quick_shutdown, wait_until_running
 
-from specserve.core.sampling_params import MAX_TOP_K
+from specserve.core.sampling.params import MAX_TOP_K
 from specserve.serve.app import application
 from specserve.serve.config import ServeConfig
 

@@ -29,7 +29,7 @@ from serve_helpers import quick_shutdown
 
 from specserve import cli, defaults
 from specserve.benchmarks.serve_load import LoadConfig, compare, markdown, run_load
-from specserve.core.model import CausalLM
+from specserve.core.model.causal_lm import CausalLM
 from specserve.serve.app import MODEL, application
 from specserve.serve.config import SERVE_MAX_NUM_SEQS, ServeConfig
 

@@ -22,7 +22,7 @@ from specserve.core.engine import GenerationConfig, GenerationFrontend, Speculat
 from specserve.core.errors import ReplicaLost
 from specserve.core.prompts import PromptCodec
 from specserve.core.resume import Resume
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
 from specserve.serve.ingress import OpenAIIngress

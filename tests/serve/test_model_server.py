@@ -20,8 +20,8 @@ from conftest import TinyPair
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig, GenerationFrontend, SpeculativeEngine, StreamChunk
-from specserve.core.prefix_cache import CacheStats
-from specserve.core.sampling import SamplingParams
+from specserve.core.kv.prefix_cache import CacheStats
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.serve.config import ServeConfig
 from specserve.serve.model_server import ModelServer, QueueFull, merge_chunks

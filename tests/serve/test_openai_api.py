@@ -13,7 +13,7 @@ from conftest import TinyPair
 
 from specserve.core.engine import GenerationConfig, SpeculativeEngine
 from specserve.core.prompts import PromptCodec
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
 from specserve.serve.errors import RequestError

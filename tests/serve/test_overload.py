@@ -40,7 +40,7 @@ from starlette.testclient import TestClient
 
 from specserve.core.engine import GenerationConfig, SpeculativeEngine, StreamChunk
 from specserve.core.prompts import PromptCodec
-from specserve.core.sampling import SamplingParams
+from specserve.core.sampling.warps import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.app import MODEL, application
 from specserve.serve.body import read_body

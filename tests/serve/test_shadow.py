@@ -32,10 +32,9 @@ import specserve.core.target as target_module
 from specserve.cli import main as cli_main
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import GenerationConfig
-from specserve.core.logprobs import TokenLogprob
-from specserve.core.model import CausalLM
-from specserve.core.sampling import SamplingParams
-from specserve.core.sampling_params import GrammarSpec
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.params import GrammarSpec
+from specserve.core.sampling.warps import SamplingParams
 from specserve.core.shadow import (
     ShadowJob,
     classify,
@@ -48,8 +47,9 @@ from specserve.core.shadow import (
     params_to_json,
     skip_reason,
 )
-from specserve.core.tree_spec import TreeBudget, TreeSpec, TreeTopology
-from specserve.core.verification import ChainVerdict
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.verify.chain import ChainVerdict
+from specserve.core.verify.logprobs import TokenLogprob
 from specserve.drafters.registry import request_drafters
 from specserve.generate import build_engine
 from specserve.policies.drift import WARMUP

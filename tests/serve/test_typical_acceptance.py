@@ -1,6 +1,6 @@
-"""The HTTP edge of the lossy typical acceptance (specserve.core.typical), without Ray: the ``speculation`` fields
-are validated (typical without ``lossy`` is a 400 at ``speculation.lossy``), answers say ``lossy``, and per-request
-metrics carry the request's ``lossy`` tag."""
+"""The HTTP edge of the lossy typical acceptance (specserve.core.verify.typical), without Ray: the ``speculation``
+fields are validated (typical without ``lossy`` is a 400 at ``speculation.lossy``), answers say ``lossy``, and
+per-request metrics carry the request's ``lossy`` tag."""
 
 from __future__ import annotations
 
