@@ -24,8 +24,8 @@ from typing import Any
 from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.cluster.replica_config import ReplicaConfig
-from specserve.core.engine import GenerationConfig
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 
 
 def draft_rounds(coordinator: Any) -> dict[int, int]:

@@ -23,7 +23,7 @@ import torch
 
 from specserve.benchmarks import batch as bench
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 
 MAX_NEW_TOKENS = 256  # each request's budget: the warm-up and timed steps must not finish it
 WARMUP_STEPS = 5

@@ -25,7 +25,7 @@ from specserve.benchmarks import batch as bench
 from specserve.core import batch_engine
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.model.causal_lm import BatchBlock
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 
 MODES = {
     "plain": bench.Mode(bench.PLAIN, "batched", drafter="none"),

@@ -28,10 +28,11 @@ import specserve.core.batch_step as batch_step_module
 from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.policies.schedules import schedules
 

@@ -35,8 +35,9 @@ def measure(threads: int, out: Path) -> None:
 
     from specserve import defaults
     from specserve.benchmarks.step_costs import step_costs
-    from specserve.core.engine import GenerationConfig, SpeculativeEngine
+    from specserve.core.engine import SpeculativeEngine
     from specserve.core.model.causal_lm import CausalLM
+    from specserve.core.request import GenerationConfig
     from specserve.core.stats import RequestStats
     from specserve.drafters.registry import build_drafter_set
     from specserve.training.corpus import heldout_prompts

@@ -57,8 +57,8 @@ def main() -> None:
     from specserve.actors.coordinator import Coordinator
     from specserve.cluster.connect import connect_ray
     from specserve.cluster.replica_config import ReplicaConfig
-    from specserve.core.engine import GenerationConfig
-    from specserve.core.sampling.warps import SamplingParams
+    from specserve.core.request import GenerationConfig
+    from specserve.core.sampling.params import SamplingParams
 
     config = ReplicaConfig(
         target=str(defaults.DEFAULT_TARGET), draft=str(defaults.DEFAULT_DRAFT), max_num_seqs=4 if args.batched else 1

@@ -53,7 +53,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {  # the settings each layout changes
 def layout_run(name: str, config: ReplicaConfig, prompts: list[list[int]], max_new_tokens: int) -> dict[str, Any]:
     from specserve.actors.coordinator import Coordinator
     from specserve.actors.drafter_pool import SharedPool
-    from specserve.core.engine import GenerationConfig
+    from specserve.core.request import GenerationConfig
 
     config = config.model_copy(update=LAYOUTS[name])
     pool = SharedPool(config) if config.drafter_placement == "pool" else None
@@ -140,8 +140,9 @@ def main() -> None:
 
     from specserve.benchmarks.buckets import prompt_ids
     from specserve.cluster.connect import connect_ray
-    from specserve.core.engine import GenerationConfig, SpeculativeEngine
+    from specserve.core.engine import SpeculativeEngine
     from specserve.core.model.causal_lm import CausalLM
+    from specserve.core.request import GenerationConfig
     from specserve.drafters.registry import build_drafter_set
 
     target = CausalLM.load(str(defaults.DEFAULT_TARGET), dtype="float32", device="cpu")

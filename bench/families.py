@@ -39,10 +39,11 @@ from transformers import AutoModelForCausalLM
 
 from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.kv.recurrent import RecurrentKVCache, StateCheckpoint
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
 from specserve.policies.schedules import schedules

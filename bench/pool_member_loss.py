@@ -47,7 +47,7 @@ def one_round(config: ReplicaConfig, prompts: list[list[int]], max_new_tokens: i
 
     from specserve.actors.coordinator import Coordinator
     from specserve.actors.drafter_pool import SharedPool
-    from specserve.core.engine import GenerationConfig
+    from specserve.core.request import GenerationConfig
 
     pool = SharedPool(config)
     with ThreadPoolExecutor(2) as spawn:
@@ -113,8 +113,9 @@ def main() -> None:
 
     from specserve.benchmarks.buckets import prompt_ids
     from specserve.cluster.connect import connect_ray
-    from specserve.core.engine import GenerationConfig, SpeculativeEngine
+    from specserve.core.engine import SpeculativeEngine
     from specserve.core.model.causal_lm import CausalLM
+    from specserve.core.request import GenerationConfig
     from specserve.drafters.none import NoDrafter
 
     target = CausalLM.load(str(defaults.DEFAULT_TARGET), dtype="float32", device="cpu")

@@ -25,9 +25,9 @@ from specserve import defaults
 from specserve.benchmarks.prefix_load import Session, Texts, agent_loop, conversations, system_prompt
 from specserve.core import batch_engine
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import request_drafters
 
 PHASES: dict[str, float] = collections.defaultdict(float)

@@ -19,9 +19,9 @@ import torch
 from specserve import defaults
 from specserve.benchmarks.prefix_load import Texts
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import request_drafters
 
 

@@ -40,8 +40,8 @@ import torch
 import specserve.core.target as target_module
 from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
-from specserve.core.engine import GenerationConfig
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.verify.chain import ChainVerdict
 from specserve.serve.config import ServeConfig
 from specserve.serve.model_server import ModelServer, build_runner

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from specserve import defaults
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.params import GrammarSpec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import GrammarSpec, SamplingParams
 from specserve.core.verify.grammar import RequestGrammar
 from specserve.drafters.registry import build_drafter_set
 

@@ -29,7 +29,8 @@ import torch
 
 from specserve.actors.suffix_store import DEFAULT_REFRESH_S, SharedSuffixCache
 from specserve.cluster.connect import loopback_only
-from specserve.core.sampling.warps import SamplingParams, make_generators
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
 from specserve.drafters.suffix import SuffixCache, SuffixDrafter
 
 

@@ -33,7 +33,8 @@ from specserve.core.tree.shapes import InvalidTree, TreeBudget, TreeSpec, TreeTo
 
 if TYPE_CHECKING:  # the engine and the actors load torch: imported once the arguments are checked
     from specserve.actors.coordinator import Coordinator
-    from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, SpeculativeEngine
+    from specserve.core.engine import GenerationFrontend, SpeculativeEngine
+    from specserve.core.request import GenerationConfig, GenerationResult
 
 
 class UnsetInt(int):
@@ -182,7 +183,7 @@ def run_command(args: argparse.Namespace) -> int:
     replica = ReplicaConfig.from_args(args)
     replica.check_local_models()
 
-    from specserve.core.engine import GenerationConfig
+    from specserve.core.request import GenerationConfig
 
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, gamma=args.gamma, stop=tuple(args.stop), tree=tree, policy=args.policy

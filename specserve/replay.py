@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from specserve.core.errors import UserError
 
 if TYPE_CHECKING:
-    from specserve.core.engine import GenerationConfig, GenerationResult
-    from specserve.core.sampling.warps import SamplingParams
+    from specserve.core.request import GenerationConfig, GenerationResult
+    from specserve.core.sampling.params import SamplingParams
     from specserve.core.shadow import Bundle, Divergence
 
 EXIT = {"cleared": 0, "confirmed": 1, "near_tie": 3}

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specserve.core.draft.drafter import Drafter
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter

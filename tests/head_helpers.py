@@ -15,8 +15,8 @@ from conftest import TinyPair
 from filelock import FileLock
 
 from specserve.core.model.causal_lm import CausalLM, select_features
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import ROOT
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import ROOT
 from specserve.drafters.eagle_head import EagleConfig, EagleHead
 from specserve.drafters.medusa import MedusaHeads
 from specserve.training.eagle import EagleRecipe, train_head

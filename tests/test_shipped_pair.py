@@ -13,9 +13,10 @@ import torch
 
 from specserve import defaults
 from specserve.benchmarks.prompts import heldout_prompts
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters import build_drafter
 
 NEAR_TIE = 1e-4

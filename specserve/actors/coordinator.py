@@ -79,7 +79,7 @@ from specserve.core.errors import ReplicaLost, UserError
 from specserve.core.model.causal_lm import load_tokenizer
 from specserve.core.prompts import PromptCodec
 from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, StreamChunk, request_output
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
 
 logger = logging.getLogger(__name__)

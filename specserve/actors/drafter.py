@@ -54,9 +54,10 @@ from specserve.core.draft.schedule import Budget, CycleObservation
 from specserve.core.draft_side import DraftSide
 from specserve.core.model.causal_lm import ModelInfo, TargetDescription, load_tokenizer
 from specserve.core.request import new_draft_side
-from specserve.core.sampling.warps import SamplingParams, make_generators
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
 from specserve.core.target import FinishReason
-from specserve.core.tree.draft_tree import TreeSpec
+from specserve.core.tree.shapes import TreeSpec
 from specserve.core.verify.logprobs import TokenLogprob
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.registry import build_drafter_set, request_drafters

@@ -22,8 +22,9 @@ from enum import IntEnum
 import torch
 
 from specserve.core.batch_step import LocalPool
+from specserve.core.kv.cache import KVCache
 from specserve.core.kv.pool import KVPool
-from specserve.core.model.causal_lm import BatchBlock, CausalLM, KVCache
+from specserve.core.model.causal_lm import BatchBlock, CausalLM
 from specserve.core.target import PooledSequence
 from specserve.core.tree.draft_tree import DraftTree
 

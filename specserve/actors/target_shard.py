@@ -64,13 +64,15 @@ from specserve.actors.rank_commands import (
 from specserve.core.batch_step import LocalPool, kv_tokens, verify_batch
 from specserve.core.draft.drafter import Proposal
 from specserve.core.errors import UserError
+from specserve.core.kv.cache import KVCache
 from specserve.core.kv.pool import DEFAULT_MEMORY_FRACTION, KVPool, memory_tokens, pool_tokens
 from specserve.core.kv.prefix_cache import Hit, PrefixCache
 from specserve.core.kv.prefix_store import PrefixStore
-from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture, KVCache, ModelInfo
+from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture, ModelInfo
 from specserve.core.model.tensor_parallel import DeterministicAllReduce, check_shardable, shard_model
 from specserve.core.request import new_verifier
-from specserve.core.sampling.warps import SamplingParams, make_generators
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
 from specserve.core.target import CycleOutcome, FinishReason, PooledSequence, TargetVerifier
 from specserve.core.tree.draft_tree import DraftTree
 from specserve.core.verify.logprobs import TokenLogprob

@@ -114,10 +114,11 @@ from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Drafter
 from specserve.core.draft.schedule import MAX_GAMMA
 from specserve.core.draft.spec_strings import is_model_free
-from specserve.core.engine import GenerationConfig, SpeculativeEngine, StreamChunk
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.drafters.none import NoDrafter
 from specserve.drafters.registry import request_drafters

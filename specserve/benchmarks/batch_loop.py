@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from specserve.core.attention.sdpa import native_attention
-from specserve.core.engine import GenerationConfig, StreamChunk
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
 
 

@@ -54,10 +54,12 @@ from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
 from specserve.benchmarks.timing import synchronize
 from specserve.core.draft.schedule import MAX_GAMMA
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
+from specserve.core.kv.cache import KVCache
 from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets, choose_buckets, default_buckets
-from specserve.core.model.causal_lm import CausalLM, KVCache
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.request import GenerationConfig
 from specserve.core.static.options import StaticOptions
 from specserve.core.static.slots import StaticKVCache, StaticTarget
 from specserve.drafters import build_drafter_set

@@ -49,8 +49,9 @@ from specserve.benchmarks.batch_loop import (
 from specserve.benchmarks.step_costs import step_costs
 from specserve.core.attention.flex import ENV, batch_attention
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
+from specserve.core.request import GenerationConfig
 from specserve.core.static.options import StaticOptions
 from specserve.drafters.none import NoDrafter
 from specserve.drafters.registry import request_drafters

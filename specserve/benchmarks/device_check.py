@@ -63,12 +63,14 @@ from specserve.benchmarks.prompts import heldout_prompts
 from specserve.benchmarks.tally import Tally
 from specserve.benchmarks.timing import median_forward_seconds, synchronize
 from specserve.core.draft.drafter import DrafterSet, TreeDrafter
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
-from specserve.core.model.causal_lm import CausalLM, KVCache
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.kv.cache import KVCache
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.request import GenerationConfig, GenerationResult
 from specserve.core.static.graphs import GraphCache
 from specserve.core.static.options import StaticOptions
 from specserve.core.static.slots import StaticKVCache, StaticTarget
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters import build_drafter_set
 
 BUDGET_SECONDS = 430.0

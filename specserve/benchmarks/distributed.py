@@ -48,9 +48,10 @@ from specserve.benchmarks.arguments import (
 from specserve.benchmarks.prompts import heldout_prompts
 from specserve.benchmarks.tally import report_paths, save_report
 from specserve.cluster.replica_config import ReplicaConfig
-from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, SpeculativeEngine
+from specserve.core.engine import GenerationFrontend, SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.drafters import build_drafter
 

@@ -354,8 +354,9 @@ def _live(cfg: ExperimentConfig, specs: list[PolicySpec]) -> list[Cell]:
     import torch
 
     from specserve.benchmarks.prompts import heldout_prompts, load_prompts
-    from specserve.core.engine import GenerationConfig, SpeculativeEngine
-    from specserve.core.sampling.warps import SamplingParams
+    from specserve.core.engine import SpeculativeEngine
+    from specserve.core.request import GenerationConfig
+    from specserve.core.sampling.params import SamplingParams
 
     torch.manual_seed(cfg.seed)
     target, drafters = _load_models(cfg)

@@ -84,11 +84,12 @@ from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.draft.drafter import Drafter
 from specserve.core.draft.schedule import MAX_GAMMA
 from specserve.core.draft.spec_strings import LOOKAHEAD_PREFIX, REST_PREFIX
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
 TARGET_SPEEDUP = 2.0  # EAGLE's target over plain greedy decoding (issue 7)

@@ -64,10 +64,11 @@ from specserve.benchmarks.timing import median_forward_seconds
 from specserve.core.draft.drafter import Drafter
 from specserve.core.draft.schedule import MAX_GAMMA
 from specserve.core.draft.spec_strings import is_model_free
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 

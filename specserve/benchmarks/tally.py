@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.engine import GenerationFrontend
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
 
 T = TypeVar("T")

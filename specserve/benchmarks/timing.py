@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.core.model.causal_lm import CausalLM, KVCache
+from specserve.core.kv.cache import KVCache
+from specserve.core.model.causal_lm import CausalLM
 from specserve.core.static.slots import StaticKVCache
 
 

@@ -52,11 +52,12 @@ from specserve.benchmarks.prompts import heldout_prompts, load_prompts
 from specserve.benchmarks.tables import table_cell
 from specserve.benchmarks.tally import Tally, alternating, report_paths, save_report
 from specserve.core.draft.schedule import MAX_GAMMA
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter_set
 
 # Dynamic (depth, width, expand) per k: one confident path with alternatives on its nodes (expand 1: each level

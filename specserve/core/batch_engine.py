@@ -70,13 +70,13 @@ from specserve.core.draft.drafter import (
 from specserve.core.draft.schedule import ScheduleFactory, fixed_schedules
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import GenerationFrontend
-from specserve.core.errors import request_failure
+from specserve.core.errors import InvalidRequest, request_failure
 from specserve.core.kv.pool import DEFAULT_MEMORY_FRACTION, KVPool, pool_tokens
 from specserve.core.kv.prefix_cache import Hit, PrefixCache
 from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture
-from specserve.core.prompts import InvalidRequest, PromptCodec
+from specserve.core.prompts import PromptCodec
 from specserve.core.request import ChunkStream, GenerationConfig, RequestOutput, StreamChunk, start_request
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.static.batch_graphs import batch_graphs
 from specserve.core.static.graphs import GraphBackend
 from specserve.core.static.options import StaticOptions

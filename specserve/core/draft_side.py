@@ -39,8 +39,8 @@ from specserve.core.draft.drafter import (
 )
 from specserve.core.draft.schedule import BatchPlanned, Budget, CycleObservation, Schedule
 from specserve.core.errors import request_failure
-from specserve.core.model.causal_lm import KVCache
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.kv.cache import KVCache
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.target import CycleOutcome
 
 

@@ -34,29 +34,20 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from specserve.core.draft.drafter import REQUEST_DRAFTERS, Drafter, DrafterSet, check_can_draft, drafter_counters
-from specserve.core.draft.schedule import MAX_GAMMA, ScheduleFactory, fixed_schedules
-from specserve.core.model.causal_lm import CausalLM, KVCache
-from specserve.core.prompts import InvalidRequest, PromptCodec
-from specserve.core.request import ChunkStream, GenerationConfig, GenerationResult, StreamChunk, start_request
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.static.slots import StaticOptions, StaticTarget, use_static_shapes
-from specserve.core.target import FinishReason, LocalSequence
+from specserve.core.draft.drafter import Drafter, DrafterSet, check_can_draft, drafter_counters
+from specserve.core.draft.schedule import ScheduleFactory, fixed_schedules
+from specserve.core.kv.cache import KVCache
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.prompts import PromptCodec
+from specserve.core.request import ChunkStream, GenerationConfig, GenerationResult, start_request
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.static.options import StaticOptions
+from specserve.core.static.slots import StaticTarget, use_static_shapes
+from specserve.core.target import LocalSequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "MAX_GAMMA",
-    "REQUEST_DRAFTERS",
-    "ChunkStream",
-    "FinishReason",
-    "GenerationConfig",
-    "GenerationFrontend",
-    "GenerationResult",
-    "InvalidRequest",
-    "SpeculativeEngine",
-    "StreamChunk",
-]
+__all__ = ["GenerationFrontend", "SpeculativeEngine"]
 
 
 class GenerationFrontend(ABC):

@@ -18,7 +18,7 @@ from specserve.core.sampling.params import SamplingParams
 from specserve.core.verify.grammar import compiler_for
 from specserve.core.verify.processors import check_logit_bias
 
-__all__ = ["InvalidRequest", "PromptCodec"]
+__all__ = ["PromptCodec"]
 
 
 class PromptCodec:

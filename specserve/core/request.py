@@ -32,10 +32,11 @@ from specserve.core.draft.schedule import MAX_GAMMA, Budget, ScheduleFactory, ch
 from specserve.core.draft_side import DraftSide
 from specserve.core.errors import InvalidRequest
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import RequestGenerators, SamplingParams, make_generators
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import RequestGenerators, make_generators
 from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason, TargetSequence, TargetVerifier
-from specserve.core.tree.draft_tree import TreeSpec
+from specserve.core.tree.shapes import TreeSpec
 from specserve.core.verify.grammar import request_grammar
 from specserve.core.verify.logprobs import TokenLogprob
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from specserve.core.detokenize import Decode, TextStream
 from specserve.core.request import GenerationConfig, RequestOutput, StreamChunk
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.core.target import FinishReason
 from specserve.core.verify.invariant import noise_key

@@ -35,11 +35,14 @@ import torch
 
 from specserve.core.draft.drafter import Draft, Proposal
 from specserve.core.errors import RequestFailed
+from specserve.core.kv.cache import KVCache
 from specserve.core.kv.pool import KVPool
-from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture, KVCache
-from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
 from specserve.core.static.slots import StaticKVCache
-from specserve.core.tree.draft_tree import ROOT, DraftTree, block_nodes
+from specserve.core.tree.draft_tree import DraftTree, block_nodes
+from specserve.core.tree.shapes import ROOT
 from specserve.core.verify.chain import (
     ChainVerdict,
     TokenKind,

@@ -43,11 +43,13 @@ import torch
 from specserve.core.draft.drafter import ChainBatcher, Draft, Drafter, check_chain_call
 from specserve.core.kv.pool import KVPool, PoolFull
 from specserve.core.model.causal_lm import BatchBlock, CausalLM, TargetDescription
-from specserve.core.sampling.warps import SamplingParams, sample, warp_probs
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import sample, warp_probs
 from specserve.core.static.batch_graphs import batch_graphs
 from specserve.core.static.graphs import GraphBackend
 from specserve.core.static.options import StaticOptions
-from specserve.core.tree.draft_tree import DraftTree, TreeSpec
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import TreeSpec
 from specserve.core.verify.grammar import DraftGrammar, mask_logits
 from specserve.core.verify.invariant import invariant_tokens
 from specserve.drafters.tree import TreeModelDrafter

@@ -40,10 +40,12 @@ from specserve.core.draft.drafter import ChainBatcher, Draft
 from specserve.core.kv.prefix_store import PrefixStore
 from specserve.core.model.buckets import NO_BUCKETS
 from specserve.core.model.causal_lm import CausalLM, TargetDescription
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.static.graphs import GraphBackend
-from specserve.core.static.slots import SlotBlock, SlotRows, StaticKVCache, StaticOptions, StaticSlots
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeSpec
+from specserve.core.static.options import StaticOptions
+from specserve.core.static.slots import SlotBlock, SlotRows, StaticKVCache, StaticSlots
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeSpec
 from specserve.drafters.eagle_batch import EagleChains
 from specserve.drafters.eagle_head import FeatureHead, check_head_fits
 from specserve.drafters.eagle_layouts import load_head

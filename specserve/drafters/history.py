@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 
 
 class CommittedHistory:

@@ -39,10 +39,12 @@ from safetensors.torch import load_file, save_file
 
 from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
-from specserve.core.model.causal_lm import CausalLM, KVCache
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.static.slots import StaticOptions
-from specserve.core.tree.draft_tree import DraftTree, TreeSpec
+from specserve.core.kv.cache import KVCache
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.static.options import StaticOptions
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import TreeSpec
 from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_head_config
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.tree import TreeModelDrafter

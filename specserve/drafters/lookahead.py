@@ -37,8 +37,9 @@ import torch
 from specserve.core.draft.drafter import Draft
 from specserve.core.draft.spec_strings import LOOKAHEAD_DEFAULTS, check_lookahead, lookahead_settings
 from specserve.core.errors import UserError
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeSpec
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeSpec
 from specserve.drafters.history import CommittedHistory
 from specserve.drafters.ngram import ContinuationTrie
 

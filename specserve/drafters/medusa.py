@@ -52,8 +52,9 @@ from safetensors.torch import load_file, save_file
 
 from specserve.core.draft.drafter import Draft
 from specserve.core.model.causal_lm import CausalLM, TargetDescription
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.head_files import CONFIG_FILE, WEIGHTS_FILE, read_config_json, read_head_config
 from specserve.drafters.medusa_layouts import TRAIN_HINT, InvalidMedusaHeads, OwnLMHeads, is_published, read_published
 

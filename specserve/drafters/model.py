@@ -28,10 +28,14 @@ from collections.abc import Sequence
 import torch
 
 from specserve.core.draft.drafter import Draft
-from specserve.core.model.causal_lm import CausalLM, KVCache, TargetDescription
-from specserve.core.sampling.warps import SamplingParams, sample, warp_probs
-from specserve.core.static.slots import StaticKVCache, StaticOptions, StaticTarget
-from specserve.core.tree.draft_tree import DraftTree, TreeSpec
+from specserve.core.kv.cache import KVCache
+from specserve.core.model.causal_lm import CausalLM, TargetDescription
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import sample, warp_probs
+from specserve.core.static.options import StaticOptions
+from specserve.core.static.slots import StaticKVCache, StaticTarget
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import TreeSpec
 from specserve.core.verify.grammar import DraftGrammar, mask_logits
 from specserve.core.verify.invariant import invariant_tokens
 from specserve.drafters.tree import TreeModelDrafter

@@ -26,7 +26,8 @@ import torch
 
 from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.history import CommittedHistory
 
 # Matches of one n-gram size whose continuations a tree may use: bounds the work on long histories.

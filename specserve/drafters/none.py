@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from specserve.core.draft.drafter import Draft
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import DraftTree, TreeSpec
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import TreeSpec
 
 
 class NoDrafter:

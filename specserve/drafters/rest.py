@@ -27,8 +27,9 @@ import torch
 from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM, TargetDescription
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec
 from specserve.drafters.datastore import Datastore, Match
 from specserve.drafters.history import CommittedHistory
 from specserve.drafters.ngram import ContinuationTrie

@@ -48,8 +48,9 @@ import torch
 
 from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 
 SEPARATOR = -1  # between documents of the global store: no match and no continuation crosses it
 EMPTY = np.empty(0, dtype=np.int64)

@@ -25,7 +25,7 @@ import torch
 from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM, TargetDescription
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.history import CommittedHistory
 from specserve.drafters.model import DraftModelDrafter
 

@@ -51,9 +51,12 @@ from typing import Protocol
 import torch
 
 from specserve.core.draft.drafter import Draft
-from specserve.core.model.causal_lm import CausalLM, KVCache, TargetDescription
-from specserve.core.sampling.warps import SamplingParams, sample, warp_probs
-from specserve.core.tree.draft_tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.kv.cache import KVCache
+from specserve.core.model.causal_lm import CausalLM, TargetDescription
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import sample, warp_probs
+from specserve.core.tree.draft_tree import ChildSampling, DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.core.verify.invariant import invariant_tokens
 from specserve.drafters.vocabulary import check_same_vocabulary
 

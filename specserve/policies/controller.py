@@ -38,7 +38,7 @@ import dataclasses
 from typing import Any
 
 from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
-from specserve.core.tree.draft_tree import TreeSpec
+from specserve.core.tree.shapes import TreeSpec
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
 from specserve.policies.estimators import Estimators, ReplicaPrior
 from specserve.policies.prior import REQUEST_HALF_LIFE_CYCLES, VERIFY_TABLE_SIZE, EstimatorPrior

@@ -19,7 +19,7 @@ from typing import Any
 
 from specserve.core.draft.schedule import POLICY_NAMES as REQUEST_POLICY_NAMES
 from specserve.core.errors import UserError
-from specserve.core.tree.draft_tree import TreeSpec
+from specserve.core.tree.shapes import TreeSpec
 from specserve.policies.base import Budget, Policy, PolicyState
 from specserve.policies.rates import predicted_rate
 

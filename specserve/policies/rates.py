@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from specserve.core.tree.draft_tree import TreeSpec
+from specserve.core.tree.shapes import TreeSpec
 from specserve.policies.base import Budget, PolicyState
 from specserve.policies.prior import TREE_BONUS_KEY
 

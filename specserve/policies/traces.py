@@ -34,7 +34,7 @@ import msgpack
 
 from specserve.core.draft.schedule import Budget, CycleObservation
 from specserve.core.errors import UserError
-from specserve.core.tree.draft_tree import InvalidTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.shapes import InvalidTree, TreeBudget, TreeSpec, TreeTopology
 
 __all__ = ["TRACE_VERSION", "CorruptTrace", "TraceRecord", "TraceWriter", "read_trace", "read_traces"]
 

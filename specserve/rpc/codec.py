@@ -37,7 +37,8 @@ from specserve.core.draft.drafter import Proposal, proposal_from_nodes
 from specserve.core.draft.spec_strings import MAX_PROBE_NODES
 from specserve.core.errors import UserError
 from specserve.core.target import CycleOutcome, FinishReason, Verdict
-from specserve.core.tree.draft_tree import DraftTree, InvalidTree, VerifyRules
+from specserve.core.tree.draft_tree import DraftTree, VerifyRules
+from specserve.core.tree.shapes import InvalidTree
 from specserve.core.verify.chain import ChainVerdict, TokenKind
 from specserve.core.verify.logprobs import TokenLogprob
 from specserve.core.verify.tree import TreeVerdict

@@ -47,11 +47,11 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from specserve.core.engine import GenerationConfig, StreamChunk
-from specserve.core.errors import UserError
+from specserve.core.errors import InvalidRequest, UserError
 from specserve.core.kv.prefix_cache import PrefixCache
-from specserve.core.prompts import InvalidRequest, PromptCodec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.prompts import PromptCodec
+from specserve.core.request import GenerationConfig, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

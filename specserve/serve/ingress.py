@@ -69,8 +69,8 @@ from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
-from specserve.core.engine import GenerationResult, StreamChunk
 from specserve.core.errors import ReplicaLost, UserError
+from specserve.core.request import GenerationResult, StreamChunk
 from specserve.core.resume import Resume
 from specserve.core.verify.logprobs import TokenLogprob
 from specserve.serve.body import read_body

@@ -66,12 +66,13 @@ from typing import Any
 
 from specserve.cluster.replica_config import InvalidSetting
 from specserve.core.draft.spec_strings import drafter_kind
-from specserve.core.engine import GenerationConfig, GenerationFrontend, StreamChunk
+from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import ReplicaLost, UserError
 from specserve.core.kv.prefix_cache import CacheStats
 from specserve.core.prompts import PromptCodec
+from specserve.core.request import GenerationConfig, StreamChunk
 from specserve.core.resume import Resume, ResumedOutput, continuation
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.shadow import ShadowJob
 from specserve.core.stats import RequestStats
 from specserve.policies.drift import DriftMonitor

@@ -36,10 +36,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specserve.core.engine import GenerationConfig, GenerationFrontend, GenerationResult, StreamChunk
+from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import UserError
 from specserve.core.prompts import PromptCodec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, GenerationResult, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
 from specserve.core.verify.processors import check_logit_bias
 from specserve.serve.config import ServeConfig

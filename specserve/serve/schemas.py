@@ -49,7 +49,7 @@ from pydantic import (
     model_validator,
 )
 
-from specserve.core.engine import GenerationConfig
+from specserve.core.request import GenerationConfig
 from specserve.core.sampling.params import (
     GREEDY_BELOW,
     MAX_BIASED_TOKENS,
@@ -60,8 +60,8 @@ from specserve.core.sampling.params import (
     MAX_REPETITION_PENALTY,
     MAX_TOP_K,
     GrammarSpec,
+    SamplingParams,
 )
-from specserve.core.sampling.warps import SamplingParams
 from specserve.serve.errors import STRICT, RequestError, tagged_union_error
 from specserve.serve.speculation_schema import SpeculationOptions
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from specserve.core.engine import GenerationConfig, StreamChunk
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.shadow import ShadowJob, classify, plain_request, skip_reason, write_bundle
 from specserve.core.stats import RequestStats
 from specserve.core.verify.logprobs import TokenLogprob

@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, ValidatorFunctionWrapHandler, field_validator
 
 from specserve.core.draft.schedule import MAX_GAMMA
-from specserve.core.sampling.warps import TYPICAL_DELTA, TYPICAL_EPSILON
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.sampling.params import TYPICAL_DELTA, TYPICAL_EPSILON
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.serve.errors import STRICT, tagged_union_error
 
 # The largest draft tree a request may ask for: every node is a position of the target's verify pass.

@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM, load_tokenizer, select_features
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.eagle3 import Eagle3Config, Eagle3Head
 from specserve.drafters.eagle_export import save_eagle3, save_speculators

@@ -20,12 +20,13 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from specserve.core.draft.drafter import Drafter
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM, select_features
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import RequestStats
-from specserve.core.tree.draft_tree import TreeSpec
+from specserve.core.tree.shapes import TreeSpec
 from specserve.training import corpus
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java", ".json", ".toml")

@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM, select_features
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from specserve.training import heads as common
 from specserve.training import loop

@@ -33,9 +33,10 @@ def main(models: Path, out: Path) -> None:
     from specserve.actors.drafter_pool import DrafterPool
     from specserve.cluster.connect import loopback_only
     from specserve.cluster.replica_config import ReplicaConfig
-    from specserve.core.engine import GenerationConfig, SpeculativeEngine
+    from specserve.core.engine import SpeculativeEngine
     from specserve.core.model.causal_lm import CausalLM
-    from specserve.core.sampling.warps import SamplingParams
+    from specserve.core.request import GenerationConfig
+    from specserve.core.sampling.params import SamplingParams
     from specserve.drafters.none import NoDrafter
 
     local = {"node_ip_address": "127.0.0.1"}

@@ -29,11 +29,11 @@ from conftest import TinyPair, cases_in_use
 from replicas import Case, config_for, greedy_reference, spawned_at_once
 
 from specserve.actors.coordinator import Coordinator
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import GrammarFailed, RequestFailed
-from specserve.core.sampling.params import GrammarSpec
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import GrammarSpec, SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter_set
 
 pytestmark = pytest.mark.timeout(300)

@@ -19,10 +19,10 @@ from conftest import TinyPair, cases_in_use
 from replicas import Case, OneAhead, config_for, greedy_reference
 
 from specserve.actors.coordinator import Coordinator
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.sampling.params import GrammarSpec
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import GrammarSpec, SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter
 
 pytestmark = pytest.mark.timeout(300)

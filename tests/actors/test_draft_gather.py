@@ -21,7 +21,7 @@ from specserve.actors.draft_gather import DraftGatherer
 from specserve.core.draft.drafter import Draft, Drafter
 from specserve.core.draft.schedule import Budget, FixedSchedule
 from specserve.core.draft_side import DraftSide
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.model import DraftModelDrafter
 

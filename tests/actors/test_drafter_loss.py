@@ -19,8 +19,8 @@ from replicas import Case, config_for, greedy_reference
 
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.replica import ReplicaConfig
-from specserve.core.engine import GenerationConfig, GenerationResult
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -39,10 +39,11 @@ from replicas import Case, config_for, greedy_reference, replicas_at_once
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.drafter_pool import DrafterPool, SharedPool, pool_name
 from specserve.actors.pool_scaling import PoolScaling, ScaleDecider
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters import DraftModelDrafter
 from specserve.drafters.none import NoDrafter
 

@@ -37,9 +37,9 @@ from replicas import Case, config_for, greedy_reference
 from test_drafter_loss import longest, plain_cycles, tp1_config
 
 from specserve.actors.coordinator import Coordinator
-from specserve.core.engine import GenerationConfig, GenerationResult
 from specserve.core.errors import ReplicaLost
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -27,9 +27,10 @@ from replicas import greedy_reference, replicas_at_once
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.drafter_pool import SharedPool
 from specserve.cluster.replica_config import ReplicaConfig
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,8 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.actors.coordinator import Coordinator
 from specserve.actors.replica import ReplicaConfig, ReplicaStartError
-from specserve.core.engine import GenerationConfig
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,7 +71,8 @@ def check_every_shards_kv(shape: str, coordinator: Coordinator, pair: TinyPair) 
     from specserve.core.draft.drafter import propose
     from specserve.core.draft.schedule import Budget
     from specserve.core.sampling.warps import make_generators
-    from specserve.core.tree.draft_tree import DraftTree, TreeBudget, TreeSpec
+    from specserve.core.tree.draft_tree import DraftTree
+    from specserve.core.tree.shapes import TreeBudget, TreeSpec
     from specserve.drafters.model import DraftModelDrafter
     from specserve.rpc.verifier import VerifierStream, open_channel
 

@@ -15,9 +15,9 @@ from conftest import TinyPair
 
 from specserve.actors.suffix_store import SharedSuffixCache, SuffixStoreActor, store_actor
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import request_drafters
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]

@@ -62,7 +62,7 @@ def test_tiny_run_reports_every_mode_and_exact_greedy_outputs(
 
 
 def test_closed_loop_keeps_concurrency_in_flight_and_records_chunks() -> None:
-    from specserve.core.engine import GenerationConfig, GenerationResult, StreamChunk
+    from specserve.core.request import GenerationConfig, GenerationResult, StreamChunk
 
     class Fake:
         """Three tokens per request, one per step; up to ``slots`` at once."""

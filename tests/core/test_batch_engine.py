@@ -27,12 +27,15 @@ from head_helpers import random_heads, trained_head
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.batch_step import LocalPool
 from specserve.core.draft.drafter import Draft, Drafter
-from specserve.core.engine import GenerationConfig, GenerationResult, InvalidRequest, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.errors import InvalidRequest
 from specserve.core.kv.pool import KVPool
 from specserve.core.model.causal_lm import BatchBlock, FeatureCapture
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.target import LocalSequence, PooledSequence, TargetVerifier
-from specserve.core.tree.draft_tree import DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.layerskip import LayerSkipDrafter
 from specserve.drafters.medusa import MedusaDrafter

@@ -34,10 +34,9 @@ from test_batch_engine import alone, mixed_requests, pooled_drafter_factory
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Drafter
-from specserve.core.engine import GenerationConfig, GenerationResult
 from specserve.core.errors import GrammarFailed, RequestFailed
-from specserve.core.sampling.params import GrammarSpec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import GrammarSpec, SamplingParams
 from specserve.core.verify.grammar import GrammarCompiler
 from specserve.core.verify.processors import PenaltyState
 from specserve.drafters.ngram import NgramDrafter

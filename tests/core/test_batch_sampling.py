@@ -16,8 +16,9 @@ from conftest import TinyPair
 from stats_helpers import chi2_pvalue
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig
-from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
 from specserve.drafters.registry import request_drafters
 
 PROMPT = [5, 6, 7, 8, 9]

@@ -27,9 +27,14 @@ from conftest import EOS_ID, MAX_POSITIONS, REF_TOKENS, TinyPair, no_cache_greed
 from stats_helpers import draws_over_seeds
 
 from specserve.core.draft.drafter import REQUEST_DRAFTERS, Draft, Drafter, DrafterSet
-from specserve.core.engine import MAX_GAMMA, GenerationConfig, GenerationResult, InvalidRequest, SpeculativeEngine
-from specserve.core.model.causal_lm import CausalLM, KVCache
-from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.draft.schedule import MAX_GAMMA
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.errors import InvalidRequest
+from specserve.core.kv.cache import KVCache
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, build_drafter_set
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]

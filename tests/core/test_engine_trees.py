@@ -11,10 +11,12 @@ import torch
 from conftest import TinyPair
 
 from specserve.core.draft.drafter import Draft
-from specserve.core.engine import GenerationConfig, InvalidRequest, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.errors import InvalidRequest
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.registry import build_drafter_set
 
 SPECS = {

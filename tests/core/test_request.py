@@ -21,8 +21,7 @@ from specserve.core.batch_engine import BatchedEngine
 from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
 from specserve.core.request import GenerationConfig
-from specserve.core.sampling.params import GrammarSpec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import GrammarSpec, SamplingParams
 from specserve.core.verify import grammar as grammar_module
 from specserve.core.verify.grammar import compiler_for
 from specserve.drafters import build_drafter_set

@@ -14,9 +14,10 @@ import dataclasses
 import pytest
 from conftest import TinyPair
 
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.request import GenerationConfig, GenerationResult
 from specserve.core.resume import Resume, ResumedOutput, continuation, resumed_seed
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 
 GREEDY = SamplingParams()

@@ -15,9 +15,11 @@ import torch
 from conftest import EOS_ID, TinyPair
 
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
 from specserve.core.target import LocalSequence, TargetVerifier
-from specserve.core.tree.draft_tree import ChildSampling, DraftTree, TreeTopology
+from specserve.core.tree.draft_tree import ChildSampling, DraftTree
+from specserve.core.tree.shapes import TreeTopology
 
 TOPOLOGIES = {
     "chain4": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]],

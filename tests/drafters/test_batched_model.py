@@ -21,8 +21,8 @@ from conftest import MAX_POSITIONS, VOCAB, TinyPair
 
 from specserve.core.draft.drafter import BatchedDrafter, ChainBatcher, Draft
 from specserve.core.kv.pool import PoolFull
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.batched_model import BatchedDraftModel, PooledDraftModelDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter

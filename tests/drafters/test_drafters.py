@@ -9,8 +9,10 @@ import torch
 from conftest import VOCAB, TinyPair, build_draft, build_model, char_tokenizer
 
 from specserve.core.draft.drafter import Draft, Drafter
-from specserve.core.model.causal_lm import CausalLM, ModelLoadError
-from specserve.core.sampling.warps import SamplingParams, make_generators, warp_probs
+from specserve.core.model.causal_lm import CausalLM
+from specserve.core.model.checkpoint_dir import ModelLoadError
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators, warp_probs
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, VocabularyMismatch, build_drafter
 from specserve.drafters.ngram import lookup
 

@@ -20,11 +20,12 @@ from head_helpers import RECIPE, target_stream, trained_head
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM, select_features
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.eagle_head import EagleConfig, EagleHead
 from specserve.training import heads, loop

@@ -12,7 +12,7 @@ from head_helpers import trained_head
 
 from specserve.core.draft.drafter import BatchedDrafter, Draft
 from specserve.core.model.causal_lm import select_features
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.eagle import EagleDrafter, HeadSlots
 from specserve.drafters.eagle_batch import SHORT_CATCH_UP, EagleChains
 

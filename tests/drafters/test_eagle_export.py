@@ -21,8 +21,8 @@ from head_helpers import target_stream
 from safetensors.torch import load_file
 
 from specserve.core.model.causal_lm import CausalLM, select_features
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import ROOT, TreeBudget, TreeSpec
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.eagle3 import Eagle3Config, Eagle3Head
 from specserve.drafters.eagle_export import save_eagle3, save_speculators

@@ -15,11 +15,12 @@ from conftest import REF_TOKENS, VOCAB, TinyPair, build_model, char_tokenizer
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.layerskip import (
     ExitHead,
     ExitHeadError,

@@ -20,11 +20,14 @@ from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fi
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Draft, ProbingDrafter
 from specserve.core.draft.spec_strings import InvalidDrafterSpec, check_drafter_spec, is_model_free, probe_nodes_of
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, make_generators
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
 from specserve.core.target import CycleOutcome, LocalSequence, TargetVerifier
-from specserve.core.tree.draft_tree import ROOT, DraftTree, InvalidTree, TreeBudget, TreeSpec, TreeTopology, block_nodes
+from specserve.core.tree.draft_tree import DraftTree, block_nodes
+from specserve.core.tree.shapes import ROOT, InvalidTree, TreeBudget, TreeSpec, TreeTopology
 from specserve.core.verify.chain import ChainVerdict, TokenKind
 from specserve.drafters import build_drafter
 from specserve.drafters.lookahead import LookaheadDrafter, LookaheadSettings, NgramPool

@@ -23,10 +23,12 @@ from safetensors.torch import load_file
 from stats_helpers import chi2_pvalue
 
 from specserve.core.draft.drafter import FeatureDrafter, TreeDrafter
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, warp_probs
-from specserve.core.tree.draft_tree import ROOT, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.medusa import (
     CONFIG_FILE,
     WEIGHTS_FILE,

@@ -35,12 +35,13 @@ from static_helpers import BUCKETS
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.static.slots import StaticOptions
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.static.options import StaticOptions
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.mtp import check_mtp_target
 from specserve.drafters.registry import build_drafter, request_drafters

@@ -15,10 +15,13 @@ import torch
 from conftest import TinyPair
 
 from specserve.core.draft.drafter import TreeDrafter
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, make_generators
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters import NgramDrafter, NoDrafter
 from specserve.drafters.ngram import ContinuationTrie, continuations, lookup, ngram_tree
 from specserve.drafters.registry import build_drafter_set

@@ -48,12 +48,13 @@ from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fi
 from specserve import cli
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.spec_strings import suggested_gamma
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.static.slots import StaticOptions
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.static.options import StaticOptions
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.registry import build_drafter
 from specserve.generate import chosen_gamma

@@ -35,11 +35,12 @@ from published_medusa import (
     write_head,
 )
 
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.medusa import InvalidMedusaHeads, MedusaDrafter
 from specserve.drafters.registry import build_drafter
 

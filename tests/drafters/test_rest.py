@@ -26,11 +26,14 @@ from specserve.cli import main
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Drafter, TreeDrafter
 from specserve.core.draft.spec_strings import InvalidDrafterSpec, absolute_spec, check_drafter_spec
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, make_generators
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.datastore import (
     HEADER_SIZE,
     Datastore,

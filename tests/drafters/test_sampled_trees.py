@@ -16,10 +16,13 @@ from conftest import TinyPair
 from stats_helpers import batched_runs, check_single_engine_agrees, chi2_pvalue, draws_over_seeds
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, warp_probs
-from specserve.core.tree.draft_tree import ROOT, ChildSampling, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
+from specserve.core.tree.draft_tree import ChildSampling, DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.tree import TreeModelDrafter
 

@@ -23,10 +23,13 @@ from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fi
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Drafter, TreeDrafter
 from specserve.core.draft.spec_strings import check_drafter_spec
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, make_generators
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters import build_drafter
 from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.drafters.suffix import (

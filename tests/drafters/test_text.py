@@ -17,9 +17,11 @@ from conftest import CHARS, EOS_ID, VOCAB, TinyPair, char_tokenizer
 from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, make_generators
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
 from specserve.drafters import DraftModelDrafter, build_drafter
 from specserve.drafters.text import TextDrafter
 from specserve.drafters.vocabulary import VocabularyMismatch

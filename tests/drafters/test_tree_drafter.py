@@ -14,9 +14,10 @@ import torch
 from conftest import EOS_ID, TinyPair
 
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.target import LocalSequence, TargetVerifier
-from specserve.core.tree.draft_tree import ROOT, DraftTree, InvalidTree, TreeBudget, TreeTopology
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, InvalidTree, TreeBudget, TreeTopology
 from specserve.drafters.tree import TreeModelDrafter
 
 TOPOLOGY = TreeTopology.from_lists([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])

@@ -13,10 +13,12 @@ import pytest
 from conftest import REF_TOKENS, TinyPair
 
 from specserve.core.draft.schedule import POLICY_NAMES as CORE_POLICY_NAMES
-from specserve.core.engine import GenerationConfig, InvalidRequest, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.errors import InvalidRequest
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.registry import build_drafter_set
 from specserve.policies import POLICY_NAMES
 from specserve.policies.estimators import ReplicaPrior

@@ -22,7 +22,7 @@ from synthetic_streams import (
 )
 
 from specserve.core.errors import UserError
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.policies import (
     POLICY_NAMES,
     AdaptivePolicy,

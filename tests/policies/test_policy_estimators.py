@@ -12,7 +12,7 @@ import threading
 import pytest
 from synthetic_streams import MS, draw_accepted
 
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.policies import (
     AcceptanceEstimator,
     Budget,

@@ -13,7 +13,7 @@ import pytest
 
 from specserve.core.draft.schedule import Budget, FixedSchedule
 from specserve.core.errors import UserError
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.policies.policies import build_policy
 from specserve.policies.simulator import (
     CostCurves,

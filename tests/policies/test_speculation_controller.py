@@ -8,7 +8,7 @@ import random
 import pytest
 from synthetic_streams import MS, chain_observation, constant_alpha, cpu_verify_seconds, run_stream
 
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.policies import (
     AdaptivePolicy,
     Budget,

@@ -9,7 +9,7 @@ import pytest
 
 from specserve.core.draft.schedule import Budget, CycleObservation
 from specserve.core.errors import UserError
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.policies.traces import CorruptTrace, TraceRecord, TraceWriter, read_trace, read_traces
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specserve.core.draft.drafter import Draft
-from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
 from specserve.core.target import CycleOutcome, FinishReason
 from specserve.core.tree.draft_tree import ChildSampling, DraftTree
 from specserve.core.verify.chain import ChainVerdict, TokenKind

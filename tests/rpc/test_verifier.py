@@ -17,9 +17,11 @@ from conftest import VOCAB, TinyPair, hf_greedy_ids
 
 from specserve.core.draft.drafter import Draft, Proposal, propose
 from specserve.core.draft.schedule import Budget
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import SamplingParams, make_generators
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import make_generators
 from specserve.core.target import CycleOutcome, LocalSequence, TargetVerifier
 from specserve.core.verify.chain import TokenKind
 from specserve.drafters.model import DraftModelDrafter

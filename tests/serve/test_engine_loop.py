@@ -21,9 +21,10 @@ import pytest
 from conftest import TinyPair, assert_pool_empty
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine, StreamChunk
-from specserve.core.prompts import InvalidRequest
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.errors import InvalidRequest
+from specserve.core.request import GenerationConfig, GenerationResult, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.serve.engine_loop import EngineFailure, EngineLoop, EngineStopped, LengthPromptCodec
 

@@ -28,9 +28,10 @@ import pytest
 from conftest import TinyPair
 from starlette.testclient import TestClient
 
-from specserve.core.engine import GenerationConfig, SpeculativeEngine, StreamChunk
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.prompts import PromptCodec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
 from specserve.serve.ingress import OpenAIIngress

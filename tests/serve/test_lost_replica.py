@@ -18,11 +18,12 @@ import pytest
 from conftest import TinyPair
 from starlette.testclient import TestClient
 
-from specserve.core.engine import GenerationConfig, GenerationFrontend, SpeculativeEngine, StreamChunk
+from specserve.core.engine import GenerationFrontend, SpeculativeEngine
 from specserve.core.errors import ReplicaLost
 from specserve.core.prompts import PromptCodec
+from specserve.core.request import GenerationConfig, StreamChunk
 from specserve.core.resume import Resume
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
 from specserve.serve.ingress import OpenAIIngress

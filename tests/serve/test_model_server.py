@@ -19,9 +19,10 @@ import pytest
 from conftest import TinyPair
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, GenerationFrontend, SpeculativeEngine, StreamChunk
+from specserve.core.engine import GenerationFrontend, SpeculativeEngine
 from specserve.core.kv.prefix_cache import CacheStats
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import build_drafter_set, request_drafters
 from specserve.serve.config import ServeConfig
 from specserve.serve.model_server import ModelServer, QueueFull, merge_chunks

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from conftest import TinyPair
 
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.prompts import PromptCodec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.config import ServeConfig
 from specserve.serve.errors import RequestError

@@ -38,9 +38,10 @@ from serve_helpers import quick_shutdown
 from starlette.requests import Request
 from starlette.testclient import TestClient
 
-from specserve.core.engine import GenerationConfig, SpeculativeEngine, StreamChunk
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.prompts import PromptCodec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, StreamChunk
+from specserve.core.sampling.params import SamplingParams
 from specserve.drafters.registry import build_drafter_set
 from specserve.serve.app import MODEL, application
 from specserve.serve.body import read_body

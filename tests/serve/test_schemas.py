@@ -9,11 +9,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from specserve.core.engine import REQUEST_DRAFTERS
+from specserve.core.draft.drafter import REQUEST_DRAFTERS
 from specserve.core.model.causal_lm import ModelInfo
 from specserve.core.prompts import PromptCodec
 from specserve.core.sampling.params import MAX_TOP_K, GrammarSpec
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.serve.config import API_KEY_ENV, ServeConfig
 from specserve.serve.errors import RequestError
 from specserve.serve.openai_api import OpenAIHandler

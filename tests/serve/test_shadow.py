@@ -31,16 +31,14 @@ from metric_helpers import record_metrics
 import specserve.core.target as target_module
 from specserve.cli import main as cli_main
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.params import GrammarSpec
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import GrammarSpec, SamplingParams
 from specserve.core.shadow import (
     ShadowJob,
     classify,
     config_from_json,
     config_to_json,
-    gumbel_noise,
     load_bundle,
     near_tie_tolerance,
     params_from_json,
@@ -49,6 +47,7 @@ from specserve.core.shadow import (
 )
 from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.core.verify.chain import ChainVerdict
+from specserve.core.verify.invariant import gumbel_noise
 from specserve.core.verify.logprobs import TokenLogprob
 from specserve.drafters.registry import request_drafters
 from specserve.generate import build_engine

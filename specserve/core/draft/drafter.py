@@ -28,18 +28,17 @@ import torch
 
 from specserve.core.draft.schedule import Budget
 from specserve.core.errors import InvalidRequest
-from specserve.core.model.causal_lm import KVCache
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.kv.cache import KVCache
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.tree.draft_tree import (
     ChildSampling,
     DraftTree,
-    InvalidTree,
     PathVerdict,
-    TreeSpec,
     VerifyRules,
     check_probe,
     committed_tokens,
 )
+from specserve.core.tree.shapes import InvalidTree, TreeSpec
 
 # The drafters a request may choose: the deployment's configured one, prompt lookup, suffix decoding, Lookahead
 # decoding (its defaults), or none (plain decoding). A draft model other than the configured one cannot be chosen

@@ -29,28 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from specserve.core.sampling.params import (
-    ACCEPTANCE_MODES,
-    MAX_TOP_K,
-    TYPICAL_DELTA,
-    TYPICAL_EPSILON,
-    Acceptance,
-    InvalidSamplingParams,
     SamplingParams,
 )
 
-__all__ = [
-    "ACCEPTANCE_MODES",
-    "MAX_TOP_K",
-    "TYPICAL_DELTA",
-    "TYPICAL_EPSILON",
-    "Acceptance",
-    "InvalidSamplingParams",
-    "RequestGenerators",
-    "SamplingParams",
-    "make_generators",
-    "sample",
-    "warp_probs",
-]
+__all__ = ["RequestGenerators", "make_generators", "sample", "warp_probs"]
 
 
 @dataclass

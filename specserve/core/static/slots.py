@@ -52,7 +52,6 @@ __all__ = [
     "SlotRows",
     "StaticCacheFull",
     "StaticKVCache",
-    "StaticOptions",
     "StaticSlots",
     "StaticTarget",
     "use_static_shapes",

@@ -28,21 +28,9 @@ from typing import Protocol
 
 import torch
 
-from specserve.core.tree.shapes import ROOT, InvalidTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.shapes import ROOT, InvalidTree
 
-__all__ = [
-    "ROOT",
-    "ChildSampling",
-    "DraftTree",
-    "InvalidTree",
-    "TreeBudget",
-    "TreeSpec",
-    "TreeTopology",
-    "VerifyRules",
-    "block_nodes",
-    "check_probe",
-    "committed_tokens",
-]
+__all__ = ["ChildSampling", "DraftTree", "VerifyRules", "block_nodes", "check_probe", "committed_tokens"]
 
 
 class ChildSampling(enum.StrEnum):

@@ -47,7 +47,7 @@ from specserve.core.draft.drafter import Draft, Proposal
 from specserve.core.errors import GrammarFailed, InvalidRequest
 from specserve.core.model.causal_lm import ModelInfo
 from specserve.core.sampling.params import GrammarSpec, SamplingParams
-from specserve.core.tree.draft_tree import ROOT
+from specserve.core.tree.shapes import ROOT
 
 # How JSON is laid out: json.dumps' separators and no other whitespace, so that a model cannot pad its output with
 # spaces and newlines forever; a schema may choose otherwise with llguidance's "x-guidance" options.

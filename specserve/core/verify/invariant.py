@@ -35,7 +35,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
 
 _MASK64 = (1 << 64) - 1
 

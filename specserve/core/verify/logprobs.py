@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from specserve.core.sampling.warps import SamplingParams, warp_probs
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import warp_probs
 
 
 @dataclass(frozen=True)

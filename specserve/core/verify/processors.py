@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from specserve.core.errors import InvalidRequest
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.tree.shapes import ROOT
 
 

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.core.tree.draft_tree import ROOT, ChildSampling, DraftTree
+from specserve.core.tree.draft_tree import ChildSampling, DraftTree
+from specserve.core.tree.shapes import ROOT
 from specserve.core.verify.chain import TokenKind
 
 

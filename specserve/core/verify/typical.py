@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import torch
 
-from specserve.core.sampling.warps import TYPICAL_DELTA, TYPICAL_EPSILON, sample
-from specserve.core.tree.draft_tree import ROOT, DraftTree
+from specserve.core.sampling.params import TYPICAL_DELTA, TYPICAL_EPSILON
+from specserve.core.sampling.warps import sample
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT
 from specserve.core.verify.chain import ChainVerdict, TokenKind
 from specserve.core.verify.tree import TreeVerdict
 

@@ -9,9 +9,9 @@ from conftest import TinyPair, assert_pool_empty
 from test_kv_pool import assert_same_kv
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.registry import request_drafters
 
 TREE = TreeSpec("dynamic", budget=TreeBudget(depth=3, width=2, nodes=5))

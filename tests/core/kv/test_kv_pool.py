@@ -18,8 +18,9 @@ from conftest import VOCAB, TinyPair, hf_greedy_ids
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.kv import pool as kv_pool
+from specserve.core.kv.cache import KVCache
 from specserve.core.kv.pool import KVPool, PoolFull, pool_tokens, token_bytes
-from specserve.core.model.causal_lm import BatchBlock, CausalLM, KVCache
+from specserve.core.model.causal_lm import BatchBlock, CausalLM
 from specserve.core.tree.draft_tree import DraftTree
 from specserve.drafters.ngram import NgramDrafter
 

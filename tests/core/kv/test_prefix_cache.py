@@ -25,11 +25,11 @@ from head_helpers import trained_head
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Drafter
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.kv.prefix_index import PrefixIndex, common_prefix
-from specserve.core.sampling.params import GrammarSpec
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import GrammarSpec, SamplingParams
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter

@@ -32,12 +32,12 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Draft
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import InvalidRequest, UserError
 from specserve.core.kv.recurrent import RecurrentKVCache, recurrent_layers
 from specserve.core.model.tensor_parallel import TensorParallelError, check_shardable
-from specserve.core.request import GenerationResult
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.static.options import StaticOptions
 from specserve.core.static.slots import StaticTarget
 from specserve.core.target import LocalSequence, TargetVerifier

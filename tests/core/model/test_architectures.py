@@ -59,12 +59,14 @@ from test_tensor_parallel import assert_matches_reference
 from transformers import PreTrainedModel
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.kv.pool import KVPool
-from specserve.core.model.causal_lm import BatchBlock, CausalLM, ModelLoadError
+from specserve.core.model.causal_lm import BatchBlock, CausalLM
+from specserve.core.model.checkpoint_dir import ModelLoadError
 from specserve.core.model.tensor_parallel import SHARDABLE_MODEL_TYPES, TensorParallelError, check_shardable
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.static.graphs import GraphCache
 from specserve.core.static.options import StaticOptions
 from specserve.core.tree.draft_tree import DraftTree

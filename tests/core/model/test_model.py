@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import EOS_ID, MAX_POSITIONS, VOCAB, TinyPair
 
-from specserve.core.model.causal_lm import CausalLM, KVCache, ModelLoadError, resolve_device, resolve_dtype
+from specserve.core.kv.cache import KVCache
+from specserve.core.model.causal_lm import CausalLM, resolve_device, resolve_dtype
+from specserve.core.model.checkpoint_dir import ModelLoadError
 
 TOKENS = [5, 17, 33, 2, 60, 61, 62, 9, 9, 41, 77, 3, 88, 14]
 

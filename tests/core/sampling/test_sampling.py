@@ -15,15 +15,8 @@ import torch
 from stats_helpers import chi2_pvalue
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specserve.core.sampling.params import GREEDY_BELOW
-from specserve.core.sampling.warps import (
-    MAX_TOP_K,
-    InvalidSamplingParams,
-    SamplingParams,
-    make_generators,
-    sample,
-    warp_probs,
-)
+from specserve.core.sampling.params import GREEDY_BELOW, MAX_TOP_K, InvalidSamplingParams, SamplingParams
+from specserve.core.sampling.warps import make_generators, sample, warp_probs
 
 ALPHA = 1e-4  # per-test significance of every chi-square test in this module
 

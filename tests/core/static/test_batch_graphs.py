@@ -25,15 +25,15 @@ from conftest import REF_TOKENS, TinyPair, assert_pool_empty, finish_all
 from static_helpers import BUCKETS, RecordingGraphs
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig
 from specserve.core.kv.pool import KVPool
 from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.core.model.causal_lm import BatchBlock, CausalLM, FeatureCapture
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.static import batch_graphs as batch_graphs_module
 from specserve.core.static.batch_graphs import BatchGraphs, batch_graphs, span_bucket
 from specserve.core.static.options import StaticOptions
-from specserve.core.tree.draft_tree import TreeBudget, TreeSpec
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.registry import request_drafters
 

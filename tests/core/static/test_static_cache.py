@@ -30,16 +30,19 @@ from static_helpers import BUCKETS, RecordingGraphs
 from specserve.cluster.replica_config import InvalidSetting, ReplicaConfig
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Draft
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.buckets import CPU_BUCKETS, GPU_BUCKETS, VerifyBuckets, choose_buckets, default_buckets
 from specserve.core.model.causal_lm import BatchBlock, CausalLM, select_features
-from specserve.core.sampling.warps import SamplingParams
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
 from specserve.core.static import slots as static_cache
 from specserve.core.static.graphs import GraphCache
-from specserve.core.static.slots import StaticCacheFull, StaticOptions, StaticTarget
+from specserve.core.static.options import StaticOptions
+from specserve.core.static.slots import StaticCacheFull, StaticTarget
 from specserve.core.target import LocalSequence, TargetVerifier
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters import DraftModelDrafter, NgramDrafter, NoDrafter
 from specserve.drafters.eagle import EagleDrafter
 from specserve.drafters.medusa import MedusaDrafter

@@ -16,7 +16,8 @@ import torch
 from conftest import TinyPair
 
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.tree.draft_tree import DraftTree, InvalidTree, TreeTopology
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import InvalidTree, TreeTopology
 
 ATOL = 1e-10  # float64: the tree forward and the path forward add the same terms in different orders
 # transformers' *eager* Llama/Qwen2 attention computes its softmax in float32 even for float64 models

@@ -22,9 +22,11 @@ from conftest import TinyPair, finish_all, no_cache_greedy_ids
 
 import specserve.core.batch_engine as batch_engine_module
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.sampling.warps import SamplingParams
-from specserve.core.tree.draft_tree import DraftTree, TreeBudget, TreeSpec
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.core.verify.chain import (
     chain_rows_greedy,
     chain_rows_stochastic,

@@ -17,13 +17,15 @@ from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fi
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Draft
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.prompts import InvalidRequest
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.errors import InvalidRequest
+from specserve.core.request import GenerationConfig
 from specserve.core.resume import Resume, continuation
-from specserve.core.sampling.params import GrammarSpec, InvalidSamplingParams
-from specserve.core.sampling.warps import SamplingParams, make_generators
+from specserve.core.sampling.params import GrammarSpec, InvalidSamplingParams, SamplingParams
+from specserve.core.sampling.warps import make_generators
 from specserve.core.target import _as_sent
-from specserve.core.tree.draft_tree import ROOT, DraftTree, TreeBudget, TreeSpec
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec
 from specserve.core.verify.chain import ChainVerdict, TokenKind
 from specserve.core.verify.grammar import compiler_for
 from specserve.core.verify.tree import TreeVerdict

@@ -34,10 +34,13 @@ from stats_helpers import chi2_pvalue, draws_over_seeds
 from specserve import defaults
 from specserve.cli import main
 from specserve.core.draft.drafter import Draft
-from specserve.core.engine import GenerationConfig, GenerationResult, SpeculativeEngine
-from specserve.core.sampling.warps import InvalidSamplingParams, SamplingParams, warp_probs
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.request import GenerationConfig, GenerationResult
+from specserve.core.sampling.params import InvalidSamplingParams, SamplingParams
+from specserve.core.sampling.warps import warp_probs
 from specserve.core.target import LocalSequence, TargetVerifier
-from specserve.core.tree.draft_tree import DraftTree, TreeBudget, TreeSpec, TreeTopology
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.core.verify.invariant import gumbel_noise, invariant_scores, invariant_tokens, noise_key
 from specserve.drafters import DraftModelDrafter, build_drafter_set
 

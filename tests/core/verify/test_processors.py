@@ -20,11 +20,13 @@ from stats_helpers import batched_runs, check_single_engine_agrees, two_token_fi
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from specserve.core.batch_engine import BatchedEngine
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
-from specserve.core.prompts import InvalidRequest
+from specserve.core.engine import SpeculativeEngine
+from specserve.core.errors import InvalidRequest
+from specserve.core.request import GenerationConfig
 from specserve.core.resume import Resume, continuation
-from specserve.core.sampling.warps import InvalidSamplingParams, SamplingParams, warp_probs
-from specserve.core.tree.draft_tree import ROOT, TreeBudget, TreeSpec
+from specserve.core.sampling.params import InvalidSamplingParams, SamplingParams
+from specserve.core.sampling.warps import warp_probs
+from specserve.core.tree.shapes import ROOT, TreeBudget, TreeSpec
 from specserve.core.verify.processors import PenaltyState, path_counts
 from specserve.drafters import build_drafter_set
 from specserve.drafters.registry import request_drafters

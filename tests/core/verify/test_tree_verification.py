@@ -24,16 +24,11 @@ import pytest
 import torch
 from stats_helpers import chi2_pvalue
 
-from specserve.core.sampling.warps import SamplingParams, sample, warp_probs
-from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import sample, warp_probs
+from specserve.core.tree.draft_tree import ChildSampling, DraftTree
 from specserve.core.verify.chain import TokenKind
-from specserve.core.verify.tree import (
-    ChildSampling,
-    TreeVerdict,
-    reference_verify_tree,
-    verify_tree,
-    verify_tree_greedy,
-)
+from specserve.core.verify.tree import TreeVerdict, reference_verify_tree, verify_tree, verify_tree_greedy
 
 ALPHA = 1e-4
 N_TRIALS = 12_000

@@ -24,10 +24,13 @@ import torch
 from conftest import TinyPair
 from stats_helpers import chi2_pvalue
 
-from specserve.core.engine import GenerationConfig, SpeculativeEngine
+from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
-from specserve.core.sampling.warps import InvalidSamplingParams, SamplingParams, warp_probs
-from specserve.core.tree.draft_tree import DraftTree, TreeBudget, TreeSpec
+from specserve.core.request import GenerationConfig
+from specserve.core.sampling.params import InvalidSamplingParams, SamplingParams
+from specserve.core.sampling.warps import warp_probs
+from specserve.core.tree.draft_tree import DraftTree
+from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.core.verify.chain import TokenKind, verify_chain
 from specserve.core.verify.tree import verify_tree_greedy
 from specserve.core.verify.typical import (

@@ -26,7 +26,8 @@ import pytest
 import torch
 from stats_helpers import chi2_pvalue
 
-from specserve.core.sampling.warps import SamplingParams, sample, warp_probs
+from specserve.core.sampling.params import SamplingParams
+from specserve.core.sampling.warps import sample, warp_probs
 from specserve.core.verify.chain import (
     ChainVerdict,
     TokenKind,
