@@ -22,7 +22,8 @@ OUTSIDE = re.compile(r"\b(VERIFICATION|DESIGN|STYLE)\.md|\bDESIGN §|\bVERIFICAT
 
 def anchor(heading: str) -> str:
     """GitHub's anchor for a heading's text."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    # code and emphasis marks go; an underscore inside a word stays (T_verify)
+    text = re.sub(r"[`*]|(?<!\w)_|_(?!\w)", "", heading.strip().lower())
     text = re.sub(r"[^\w\- ]", "", text)
     return text.replace(" ", "-")
 
@@ -40,12 +41,21 @@ def code_files() -> list[Path]:
 
 
 def markdown_files() -> list[Path]:
-    return sorted([ROOT / "README.md", ROOT / "BENCHMARKS.md", *(ROOT / "docs").glob("*.md")])
+    return sorted(
+        [
+            ROOT / "README.md",
+            ROOT / "BENCHMARKS.md",
+            ROOT / "bench" / "README.md",
+            *(ROOT / "docs").glob("*.md"),
+            *(ROOT / "bench" / "results" / "notes").glob("*.md"),
+        ]
+    )
 
 
 def test_the_checker_slugs_headings_as_github_does() -> None:
     assert anchor("Rule A: chain, one sampled child per depth") == "rule-a-chain-one-sampled-child-per-depth"
     assert anchor("The `DraftSide` (one request's draft half)") == "the-draftside-one-requests-draft-half"
+    assert anchor("19. Hybrid targets: T_verify(k), _rollback_") == "19-hybrid-targets-t_verifyk-rollback"
 
 
 def test_code_citations_resolve_to_a_doc_and_heading() -> None:
