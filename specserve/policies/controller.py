@@ -41,6 +41,7 @@ from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.core.tree.shapes import TreeSpec
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
 from specserve.policies.estimators import Estimators, ReplicaPrior
+from specserve.policies.payoff import PayoffGuard
 from specserve.policies.prior import REQUEST_HALF_LIFE_CYCLES, VERIFY_TABLE_SIZE, EstimatorPrior
 from specserve.policies.rates import budget_depth, expected_tokens
 from specserve.policies.step_costs import StepCostEstimator
@@ -91,6 +92,7 @@ class SpeculationController:
         half_life: float | None = REQUEST_HALF_LIFE_CYCLES,
         step_costs: StepCostEstimator | None = None,
         buckets: VerifyBuckets | None = None,
+        guard: PayoffGuard | None = None,
     ):
         if max_gamma_cap < 0:
             raise ValueError(f"max_gamma_cap must be >= 0, got {max_gamma_cap}")
@@ -114,11 +116,17 @@ class SpeculationController:
         # a probe a batched step cut to nothing (it would have widened every row for one request): asked again
         # each cycle until it goes through, which it does once enough requests probe in the same step
         self._deferred_probe: Budget | None = None
+        # measured speculation against measured plain decoding: vetoes drafting that does not pay
+        # (specserve.policies.payoff); None: the policy's budgets go through as chosen
+        self.guard = guard
 
     # What a batched engine asks to choose a step's width (specserve.core.draft.schedule.BatchPlanned)
 
     def expected_tokens(self, gamma: int) -> float:
-        """E[tokens committed] by a chain of ``gamma`` drafts under the estimates of the last decision."""
+        """E[tokens committed] by a chain of ``gamma`` drafts under the estimates of the last decision; 1 for every
+        chain while the payoff guard holds the request to plain decoding (its drafts are not worth a wider row)."""
+        if self.guard is not None and self.guard.mode == "fallback":
+            return 1.0
         state = self._state if self._state is not None else self.snapshot()
         return expected_tokens(state, Budget(gamma))
 
@@ -187,9 +195,20 @@ class SpeculationController:
         self._cycles_since_change = self._cycles_since_change + 1 if chosen == previous else 0
         self._chosen = chosen
         sent = clip_budget(chosen, remaining - 1)
+        # the guard counts every cycle (its back-off runs while the policy is off too), and may veto drafting
+        vetoed = self.guard is not None and not self.guard.allows() and sent.nodes > 0
+        if vetoed:
+            sent = Budget(0)
         entry = self._entry(chosen, sent, remaining, probe=probe, calibration=False)
         if batch_size > 1:
             entry["batch_size"] = batch_size
+        if self.guard is not None:
+            entry["guard"] = self.guard.mode
+            if vetoed:
+                entry["vetoed"] = True
+            events = self.guard.take_events()
+            if events:
+                entry["guard_events"] = events
         self.history.append(entry)
         return sent
 
@@ -213,7 +232,16 @@ class SpeculationController:
             self.replica_prior.observe(obs)
         self.step_costs.observe(obs.positions, obs.verify_seconds + obs.wire_seconds)
         decision = self.history[-1] if self.history and "accepted" not in self.history[-1] else None
-        if decision is not None and decision["probe"] and obs.budget.nodes == 0 and self._chosen is not None:
+        if self.guard is not None:
+            self.guard.observe(obs, self.step_costs.t_step(max(1, obs.batch_size)))
+        vetoed = decision is not None and decision.get("vetoed", False)
+        if (
+            decision is not None
+            and decision["probe"]
+            and obs.budget.nodes == 0
+            and self._chosen is not None
+            and not vetoed
+        ):
             # the batch cut this probe: nothing was learned, so it stays due (and the request stays off)
             self._deferred_probe, self._chosen = self._chosen, Budget(0)
             decision["deferred"] = True
@@ -225,6 +253,8 @@ class SpeculationController:
             "verify_seconds": obs.verify_seconds,
             "wire_seconds": obs.wire_seconds,
         }
+        if self.guard is not None and self.guard.speedup is not None:
+            record["measured_speedup"] = round(self.guard.speedup, 4)
         if self.history and "accepted" not in self.history[-1]:
             self.history[-1].update(record)
         else:  # an observation without a decision from this controller (e.g. a replayed trace)

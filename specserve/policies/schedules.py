@@ -4,7 +4,9 @@
 :class:`~specserve.core.engine.SpeculativeEngine` and the drafter actor call once per request:
 ``fixed`` drafts the request's own γ or tree every cycle; ``heuristic`` starts at the request's γ
 and follows transformers' +2 / −1 schedule; ``adaptive`` chooses each cycle's γ (and, when the
-request names a tree, that tree as a further candidate) from the online estimates. Every request's
+request names a tree, that tree as a further candidate) from the online estimates, behind a
+:class:`~specserve.policies.payoff.PayoffGuard` that falls back to plain decoding when the drafting it
+measures does not pay (``fixed`` and ``heuristic`` are baselines: nothing guards them). Every request's
 controller is seeded from, and feeds, one :class:`~specserve.policies.estimators.ReplicaPrior`
 per factory — one per engine or drafter actor, i.e. per replica — and learns what a batched step costs in one
 :class:`~specserve.policies.step_costs.StepCostEstimator` per factory. A static-shape engine passes its verify
@@ -27,6 +29,7 @@ from specserve.core.draft.schedule import (
 from specserve.core.model.buckets import VerifyBuckets
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController, resolve_buckets
 from specserve.policies.estimators import ReplicaPrior
+from specserve.policies.payoff import PayoffGuard
 from specserve.policies.policies import build_policy
 from specserve.policies.step_costs import StepCostEstimator
 
@@ -55,8 +58,9 @@ def schedules(
             options["start_gamma"] = max(1, min(budget.gamma, max_gamma_cap))
         elif budget.tree is not None:
             options["trees"] = (budget.tree,)
+        guard = PayoffGuard() if policy == "adaptive" else None
         return SpeculationController(
-            build_policy(policy, **options), shared, max_gamma_cap, step_costs=steps, buckets=widths
+            build_policy(policy, **options), shared, max_gamma_cap, step_costs=steps, buckets=widths, guard=guard
         )
 
     return make

@@ -1,0 +1,190 @@
+"""The payoff guard: measured speculation against measured plain decoding, per request, with a stated bound.
+
+A policy chooses budgets from a *model* (:mod:`specserve.policies.rates`: acceptance per depth, a linear draft cost,
+a verify-cost curve). A model can be wrong in ways its own estimates never show it: acceptance that is not
+independent across depths, costs the linear fit misses, a drafter's catch-up after a pause. :class:`PayoffGuard`
+does not model anything. It measures what drafting actually delivers — committed tokens per second of this
+request's drafting cycles, Σ(accepted + 1) / Σ(draft + verify + wire seconds), exponentially weighted over the last
+:attr:`GuardSettings.half_life` drafting cycles — and compares it with what plain decoding measures at the same batch
+size, one token per T_step(B) (:class:`~specserve.policies.step_costs.StepCostEstimator`: the replica's own plain
+steps of B rows; at B = 1 the request's T_verify(1)). Their ratio is the **measured speedup**.
+
+States (each transition records its reason, which the controller writes into the request's history):
+
+* ``measuring`` — the policy's budgets go through. Once :attr:`GuardSettings.min_cycles` drafting cycles are measured
+  and the speedup is below ``1 − margin`` *with confidence* — its upper bound, the measured speedup plus
+  :attr:`GuardSettings.confidence` standard errors, is below it — the guard **falls back**: plain decoding for
+  ``backoff`` cycles. A cycle's tokens vary a lot (1 to γ + 1), so a window's mean does too: the standard error is
+  the ratio estimator's (delta method over the window's exponential weights, effective size (Σw)² / Σw²).
+* ``fallback`` — every budget is vetoed to plain decoding. After ``backoff`` cycles comes a trial.
+* ``trial`` — the policy's budgets go through again, measured afresh (the old window is dropped) for
+  :attr:`GuardSettings.trial_cycles` drafting cycles. A speedup of at least 1 **returns** to ``measuring`` (the
+  back-off resets); otherwise the guard falls back again with the back-off doubled, up to
+  :attr:`GuardSettings.max_backoff` — so a request whose text becomes predictable again is re-probed and drafts again.
+
+**The bound.** While drafting does not pay, the guard drafts only in trials: ``trial_cycles`` drafting cycles after
+every back-off of plain cycles, the back-off doubling from ``first_backoff`` to ``max_backoff``. Measure time in plain
+steps (one plain step makes one token) and let a drafting cycle take at most ``c`` plain steps and make tokens at ``s``
+(< 1) of plain decoding's rate. Once the back-off has reached its cap, each period of ``max_backoff + trial_cycles``
+cycles takes at most ``B + T c`` plain steps (B = ``max_backoff``, T = ``trial_cycles``) and loses at most ``T c (1 −
+s)`` tokens against plain decoding, so the request keeps at least ``1 − T c (1 − s) / (B + T c)`` of plain decoding's
+rate (:meth:`GuardSettings.rate_floor`: 0.971 with the defaults at c = 2, s = 0.5; 0.985 at s = 0.75). Before the
+cap the doubling back-offs add at most ``log2(max_backoff / first_backoff)`` = 3 further trials, and the first
+verdict comes after ``min_cycles`` drafting cycles: a bounded loss once, not a share.
+
+Hysteresis: falling back needs a measured speedup below ``1 − margin``, returning one of at least 1, so a drafter at
+plain decoding's rate does not flap. The guard never changes what is verified, only how much is drafted:
+output stays exact whatever it decides.
+
+Pure bookkeeping: no clock (the caller passes seconds in), no randomness, no model. Not here: the model-based choice
+of γ (:mod:`specserve.policies.policies`), the per-request glue (:mod:`specserve.policies.controller`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from specserve.core.draft.schedule import CycleObservation
+
+GuardMode = Literal["measuring", "fallback", "trial"]
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """How the guard measures and when it acts (see the module docstring for the bound they give)."""
+
+    half_life: float = 16.0  # drafting cycles the measured rate averages over (exponential window)
+    min_cycles: int = 8  # drafting cycles measured before the first verdict
+    margin: float = 0.03  # fall back below a measured speedup of 1 - margin; return at >= 1
+    confidence: float = 2.0  # ... when the speedup plus this many standard errors is below 1 - margin
+    trial_cycles: int = 8  # drafting cycles a trial measures before it is judged
+    first_backoff: int = 32  # plain cycles before the first trial
+    max_backoff: int = 256  # the back-off doubles after each failed trial, up to this
+
+    def __post_init__(self) -> None:
+        if not self.half_life >= 1:
+            raise ValueError(f"half_life must be >= 1 cycle, got {self.half_life}")
+        if self.min_cycles < 1 or self.trial_cycles < 1:
+            raise ValueError("min_cycles and trial_cycles must be >= 1")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin must lie in [0, 1), got {self.margin}")
+        if not self.confidence >= 0:
+            raise ValueError(f"confidence must be >= 0 standard errors, got {self.confidence}")
+        if not 1 <= self.first_backoff <= self.max_backoff:
+            raise ValueError(f"need 1 <= first_backoff <= max_backoff, got {self.first_backoff}, {self.max_backoff}")
+
+    def rate_floor(self, worst_speedup: float, longest_cycle: float) -> float:
+        """The long-run share of plain decoding's rate the guard keeps while drafting does not pay, once its back-off
+        has reached the cap: a drafting cycle takes at most ``longest_cycle`` plain steps and makes tokens at
+        ``worst_speedup`` (< 1) of plain decoding's rate."""
+        if not 0 <= worst_speedup <= 1 or not longest_cycle >= 1:
+            raise ValueError(f"need 0 <= worst_speedup <= 1 and longest_cycle >= 1: {worst_speedup}, {longest_cycle}")
+        trial_time = self.trial_cycles * longest_cycle
+        return 1.0 - trial_time * (1.0 - worst_speedup) / (self.max_backoff + trial_time)
+
+
+class PayoffGuard:
+    """One request's guard; see the module docstring. Driven by the controller: :meth:`allows` before each cycle,
+    :meth:`observe` after it."""
+
+    def __init__(self, settings: GuardSettings | None = None) -> None:
+        self.settings = settings if settings is not None else GuardSettings()
+        self.mode: GuardMode = "measuring"
+        self.backoff = self.settings.first_backoff
+        self._wait = 0  # fallback cycles left before the next trial
+        # exponentially weighted sums over the window's drafting cycles: weights, squared weights, tokens x, time y
+        # in plain steps, and their squares and product (the ratio's standard error)
+        self._sums = [0.0] * 7  # w, w², x, y, x², y², xy
+        self._measured = 0  # drafting cycles in the current window
+        self.fallbacks = 0
+        self.returns = 0
+        self.reason = ""  # why the guard is in its mode (empty while measuring from the start)
+        self._events: list[str] = []  # transitions since the controller last read them
+
+    # --- what the controller asks
+
+    def allows(self) -> bool:
+        """Whether the next cycle may draft (False: the budget is vetoed to plain decoding). Counts a fallback
+        cycle, and starts a trial when the back-off has run out."""
+        if self.mode != "fallback":
+            return True
+        if self._wait > 0:
+            self._wait -= 1
+            return False
+        self._enter("trial", f"trial after {self.backoff} plain cycles")
+        return True
+
+    def observe(self, obs: CycleObservation, plain_seconds: float) -> None:
+        """A verdict, and what a plain step at the cycle's batch size costs (seconds per token of plain decoding).
+
+        Only drafting cycles are measured; a plain cycle chosen by the policy itself says nothing about drafting."""
+        if obs.drafted == 0 or self.mode == "fallback":
+            return
+        seconds = obs.draft_seconds + obs.verify_seconds + obs.wire_seconds
+        if not seconds > 0 or not plain_seconds > 0:
+            return
+        decay = 0.5 ** (1.0 / self.settings.half_life)
+        x = float(obs.accepted + 1)
+        y = seconds / plain_seconds  # the cycle's time in plain steps at its batch size: batch sizes mix fairly
+        w, w2, sx, sy, sxx, syy, sxy = (v * decay for v in self._sums)
+        w2 *= decay
+        self._sums = [w + 1, w2 + 1, sx + x, sy + y, sxx + x * x, syy + y * y, sxy + x * y]
+        self._measured += 1
+        needed = self.settings.trial_cycles if self.mode == "trial" else self.settings.min_cycles
+        if self._measured < needed:
+            return
+        speedup = self.speedup
+        assert speedup is not None
+        if self.mode == "trial":
+            if speedup >= 1.0:
+                self.backoff = self.settings.first_backoff
+                self.returns += 1
+                self._enter("measuring", f"returned: a trial measured {speedup:.2f}x plain decoding")
+            else:
+                self.backoff = min(2 * self.backoff, self.settings.max_backoff)
+                self._fall_back(speedup, f"a trial measured {speedup:.2f}x plain decoding")
+        elif speedup + self.settings.confidence * self.standard_error() < 1.0 - self.settings.margin:
+            self._fall_back(speedup, f"measured {speedup:.2f}x plain decoding over the last drafting cycles")
+
+    # --- what it reports
+
+    @property
+    def speedup(self) -> float | None:
+        """The measured speedup over plain decoding of the current window (None before any drafting cycle)."""
+        sx, sy = self._sums[2], self._sums[3]
+        if self._measured == 0 or sy <= 0:
+            return None
+        return sx / sy
+
+    def standard_error(self) -> float:
+        """The measured speedup's standard error (delta method for a ratio of means; 0 before two cycles)."""
+        w, w2, sx, sy, sxx, syy, sxy = self._sums
+        if self._measured < 2 or sy <= 0:
+            return 0.0
+        ratio = sx / sy
+        mx, my = sx / w, sy / w
+        var_x, var_y, cov = sxx / w - mx * mx, syy / w - my * my, sxy / w - mx * my
+        spread = max(0.0, var_x - 2 * ratio * cov + ratio * ratio * var_y)
+        n_eff = w * w / w2
+        return (spread / n_eff) ** 0.5 / my
+
+    def take_events(self) -> list[str]:
+        """The transitions since the last call, as reasons ("fallback: ...", "trial: ...", "measuring: ...")."""
+        events, self._events = self._events, []
+        return events
+
+    # --- transitions
+
+    def _fall_back(self, speedup: float, why: str) -> None:
+        self.fallbacks += 1
+        self._wait = self.backoff
+        self._enter("fallback", f"{why}; plain decoding for {self.backoff} cycles")
+
+    def _enter(self, mode: GuardMode, reason: str) -> None:
+        self.mode = mode
+        self.reason = reason
+        self._events.append(f"{mode}: {reason}")
+        if mode != "measuring":  # a trial measures afresh; a fallback keeps nothing of the losing window
+            self._sums = [0.0] * 7
+            self._measured = 0
