@@ -67,7 +67,7 @@ from specserve.core.draft.drafter import (
     drafter_counters,
     probe_nodes,
 )
-from specserve.core.draft.schedule import ScheduleFactory, fixed_schedules
+from specserve.core.draft.schedule import ScheduleFactory, fixed_schedules, schedule_report
 from specserve.core.draft_side import DraftSide, propose_batch
 from specserve.core.engine import GenerationFrontend
 from specserve.core.errors import InvalidRequest, request_failure
@@ -284,6 +284,7 @@ class BatchedEngine(GenerationFrontend):
         out.stats.record(observation)
         if out.finish is not None:
             out.stats.drafter_counters.update(drafter_counters(side.drafter))
+            out.stats.policy = schedule_report(side.schedule)
             self.cancel(request.request_id)
         return chunk
 

@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from specserve.core.draft.drafter import Drafter, DrafterSet, check_can_draft, drafter_counters
-from specserve.core.draft.schedule import ScheduleFactory, fixed_schedules
+from specserve.core.draft.schedule import ScheduleFactory, fixed_schedules, schedule_report
 from specserve.core.kv.cache import KVCache
 from specserve.core.model.causal_lm import CausalLM
 from specserve.core.prompts import PromptCodec
@@ -188,4 +188,5 @@ class SpeculativeEngine(GenerationFrontend):
             stats.record(side.on_verdict(proposal, outcome, stopped=out.finish == "stop"))
             if out.finish is not None:
                 stats.drafter_counters.update(drafter_counters(side.drafter))
+                stats.policy = schedule_report(side.schedule)
             yield chunk

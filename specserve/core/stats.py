@@ -38,6 +38,8 @@ class RequestStats:
     observations: list[CycleObservation] = field(default_factory=list)  # every cycle, as the policy saw it
     # what the drafter counted (core.draft.drafter.CountingDrafter: matches, match tokens, pool hits...), when it counts
     drafter_counters: Counter[str] = field(default_factory=Counter)
+    # what the request's schedule decided and why (core.draft.schedule.schedule_report); {} for a fixed one
+    policy: dict[str, Any] = field(default_factory=dict)
     total_seconds: float = 0.0
 
     def record(self, observation: CycleObservation, allreduce_seconds: float = 0.0, overlap_hit: bool = False) -> None:
@@ -111,6 +113,7 @@ class RequestStats:
         self.budgets.extend(other.budgets)
         self.observations.extend(other.observations)
         self.drafter_counters.update(other.drafter_counters)
+        self.policy = merge_policy_reports(self.policy, other.policy)
         self.total_seconds += other.total_seconds
 
     def _grow(self, positions: int) -> None:
@@ -160,6 +163,22 @@ class RequestStats:
             "tree_shapes": [list(shape) for shape in self.tree_shapes],
             "budgets": list(self.budgets),
             "drafter_counters": dict(sorted(self.drafter_counters.items())),
+            "policy": dict(self.policy),
             "total_seconds": self.total_seconds,
             "tokens_per_second": self.tokens_per_second,
         }
+
+
+# the counts of a schedule's report that add up over requests (a benchmark's totals); the rest is per request
+POLICY_COUNTS = ("decisions", "plain_decisions", "vetoed", "budget_sum", "fallbacks", "returns")
+
+
+def merge_policy_reports(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two requests' schedule reports pooled: their counts added (:data:`POLICY_COUNTS`), the policy's name kept when
+    both name the same one."""
+    if not a or not b:
+        return dict(a or b)
+    merged: dict[str, Any] = {key: a.get(key, 0) + b.get(key, 0) for key in POLICY_COUNTS if key in a or key in b}
+    if a.get("policy") == b.get("policy"):
+        merged["policy"] = a.get("policy")
+    return merged

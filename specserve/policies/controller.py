@@ -47,6 +47,7 @@ from specserve.policies.rates import budget_depth, expected_tokens
 from specserve.policies.step_costs import StepCostEstimator
 
 DEFAULT_MAX_GAMMA_CAP = 16
+MAX_REPORTED_EVENTS = 16  # the guard's last transitions a request's report keeps
 
 
 def clip_budget(budget: Budget, max_depth: int) -> Budget:
@@ -224,6 +225,32 @@ class SpeculationController:
             "calibration": calibration,
             "remaining": remaining,
         }
+
+    def report(self) -> dict[str, Any]:
+        """What this request's policy decided and why (:class:`~specserve.core.draft.schedule.ReportingSchedule`):
+        its decisions (the calibration cycle included), how many were plain decoding, how many of those the guard
+        vetoed, the budgets' sum, and the guard's state, measured speedup, fallbacks, returns and reasons."""
+        decisions = [e for e in self.history if "sent" in e]
+        report: dict[str, Any] = {
+            "policy": self.policy.name,
+            "decisions": len(decisions),
+            "plain_decisions": sum(1 for e in decisions if e["nodes"] == 0),
+            "vetoed": sum(1 for e in decisions if e.get("vetoed")),
+            "budget_sum": sum(e["nodes"] for e in decisions),
+        }
+        if self.guard is not None:
+            speedup = self.guard.speedup
+            report.update(
+                guard=self.guard.mode,
+                measured_speedup=None if speedup is None else round(speedup, 4),
+                fallbacks=self.guard.fallbacks,
+                returns=self.guard.returns,
+                events=[
+                    *(event for e in decisions for event in e.get("guard_events", ())),
+                    *self.guard.take_events(),  # the last verdict's, which no decision has recorded yet
+                ][-MAX_REPORTED_EVENTS:],
+            )
+        return report
 
     def observe(self, obs: CycleObservation) -> None:
         """The verdict of the last cycle: updates this request's estimators and the replica's prior."""

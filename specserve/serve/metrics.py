@@ -172,6 +172,12 @@ class ServeMetrics:
             "recent cycles, per drafter: an adaptive policy lowers it when acceptance falls",
             (*TAGS, "drafter"),
         )
+        self.policy_events = Counter(
+            "specserve_policy_events",
+            "the adaptive policy's payoff guard, per drafter: fallback (measured drafting did not pay: plain decoding "
+            "for a back-off) and return (a trial after the back-off paid again)",
+            (*TAGS, "drafter", "event"),
+        )
         self._evictions = 0
         self._cache_lock = threading.Lock()
         self.queue(0, 0)  # idle: exported at 0 from the start, not missing until the first request
@@ -224,6 +230,12 @@ class ServeMetrics:
             self.draft_budget.set(budget, tags)
         if speedup is not None:
             self.speedup.set(speedup, tags)
+
+    def policy(self, drafter: str, report: dict[str, Any]) -> None:
+        """A finished request's schedule report (``stats.policy``): its guard's fallbacks and returns."""
+        tags = {**self.tags, "drafter": drafter}
+        for event, key in (("fallback", "fallbacks"), ("return", "returns")):
+            _inc(self.policy_events, int(report.get(key, 0)), {**tags, "event": event})
 
     def drift(self, drafter: str, position: int, direction: str) -> None:
         self.drift_events.inc(1, {**self.tags, "drafter": drafter, "position": str(position), "direction": direction})

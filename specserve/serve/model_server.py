@@ -602,6 +602,7 @@ class ModelServer:
         if self.metrics is not None and drafter != "none":
             view = self.drift.view(drafter)
             self.metrics.acceptance(drafter, view.rates, view.budget, view.speedup)
+            self.metrics.policy(drafter, stats.policy)
 
     def _report_queue(self) -> None:
         if self.metrics is not None:

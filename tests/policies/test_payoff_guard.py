@@ -22,6 +22,7 @@ from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
 from specserve.core.request import GenerationConfig
 from specserve.core.sampling.params import SamplingParams
+from specserve.core.stats import merge_policy_reports
 from specserve.drafters.registry import build_drafter_set
 from specserve.policies.controller import SpeculationController
 from specserve.policies.payoff import GuardSettings, PayoffGuard
@@ -245,3 +246,35 @@ def test_greedy_stays_exact_while_the_guard_vetoes_and_trials(pair: TinyPair, hf
             vetoed += sum(1 for o in result.stats.observations if o.budget.nodes == 0)
             drafted += sum(1 for o in result.stats.observations if o.drafted)
         assert vetoed > drafted > 0
+
+
+def test_a_request_reports_what_its_policy_decided(pair: TinyPair) -> None:
+    engine = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target), schedules=schedules())
+    adaptive = engine.generate(
+        pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=24, policy="adaptive")
+    )
+    report = adaptive.stats.policy
+    assert report["policy"] == "adaptive" and report["decisions"] == adaptive.stats.cycles
+    assert report["budget_sum"] == sum(adaptive.stats.budgets)
+    assert report["guard"] in ("measuring", "fallback", "trial")
+    assert {"fallbacks", "returns", "events", "measured_speedup", "plain_decisions", "vetoed"} <= set(report)
+    assert adaptive.stats.to_dict()["policy"] == report
+    fixed = engine.generate(pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=8))
+    assert fixed.stats.policy == {}
+
+
+def test_reports_pool_over_requests() -> None:
+    a = {"policy": "adaptive", "decisions": 10, "plain_decisions": 4, "vetoed": 3, "budget_sum": 18, "fallbacks": 1}
+    b = {"policy": "adaptive", "decisions": 5, "plain_decisions": 0, "vetoed": 0, "budget_sum": 15, "returns": 1}
+    merged = merge_policy_reports(a, b)
+    assert merged == {
+        "policy": "adaptive",
+        "decisions": 15,
+        "plain_decisions": 4,
+        "vetoed": 3,
+        "budget_sum": 33,
+        "fallbacks": 1,
+        "returns": 1,
+    }
+    assert merge_policy_reports({}, b) == b and merge_policy_reports(a, {}) == a
+    assert "policy" not in merge_policy_reports(a, {**b, "policy": "heuristic"})

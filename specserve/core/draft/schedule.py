@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from specserve.core.errors import InvalidRequest
 from specserve.core.tree.shapes import TreeSpec
@@ -126,6 +126,21 @@ class BatchPlanned(Protocol):
     def step_seconds(self, positions: int) -> float:
         """Predicted seconds of a batched step whose forward computes ``positions`` positions."""
         ...
+
+
+@runtime_checkable
+class ReportingSchedule(Protocol):
+    """A schedule that can say, when its request ends, what it decided and why (the request's ``stats.policy``)."""
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready: the policy's name, its decisions (how many, how many plain, the mean budget) and anything of
+        its own (an adaptive schedule's guard: fallbacks, returns, the measured speedup, their reasons)."""
+        ...
+
+
+def schedule_report(schedule: Schedule) -> dict[str, Any]:
+    """``schedule``'s report; empty for a schedule that reports nothing."""
+    return schedule.report() if isinstance(schedule, ReportingSchedule) else {}
 
 
 class FixedSchedule:
