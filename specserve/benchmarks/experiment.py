@@ -83,11 +83,13 @@ from specserve.benchmarks.arguments import (
 from specserve.benchmarks.tables import table_cell
 from specserve.cluster.replica_config import ReplicaConfig
 from specserve.core.draft.schedule import MAX_GAMMA, Budget, FixedSchedule, Schedule, ScheduleFactory
-from specserve.core.draft.spec_strings import is_model_free
+from specserve.core.draft.spec_strings import check_drafter_spec
 from specserve.core.errors import UserError
+from specserve.core.stats import merge_policy_reports
 from specserve.policies.base import Policy
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
 from specserve.policies.estimators import Estimators, ReplicaPrior
+from specserve.policies.payoff import PayoffGuard
 from specserve.policies.policies import build_policy
 from specserve.policies.rates import cycle_seconds, expected_tokens
 from specserve.policies.simulator import WorkloadModel, acceptance_counts, simulate
@@ -235,7 +237,9 @@ def cell_schedules(spec: PolicySpec, prior: ReplicaPrior, max_gamma: int = DEFAU
     def make(policy: str, budget: Budget) -> Schedule:
         if decision is None:
             return FixedSchedule(budget)
-        return SpeculationController(decision, prior, max_gamma)
+        # as served (specserve.policies.schedules): the adaptive policy behind its payoff guard
+        guard = PayoffGuard() if spec.kind == "adaptive" else None
+        return SpeculationController(decision, prior, max_gamma, guard=guard)
 
     return make
 
@@ -286,6 +290,7 @@ class Cell:
     seconds: float = 0.0  # wall time of whole requests (live) or charged cycle seconds (replay)
     records: list[TraceRecord] = field(default_factory=list)  # every cycle, in order
     outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt index -> output ids (first round)
+    report: dict[str, Any] = field(default_factory=dict)  # the requests' schedule reports, pooled (live runs)
 
     @property
     def tokens_per_second(self) -> float:
@@ -402,6 +407,7 @@ def _live(cfg: ExperimentConfig, specs: list[PolicySpec]) -> list[Cell]:
                     cell.tokens += len(result.output_ids)
                     cell.seconds += seconds
                     cell.records.extend(records)
+                    cell.report = merge_policy_reports(cell.report, result.stats.policy)
                     if round_index == 0:
                         cell.outputs[i] = list(result.output_ids)
                     if writer is not None:
@@ -418,9 +424,9 @@ def _load_models(cfg: ExperimentConfig) -> tuple[Any, Any]:
     from specserve.core.model.causal_lm import CausalLM
     from specserve.drafters.registry import build_drafter_set
 
-    for directory in (cfg.target, cfg.draft):
-        if not is_model_free(directory) and not Path(directory).is_dir():
-            raise UserError(f"model directory {directory} does not exist")
+    if not Path(cfg.target).is_dir():
+        raise UserError(f"model directory {cfg.target} does not exist")
+    check_drafter_spec(cfg.draft)  # a draft model directory, eagle:DIR, medusa:DIR, layerskip:DIR, ngram, ...
     target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
     return target, build_drafter_set(cfg.draft, target, dtype=cfg.dtype, device=cfg.device)
 
@@ -528,6 +534,9 @@ def summarise(
                     "mean_accepted": cell.mean_accepted,
                     "cycles": cell.cycles,
                     "mean_gamma": cell.mean_gamma,
+                    # cycles decoded plainly: the policy's own choice, or its guard's veto (live adaptive cells)
+                    "plain_share": sum(1 for g in cell.gammas if g == 0) / cell.cycles if cell.cycles else None,
+                    "fallbacks": cell.report.get("fallbacks"),
                 }
             )
         per_workload[workload] = _targets(at, none)
@@ -628,13 +637,14 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        "| workload | policy | tokens/s | × none | predicted × none | mean accepted | cycles | mean γ |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | policy | tokens/s | × none | predicted × none | mean accepted | cycles | mean γ | plain cycles |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['workload']} | {r['policy']} | {r['tokens_per_second']:.1f} | {table_cell(r['speedup_vs_none'])} | "
-            f"{table_cell(r['predicted_speedup'])} | {r['mean_accepted']:.2f} | {r['cycles']} | {r['mean_gamma']:.2f} |"
+            f"{table_cell(r['predicted_speedup'])} | {r['mean_accepted']:.2f} | {r['cycles']} | "
+            f"{r['mean_gamma']:.2f} | {table_cell(r['plain_share'])} |"
         )
     lines.append("")
     for workload, entry in report["workloads"].items():

@@ -1,0 +1,129 @@
+"""Never slower than plain decoding? Every shipped drafter under plain decoding, fixed γ and the adaptive policy.
+
+    python bench/never_slower.py [--drafters draft,eagle,medusa,layerskip,ngram,suffix] [--workloads code-t0,code-t1.5]
+                                 [--policies none,fixed:1,fixed:2,fixed:3,fixed:4,adaptive] [--num-prompts 4]
+                                 [--max-new-tokens 96] [--rounds 2] [--out DIR]
+
+One request at a time in this process, 1 torch thread, the shipped pair in float32: for each drafter,
+``specserve experiment`` (:mod:`specserve.benchmarks.experiment`) over the workloads (``code-t0``: held-out code,
+greedy; ``code-t1.5``: the same prompts at T = 1.5, high entropy, where drafting cannot pay) and the policies, rounds
+alternating the cells' order. ``adaptive`` is the policy as served: behind its payoff guard
+(:mod:`specserve.policies.payoff`). Per drafter × workload: tokens/s of plain decoding, of fixed γ 3 (the former
+default), of the best fixed γ in hindsight and of the adaptive policy; adaptive over plain and over the best fixed γ
+(the issue's targets: ≥ 0.97 both), its mean γ and its share of plain cycles (its own choice or its guard's).
+Writes ``never_slower.json`` and ``never_slower.md`` under ``--out`` and each drafter's experiment report beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specserve import defaults
+from specserve.benchmarks.experiment import ExperimentConfig, run
+from specserve.benchmarks.tables import table_cell, write_report
+
+DRAFTERS = {  # name -> the --draft spec of the shipped drafter
+    "draft": str(defaults.DEFAULT_DRAFT),
+    "eagle": f"eagle:{defaults.MODELS_DIR / 'eagle'}",
+    "medusa": f"medusa:{defaults.MODELS_DIR / 'medusa'}",
+    "layerskip": f"layerskip:{defaults.MODELS_DIR / 'exit-head'}",
+    "ngram": "ngram",
+    "suffix": "suffix",
+}
+TARGET_RATIO = 0.97
+
+
+def summary_rows(drafter: str, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per workload of one drafter's experiment report."""
+    rows = []
+    for workload, entry in report["workloads"].items():
+        cells = {r["policy"]: r for r in report["rows"] if r["workload"] == workload}
+        plain = cells.get("none", {}).get("tokens_per_second")
+        adaptive = cells.get("adaptive", {})
+        best = entry.get("best_fixed") or {}
+        rate = adaptive.get("tokens_per_second")
+        rows.append(
+            {
+                "drafter": drafter,
+                "workload": workload,
+                "plain": plain,
+                "fixed_3": cells.get("fixed:3", {}).get("tokens_per_second"),
+                "best_fixed": best.get("policy"),
+                "best_fixed_tokens_per_second": best.get("tokens_per_second"),
+                "adaptive": rate,
+                "adaptive_over_plain": rate / plain if rate and plain else None,
+                "adaptive_over_best_fixed": rate / best["tokens_per_second"] if rate and best else None,
+                "adaptive_mean_gamma": adaptive.get("mean_gamma"),
+                "adaptive_plain_share": adaptive.get("plain_share"),
+                "adaptive_fallbacks": adaptive.get("fallbacks"),
+                "greedy_outputs_identical": entry.get("greedy_outputs_identical"),
+            }
+        )
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| drafter | workload | plain tok/s | fixed γ 3 | best fixed | adaptive | adaptive / plain | adaptive / best "
+        "fixed | mean γ | plain cycles | fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        best = f"{table_cell(r['best_fixed_tokens_per_second'], 1)} ({r['best_fixed']})"
+        lines.append(
+            f"| {r['drafter']} | {r['workload']} | {table_cell(r['plain'], 1)} | {table_cell(r['fixed_3'], 1)} | "
+            f"{best} | {table_cell(r['adaptive'], 1)} | {table_cell(r['adaptive_over_plain'])} | "
+            f"{table_cell(r['adaptive_over_best_fixed'])} | {table_cell(r['adaptive_mean_gamma'])} | "
+            f"{table_cell(r['adaptive_plain_share'])} | {table_cell(r['adaptive_fallbacks'])} |"
+        )
+    misses = [
+        f"{r['drafter']}/{r['workload']}"
+        for r in rows
+        if any(r[k] is not None and r[k] < TARGET_RATIO for k in ("adaptive_over_plain", "adaptive_over_best_fixed"))
+    ]
+    lines.append("")
+    lines.append(f"Cells below {TARGET_RATIO}× plain or the best fixed γ: {', '.join(misses) or 'none'}.")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma-separated of {', '.join(DRAFTERS)}")
+    parser.add_argument("--workloads", default="code-t0,code-t1.5")
+    parser.add_argument("--policies", default="none,fixed:1,fixed:2,fixed:3,fixed:4,adaptive")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("runs/never-slower"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    unknown = sorted(set(args.drafters.split(",")) - set(DRAFTERS))
+    if unknown:
+        parser.error(f"unknown drafters {unknown}; choose from {', '.join(DRAFTERS)}")
+    rows: list[dict[str, Any]] = []
+    for name in args.drafters.split(","):
+        print(f"==> {name}", file=sys.stderr)
+        cfg = ExperimentConfig(
+            target=str(defaults.DEFAULT_TARGET),
+            draft=DRAFTERS[name],
+            workloads=tuple(args.workloads.split(",")),
+            policies=args.policies,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            rounds=args.rounds,
+            out_dir=args.out / name,
+        )
+        rows.extend(summary_rows(name, run(cfg)))
+    write_report(
+        args.out, "never_slower", " ".join(["python", "bench/never_slower.py", *sys.argv[1:]]), rows, markdown(rows)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
