@@ -89,7 +89,7 @@ from specserve.core.stats import merge_policy_reports
 from specserve.policies.base import Policy
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
 from specserve.policies.estimators import Estimators, ReplicaPrior
-from specserve.policies.payoff import PayoffGuard
+from specserve.policies.payoff import PayoffGuard, ReplicaPayoff
 from specserve.policies.policies import build_policy
 from specserve.policies.rates import cycle_seconds, expected_tokens
 from specserve.policies.simulator import WorkloadModel, acceptance_counts, simulate
@@ -233,12 +233,13 @@ def cell_schedules(spec: PolicySpec, prior: ReplicaPrior, max_gamma: int = DEFAU
     ``none``, otherwise a :class:`SpeculationController` around the cell's policy, seeded from (and
     feeding) the cell's own replica prior, so cells do not learn from each other. Replays use the same."""
     decision = spec.decision(max_gamma)
+    payoff = ReplicaPayoff()  # the cell's requests share it, as a replica's do
 
     def make(policy: str, budget: Budget) -> Schedule:
         if decision is None:
             return FixedSchedule(budget)
         # as served (specserve.policies.schedules): the adaptive policy behind its payoff guard
-        guard = PayoffGuard() if spec.kind == "adaptive" else None
+        guard = PayoffGuard(replica=payoff) if spec.kind == "adaptive" else None
         return SpeculationController(decision, prior, max_gamma, guard=guard)
 
     return make

@@ -36,12 +36,19 @@ Hysteresis: falling back needs a measured speedup below ``1 − margin``, return
 plain decoding's rate does not flap. The guard never changes what is verified, only how much is drafted:
 output stays exact whatever it decides.
 
+**Per replica.** A request often ends before its own guard has measured enough to act, and the next request would
+pay the same losing cycles again. The guards of one schedule factory (one replica, whose requests share a drafter)
+share a :class:`ReplicaPayoff`: a fallback is written there with its back-off, counted down by every plain cycle any
+of its guards spends in fallback, and a new request's guard starts in fallback for what is left of it (then trials as
+usual); a trial that pays clears it, a failed one renews it with the doubled back-off.
+
 Pure bookkeeping: no clock (the caller passes seconds in), no randomness, no model. Not here: the model-based choice
 of γ (:mod:`specserve.policies.policies`), the per-request glue (:mod:`specserve.policies.controller`).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,12 +91,40 @@ class GuardSettings:
         return 1.0 - trial_time * (1.0 - worst_speedup) / (self.max_backoff + trial_time)
 
 
+class ReplicaPayoff:
+    """What one replica's guards know of whether drafting pays there (see the module docstring). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.falling_back = False
+        self.backoff = 0  # the last fallback's back-off
+        self.wait = 0  # plain cycles left of it, counted by every guard in fallback
+
+    def fell_back(self, backoff: int) -> None:
+        with self._lock:
+            self.falling_back, self.backoff, self.wait = True, backoff, backoff
+
+    def returned(self) -> None:
+        with self._lock:
+            self.falling_back, self.wait = False, 0
+
+    def tick(self) -> None:
+        with self._lock:
+            self.wait = max(0, self.wait - 1)
+
+    def start(self) -> tuple[int, int] | None:
+        """(back-off, cycles left) for a new request's guard while the replica is falling back; None otherwise."""
+        with self._lock:
+            return (self.backoff, self.wait) if self.falling_back else None
+
+
 class PayoffGuard:
     """One request's guard; see the module docstring. Driven by the controller: :meth:`allows` before each cycle,
-    :meth:`observe` after it."""
+    :meth:`observe` after it. With ``replica``, it starts from and reports to the replica's memory."""
 
-    def __init__(self, settings: GuardSettings | None = None) -> None:
+    def __init__(self, settings: GuardSettings | None = None, replica: ReplicaPayoff | None = None) -> None:
         self.settings = settings if settings is not None else GuardSettings()
+        self.replica = replica
         self.mode: GuardMode = "measuring"
         self.backoff = self.settings.first_backoff
         self._wait = 0  # fallback cycles left before the next trial
@@ -101,6 +136,10 @@ class PayoffGuard:
         self.returns = 0
         self.reason = ""  # why the guard is in its mode (empty while measuring from the start)
         self._events: list[str] = []  # transitions since the controller last read them
+        inherited = replica.start() if replica is not None else None
+        if inherited is not None:
+            self.backoff, self._wait = inherited
+            self._enter("fallback", f"the replica's drafting did not pay: plain decoding for {self._wait} more cycles")
 
     # --- what the controller asks
 
@@ -111,6 +150,8 @@ class PayoffGuard:
             return True
         if self._wait > 0:
             self._wait -= 1
+            if self.replica is not None:
+                self.replica.tick()
             return False
         self._enter("trial", f"trial after {self.backoff} plain cycles")
         return True
@@ -140,6 +181,8 @@ class PayoffGuard:
             if speedup >= 1.0:
                 self.backoff = self.settings.first_backoff
                 self.returns += 1
+                if self.replica is not None:
+                    self.replica.returned()
                 self._enter("measuring", f"returned: a trial measured {speedup:.2f}x plain decoding")
             else:
                 self.backoff = min(2 * self.backoff, self.settings.max_backoff)
@@ -179,6 +222,8 @@ class PayoffGuard:
     def _fall_back(self, speedup: float, why: str) -> None:
         self.fallbacks += 1
         self._wait = self.backoff
+        if self.replica is not None:
+            self.replica.fell_back(self.backoff)
         self._enter("fallback", f"{why}; plain decoding for {self.backoff} cycles")
 
     def _enter(self, mode: GuardMode, reason: str) -> None:

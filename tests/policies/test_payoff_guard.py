@@ -25,7 +25,7 @@ from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import merge_policy_reports
 from specserve.drafters.registry import build_drafter_set
 from specserve.policies.controller import SpeculationController
-from specserve.policies.payoff import GuardSettings, PayoffGuard
+from specserve.policies.payoff import GuardSettings, PayoffGuard, ReplicaPayoff
 from specserve.policies.policies import FixedPolicy
 from specserve.policies.schedules import schedules
 
@@ -278,3 +278,24 @@ def test_reports_pool_over_requests() -> None:
     }
     assert merge_policy_reports({}, b) == b and merge_policy_reports(a, {}) == a
     assert "policy" not in merge_policy_reports(a, {**b, "policy": "heuristic"})
+
+
+def test_the_next_request_starts_where_the_replica_stands() -> None:
+    """Requests of one replica share its memory: after one request fell back, the next starts in fallback for what
+    is left of the back-off (counted by every plain cycle spent in fallback), without drafting first; a trial that
+    pays clears it, and requests after that start measuring."""
+    replica = ReplicaPayoff()
+    settings = GuardSettings(min_cycles=4, trial_cycles=2, first_backoff=10, max_backoff=40)
+    first = SpeculationController(FixedPolicy(4), guard=PayoffGuard(settings, replica))
+    run(first, [0.0] * 12, seed=0)  # falls back after its first window, then 10 - 5 plain cycles of it pass
+    assert first.guard is not None and first.guard.fallbacks == 1 and replica.falling_back
+    left = replica.wait
+    assert 0 < left < settings.first_backoff
+    second = SpeculationController(FixedPolicy(4), guard=PayoffGuard(settings, replica))
+    observations = run(second, [0.9] * (left + 1 + settings.trial_cycles + 20), seed=1)
+    assert not any(o.drafted for o in observations[:left]) and observations[left].drafted  # the wait, then a trial
+    assert second.guard is not None and second.guard.returns == 1 and not replica.falling_back
+    events = second.report()["events"]
+    assert events[0].startswith("fallback: the replica's drafting did not pay") and "returned" in events[-1]
+    third = PayoffGuard(settings, replica)
+    assert third.mode == "measuring" and third.allows()
