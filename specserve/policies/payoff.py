@@ -38,9 +38,11 @@ output stays exact whatever it decides.
 
 **Per replica.** A request often ends before its own guard has measured enough to act, and the next request would
 pay the same losing cycles again. The guards of one schedule factory (one replica, whose requests share a drafter)
-share a :class:`ReplicaPayoff`: a fallback is written there with its back-off, counted down by every plain cycle any
-of its guards spends in fallback, and a new request's guard starts in fallback for what is left of it (then trials as
-usual); a trial that pays clears it, a failed one renews it with the doubled back-off.
+share a :class:`ReplicaPayoff`: while its last verdict is a fallback, a new request starts with a *trial* (judged after
+``trial_cycles`` drafting cycles, not ``min_cycles`` and a confident window) and the replica's back-off, so a drafter
+that does not pay costs each request one short trial. It does not start in fallback: prompts differ (the same drafter
+measured 0.97× plain on one held-out prompt and 1.6× on another), and one prompt's verdict must not hold the next,
+paying one, to plain decoding. A trial that pays clears the replica's fallback; one that fails renews it.
 
 Pure bookkeeping: no clock (the caller passes seconds in), no randomness, no model. Not here: the model-based choice
 of γ (:mod:`specserve.policies.policies`), the per-request glue (:mod:`specserve.policies.controller`).
@@ -98,24 +100,20 @@ class ReplicaPayoff:
         self._lock = threading.Lock()
         self.falling_back = False
         self.backoff = 0  # the last fallback's back-off
-        self.wait = 0  # plain cycles left of it, counted by every guard in fallback
 
     def fell_back(self, backoff: int) -> None:
         with self._lock:
-            self.falling_back, self.backoff, self.wait = True, backoff, backoff
+            self.falling_back, self.backoff = True, backoff
 
     def returned(self) -> None:
         with self._lock:
-            self.falling_back, self.wait = False, 0
+            self.falling_back = False
 
-    def tick(self) -> None:
+    def start(self) -> int | None:
+        """The back-off a new request's guard starts its trial with while the replica is falling back; None
+        otherwise."""
         with self._lock:
-            self.wait = max(0, self.wait - 1)
-
-    def start(self) -> tuple[int, int] | None:
-        """(back-off, cycles left) for a new request's guard while the replica is falling back; None otherwise."""
-        with self._lock:
-            return (self.backoff, self.wait) if self.falling_back else None
+            return self.backoff if self.falling_back else None
 
 
 class PayoffGuard:
@@ -138,8 +136,8 @@ class PayoffGuard:
         self._events: list[str] = []  # transitions since the controller last read them
         inherited = replica.start() if replica is not None else None
         if inherited is not None:
-            self.backoff, self._wait = inherited
-            self._enter("fallback", f"the replica's drafting did not pay: plain decoding for {self._wait} more cycles")
+            self.backoff = inherited
+            self._enter("trial", "the replica's last verdict was a fallback: this request starts with a trial")
 
     # --- what the controller asks
 
@@ -150,8 +148,6 @@ class PayoffGuard:
             return True
         if self._wait > 0:
             self._wait -= 1
-            if self.replica is not None:
-                self.replica.tick()
             return False
         self._enter("trial", f"trial after {self.backoff} plain cycles")
         return True

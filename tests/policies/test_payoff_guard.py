@@ -281,21 +281,20 @@ def test_reports_pool_over_requests() -> None:
 
 
 def test_the_next_request_starts_where_the_replica_stands() -> None:
-    """Requests of one replica share its memory: after one request fell back, the next starts in fallback for what
-    is left of the back-off (counted by every plain cycle spent in fallback), without drafting first; a trial that
-    pays clears it, and requests after that start measuring."""
+    """Requests of one replica share its memory: after one request fell back, the next starts with a trial (judged after
+    trial_cycles drafting cycles) and the replica's back-off. On a prompt where drafting still loses it falls back after
+    that short trial; on one where it pays it returns and clears the replica's fallback, so the request after that
+    starts measuring."""
     replica = ReplicaPayoff()
-    settings = GuardSettings(min_cycles=4, trial_cycles=2, first_backoff=10, max_backoff=40)
+    settings = GuardSettings(min_cycles=8, trial_cycles=2, first_backoff=10, max_backoff=40)
     first = SpeculationController(FixedPolicy(4), guard=PayoffGuard(settings, replica))
-    run(first, [0.0] * 12, seed=0)  # falls back after its first window, then 10 - 5 plain cycles of it pass
-    assert first.guard is not None and first.guard.fallbacks == 1 and replica.falling_back
-    left = replica.wait
-    assert 0 < left < settings.first_backoff
-    second = SpeculationController(FixedPolicy(4), guard=PayoffGuard(settings, replica))
-    observations = run(second, [0.9] * (left + 1 + settings.trial_cycles + 20), seed=1)
-    assert not any(o.drafted for o in observations[:left]) and observations[left].drafted  # the wait, then a trial
-    assert second.guard is not None and second.guard.returns == 1 and not replica.falling_back
-    events = second.report()["events"]
-    assert events[0].startswith("fallback: the replica's drafting did not pay") and "returned" in events[-1]
-    third = PayoffGuard(settings, replica)
-    assert third.mode == "measuring" and third.allows()
+    run(first, [0.0] * 30, seed=0)
+    assert first.guard is not None and first.guard.fallbacks >= 1 and replica.falling_back
+    losing = SpeculationController(FixedPolicy(4), guard=PayoffGuard(settings, replica))
+    observations = run(losing, [0.0] * 6, seed=1)
+    assert [o.drafted > 0 for o in observations] == [True, True, False, False, False, False]  # 2-cycle trial, fallback
+    assert losing.report()["events"][0].startswith("trial: the replica's last verdict was a fallback")
+    paying = SpeculationController(FixedPolicy(4), guard=PayoffGuard(settings, replica))
+    run(paying, [0.9] * 10, seed=2)
+    assert paying.guard is not None and paying.guard.returns == 1 and not replica.falling_back
+    assert PayoffGuard(settings, replica).mode == "measuring"
