@@ -169,16 +169,17 @@ class RequestStats:
         }
 
 
-# the counts of a schedule's report that add up over requests (a benchmark's totals); the rest is per request
-POLICY_COUNTS = ("decisions", "plain_decisions", "vetoed", "budget_sum", "fallbacks", "returns")
-
-
 def merge_policy_reports(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Two requests' schedule reports pooled: their counts added (:data:`POLICY_COUNTS`), the policy's name kept when
-    both name the same one."""
+    """Two requests' schedule reports pooled (a benchmark's totals): counts (integers) added, a key missing on one side
+    counting 0; anything else kept only where both agree (the policy's name), dropped where they differ (a request's
+    own guard state, measured speedup, reasons)."""
     if not a or not b:
         return dict(a or b)
-    merged: dict[str, Any] = {key: a.get(key, 0) + b.get(key, 0) for key in POLICY_COUNTS if key in a or key in b}
-    if a.get("policy") == b.get("policy"):
-        merged["policy"] = a.get("policy")
+    merged: dict[str, Any] = {}
+    for key in dict.fromkeys([*a, *b]):
+        x, y = a.get(key), b.get(key)
+        if all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (x, y)):
+            merged[key] = (x or 0) + (y or 0)
+        elif x == y:
+            merged[key] = x
     return merged

@@ -132,7 +132,6 @@ class PayoffGuard:
         self._measured = 0  # drafting cycles in the current window
         self.fallbacks = 0
         self.returns = 0
-        self.reason = ""  # why the guard is in its mode (empty while measuring from the start)
         self._events: list[str] = []  # transitions since the controller last read them
         inherited = replica.start() if replica is not None else None
         if inherited is not None:
@@ -182,9 +181,9 @@ class PayoffGuard:
                 self._enter("measuring", f"returned: a trial measured {speedup:.2f}x plain decoding")
             else:
                 self.backoff = min(2 * self.backoff, self.settings.max_backoff)
-                self._fall_back(speedup, f"a trial measured {speedup:.2f}x plain decoding")
+                self._fall_back(f"a trial measured {speedup:.2f}x plain decoding")
         elif speedup + self.settings.confidence * self.standard_error() < 1.0 - self.settings.margin:
-            self._fall_back(speedup, f"measured {speedup:.2f}x plain decoding over the last drafting cycles")
+            self._fall_back(f"measured {speedup:.2f}x plain decoding over the last drafting cycles")
 
     # --- what it reports
 
@@ -215,7 +214,7 @@ class PayoffGuard:
 
     # --- transitions
 
-    def _fall_back(self, speedup: float, why: str) -> None:
+    def _fall_back(self, why: str) -> None:
         self.fallbacks += 1
         self._wait = self.backoff
         if self.replica is not None:
@@ -224,7 +223,6 @@ class PayoffGuard:
 
     def _enter(self, mode: GuardMode, reason: str) -> None:
         self.mode = mode
-        self.reason = reason
         self._events.append(f"{mode}: {reason}")
         if mode != "measuring":  # a trial measures afresh; a fallback keeps nothing of the losing window
             self._sums = [0.0] * 7

@@ -90,6 +90,26 @@ def chain_observation(
     )
 
 
+def observe_stream(
+    controller: SpeculationController,
+    alpha: AlphaSchedule,
+    cycles: int,
+    t_verify: Callable[[int], float],
+    seed: int,
+    draft_ms_per_token: float = DRAFT_MS_PER_TOKEN,
+) -> list[CycleObservation]:
+    """Drive ``controller`` for ``cycles`` cycles of a long request; return every cycle's observation."""
+    rng = random.Random(seed)
+    observations: list[CycleObservation] = []
+    for cycle in range(cycles):
+        budget = controller.next_budget(1_000_000)
+        accepted = draw_accepted(rng, alpha(cycle), budget.gamma)
+        observation = chain_observation(budget, accepted, t_verify, rng, draft_ms_per_token)
+        controller.observe(observation)
+        observations.append(observation)
+    return observations
+
+
 def run_stream(
     controller: SpeculationController,
     alpha: AlphaSchedule,
@@ -99,11 +119,5 @@ def run_stream(
     draft_ms_per_token: float = DRAFT_MS_PER_TOKEN,
 ) -> list[int]:
     """Drive ``controller`` for ``cycles`` cycles of a long request; return the γ sent each cycle."""
-    rng = random.Random(seed)
-    gammas: list[int] = []
-    for cycle in range(cycles):
-        budget = controller.next_budget(1_000_000)
-        accepted = draw_accepted(rng, alpha(cycle), budget.gamma)
-        controller.observe(chain_observation(budget, accepted, t_verify, rng, draft_ms_per_token))
-        gammas.append(budget.gamma)
-    return gammas
+    observations = observe_stream(controller, alpha, cycles, t_verify, seed, draft_ms_per_token)
+    return [o.budget.gamma for o in observations]

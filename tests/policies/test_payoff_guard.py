@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 from conftest import REF_TOKENS, TinyPair
-from synthetic_streams import chain_observation, cpu_verify_seconds, draw_accepted
+from synthetic_streams import chain_observation, cpu_verify_seconds, observe_stream
 
 from specserve.core.draft.schedule import Budget, CycleObservation
 from specserve.core.engine import SpeculativeEngine
@@ -40,15 +40,7 @@ def guarded(settings: GuardSettings | None = None, gamma: int = 4) -> Speculatio
 
 def run(controller: SpeculationController, alphas: Sequence[float], seed: int) -> list[CycleObservation]:
     """One long request: cycle i accepts each depth with probability ``alphas[i]``."""
-    rng = random.Random(seed)
-    observations = []
-    for alpha in alphas:
-        budget = controller.next_budget(1_000_000)
-        accepted = draw_accepted(rng, (alpha,), budget.gamma)
-        observation = chain_observation(budget, accepted, cpu_verify_seconds, rng)
-        controller.observe(observation)
-        observations.append(observation)
-    return observations
+    return observe_stream(controller, lambda cycle: (alphas[cycle],), len(alphas), cpu_verify_seconds, seed)
 
 
 def speedup(observations: Sequence[CycleObservation]) -> float:
