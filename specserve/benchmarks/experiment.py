@@ -30,8 +30,9 @@ through the same harness, live or replayed::
             alpha = state.alpha[0] if state.alpha else 0.5  # acceptance at depth 0, shrunk to the prior
             return Budget(gamma=0 if alpha < 0.3 else 3 if alpha < 0.7 else 6)
 
-Machine speed drifts on a shared host, so each cell runs once per round (``--rounds``), rounds
-alternate the order and the totals pool all rounds; each policy is warmed up first.
+Machine speed drifts on a shared host, so every cell of a workload decodes each prompt back to back (the cells'
+order alternating from prompt to prompt and round to round), each prompt once per round (``--rounds``), and the
+totals pool all rounds; each policy is warmed up first. A drift of minutes then falls on all cells alike.
 
 Outputs under ``--out`` (default ``runs/experiment/``): ``experiment.json`` (rows, α per depth per
 workload, and the issue's targets: per workload the best fixed γ in hindsight and adaptive / best
@@ -394,26 +395,29 @@ def _live(cfg: ExperimentConfig, specs: list[PolicySpec]) -> list[Cell]:
     progress = tqdm(total=cfg.rounds * len(cells) * len(encoded), desc="experiment", unit="req")
     try:
         for round_index in range(cfg.rounds):
-            for cell in cells if round_index % 2 == 0 else cells[::-1]:
-                workload = WORKLOADS[cell.workload]
-                for i, ids in enumerate(prompts[cell.workload]):
-                    params = SamplingParams(temperature=workload.temperature, seed=cfg.seed + i)
-                    start = time.perf_counter()
-                    engine = engines[(cell.workload, cell.policy.label)]
-                    result = engine.generate(ids, params, config(cell.policy, cfg.max_new_tokens))
-                    seconds = time.perf_counter() - start
-                    request_id = f"{run_id}/{cell.workload}/{cell.policy.label}/round{round_index}/prompt{i}"
-                    records = cycle_records(result.stats.observations, request_id, cell, cfg.max_new_tokens)
-                    cell.requests += 1
-                    cell.tokens += len(result.output_ids)
-                    cell.seconds += seconds
-                    cell.records.extend(records)
-                    cell.report = merge_policy_reports(cell.report, result.stats.policy)
-                    if round_index == 0:
-                        cell.outputs[i] = list(result.output_ids)
-                    if writer is not None:
-                        writer.write_many(records)
-                    progress.update()
+            for workload in workloads:
+                at = [cell for cell in cells if cell.workload == workload.name]
+                for i, ids in enumerate(prompts[workload.name]):
+                    # every cell of the workload on this prompt back to back, the order alternating, so that
+                    # drift of the machine's speed (minutes long on a shared host) falls on all cells alike
+                    for cell in at if (round_index + i) % 2 == 0 else at[::-1]:
+                        params = SamplingParams(temperature=workload.temperature, seed=cfg.seed + i)
+                        start = time.perf_counter()
+                        engine = engines[(cell.workload, cell.policy.label)]
+                        result = engine.generate(ids, params, config(cell.policy, cfg.max_new_tokens))
+                        seconds = time.perf_counter() - start
+                        request_id = f"{run_id}/{cell.workload}/{cell.policy.label}/round{round_index}/prompt{i}"
+                        records = cycle_records(result.stats.observations, request_id, cell, cfg.max_new_tokens)
+                        cell.requests += 1
+                        cell.tokens += len(result.output_ids)
+                        cell.seconds += seconds
+                        cell.records.extend(records)
+                        cell.report = merge_policy_reports(cell.report, result.stats.policy)
+                        if round_index == 0:
+                            cell.outputs[i] = list(result.output_ids)
+                        if writer is not None:
+                            writer.write_many(records)
+                        progress.update()
     finally:
         progress.close()
         if writer is not None:
