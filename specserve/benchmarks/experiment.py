@@ -88,6 +88,7 @@ from specserve.core.draft.spec_strings import check_drafter_spec
 from specserve.core.errors import UserError
 from specserve.core.stats import merge_policy_reports
 from specserve.policies.base import Policy
+from specserve.policies.ceiling import ReplicaCeiling
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
 from specserve.policies.estimators import Estimators, ReplicaPrior
 from specserve.policies.payoff import PayoffGuard, ReplicaPayoff
@@ -234,14 +235,20 @@ def cell_schedules(spec: PolicySpec, prior: ReplicaPrior, max_gamma: int = DEFAU
     ``none``, otherwise a :class:`SpeculationController` around the cell's policy, seeded from (and
     feeding) the cell's own replica prior, so cells do not learn from each other. Replays use the same."""
     decision = spec.decision(max_gamma)
-    payoff = ReplicaPayoff()  # the cell's requests share it, as a replica's do
+    payoff, ceiling = ReplicaPayoff(), ReplicaCeiling()  # the cell's requests share them, as a replica's do
+    adaptive = spec.kind == "adaptive"
 
     def make(policy: str, budget: Budget) -> Schedule:
         if decision is None:
             return FixedSchedule(budget)
-        # as served (specserve.policies.schedules): the adaptive policy behind its payoff guard
-        guard = PayoffGuard(replica=payoff) if spec.kind == "adaptive" else None
-        return SpeculationController(decision, prior, max_gamma, guard=guard)
+        # as served (specserve.policies.schedules): the adaptive policy under its ceiling, behind its payoff guard
+        return SpeculationController(
+            decision,
+            prior,
+            max_gamma,
+            guard=PayoffGuard(replica=payoff) if adaptive else None,
+            ceiling=ceiling if adaptive else None,
+        )
 
     return make
 

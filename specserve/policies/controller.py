@@ -24,9 +24,12 @@ neither the request nor the replica has measured T_verify(1): plain decoding is 
 against, it is never observed while speculating, and its cost is not on the line through the others
 (matrix-vector kernels). That cycle is not the policy's decision (it does not count as switching off).
 
-Budgets are clipped here, never in policies: to ``max_gamma_cap`` draft depth (a replica's limit) and to
-``remaining − 1`` (a cycle always adds one token of its own: recovered or bonus). A tree deeper than
-allowed is cut to a dynamic tree of the allowed depth, or to a chain when it is a static topology.
+Budgets are clipped here, never in policies: to ``max_gamma_cap`` draft depth (a replica's limit), to
+``remaining − 1`` (a cycle always adds one token of its own: recovered or bonus) and, given a
+:class:`~specserve.policies.ceiling.ReplicaCeiling`, to the depth its measured cycles say still pays at the step's
+batch size. A tree deeper than allowed is cut to a dynamic tree of the allowed depth, or to a chain when it is a
+static topology. Given a :class:`~specserve.policies.payoff.PayoffGuard`, the guard may then veto drafting
+altogether for the cycle.
 
 Not here: timing (the caller measures seconds), drafting or verification, thread-safety of one request's
 controller (one request is driven by one thread; only the shared prior is locked).
@@ -40,6 +43,7 @@ from typing import Any
 from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.core.tree.shapes import TreeSpec
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
+from specserve.policies.ceiling import ReplicaCeiling
 from specserve.policies.estimators import Estimators, ReplicaPrior
 from specserve.policies.payoff import PayoffGuard
 from specserve.policies.prior import REQUEST_HALF_LIFE_CYCLES, VERIFY_TABLE_SIZE, EstimatorPrior
@@ -94,6 +98,7 @@ class SpeculationController:
         step_costs: StepCostEstimator | None = None,
         buckets: VerifyBuckets | None = None,
         guard: PayoffGuard | None = None,
+        ceiling: ReplicaCeiling | None = None,
     ):
         if max_gamma_cap < 0:
             raise ValueError(f"max_gamma_cap must be >= 0, got {max_gamma_cap}")
@@ -120,6 +125,10 @@ class SpeculationController:
         # measured speculation against measured plain decoding: vetoes drafting that does not pay
         # (specserve.policies.payoff); None: the policy's budgets go through as chosen
         self.guard = guard
+        # the replica's measured ceiling on how deep a draft may be (specserve.policies.ceiling); None: no ceiling
+        self.ceiling = ceiling
+        self._cap: int | None = None  # the ceiling at the last decision
+        self._ceiling_events: list[str] = []
 
     # What a batched engine asks to choose a step's width (specserve.core.draft.schedule.BatchPlanned)
 
@@ -138,7 +147,7 @@ class SpeculationController:
 
     @property
     def max_chain(self) -> int:
-        return self.max_gamma_cap
+        return self.max_gamma_cap if self._cap is None else min(self.max_gamma_cap, self._cap)
 
     def step_seconds(self, positions: int) -> float:
         return self.step_costs.t_step(positions)
@@ -196,6 +205,12 @@ class SpeculationController:
         self._cycles_since_change = self._cycles_since_change + 1 if chosen == previous else 0
         self._chosen = chosen
         sent = clip_budget(chosen, remaining - 1)
+        capped = False
+        if self.ceiling is not None:
+            self._cap = self.ceiling.cap(batch_size)
+            self._ceiling_events.extend(self.ceiling.take_events(batch_size))
+            if self._cap is not None and budget_depth(sent) > self._cap:
+                sent, capped = clip_budget(sent, self._cap), True
         # the guard counts every cycle (its back-off runs while the policy is off too), and may veto drafting
         vetoed = self.guard is not None and not self.guard.allows() and sent.nodes > 0
         if vetoed:
@@ -203,6 +218,8 @@ class SpeculationController:
         entry = self._entry(chosen, sent, remaining, probe=probe, calibration=False)
         if batch_size > 1:
             entry["batch_size"] = batch_size
+        if capped:
+            entry["ceiling"] = self._cap
         if self.guard is not None:
             entry["guard"] = self.guard.mode
             if vetoed:
@@ -238,6 +255,12 @@ class SpeculationController:
             "vetoed": sum(1 for e in decisions if e.get("vetoed")),
             "budget_sum": sum(e["nodes"] for e in decisions),
         }
+        if self.ceiling is not None:
+            report.update(
+                capped=sum(1 for e in decisions if "ceiling" in e),
+                ceiling="none" if self._cap is None else f"at most {self._cap} drafted tokens",
+                ceiling_events=self._ceiling_events[-MAX_REPORTED_EVENTS:],
+            )
         if self.guard is not None:
             speedup = self.guard.speedup
             report.update(
@@ -259,8 +282,12 @@ class SpeculationController:
             self.replica_prior.observe(obs)
         self.step_costs.observe(obs.positions, obs.verify_seconds + obs.wire_seconds)
         decision = self.history[-1] if self.history and "accepted" not in self.history[-1] else None
-        if self.guard is not None:
-            self.guard.observe(obs, self.step_costs.t_step(max(1, obs.batch_size)))
+        if self.guard is not None or self.ceiling is not None:
+            plain_seconds = self.step_costs.t_step(max(1, obs.batch_size))
+            if self.guard is not None:
+                self.guard.observe(obs, plain_seconds)
+            if self.ceiling is not None:
+                self.ceiling.observe(obs, plain_seconds)
         vetoed = decision is not None and decision.get("vetoed", False)
         if (
             decision is not None

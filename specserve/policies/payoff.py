@@ -93,6 +93,49 @@ class GuardSettings:
         return 1.0 - trial_time * (1.0 - worst_speedup) / (self.max_backoff + trial_time)
 
 
+class RatioWindow:
+    """An exponentially weighted ratio of means, Σx / Σy, over the last observations (half-life ``half_life``), with
+    its standard error (the delta method for a ratio, over the weights' effective size (Σw)² / Σw²): tokens over
+    time in plain steps, i.e. a measured speedup over plain decoding. Shared by the guard and the ceiling."""
+
+    def __init__(self, half_life: float) -> None:
+        if not half_life >= 1:
+            raise ValueError(f"half_life must be >= 1 observation, got {half_life}")
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._sums = [0.0] * 7  # w, w², x, y, x², y², xy
+        self.count = 0  # observations since the last reset
+
+    def add(self, x: float, y: float) -> None:
+        w, w2, sx, sy, sxx, syy, sxy = (v * self._decay for v in self._sums)
+        w2 *= self._decay
+        self._sums = [w + 1, w2 + 1, sx + x, sy + y, sxx + x * x, syy + y * y, sxy + x * y]
+        self.count += 1
+
+    def reset(self) -> None:
+        self._sums = [0.0] * 7
+        self.count = 0
+
+    @property
+    def ratio(self) -> float | None:
+        """Σx / Σy over the window (None before any observation)."""
+        sx, sy = self._sums[2], self._sums[3]
+        if self.count == 0 or sy <= 0:
+            return None
+        return sx / sy
+
+    def standard_error(self) -> float:
+        """The ratio's standard error (0 before two observations)."""
+        w, w2, sx, sy, sxx, syy, sxy = self._sums
+        if self.count < 2 or sy <= 0:
+            return 0.0
+        ratio = sx / sy
+        mx, my = sx / w, sy / w
+        var_x, var_y, cov = sxx / w - mx * mx, syy / w - my * my, sxy / w - mx * my
+        spread = max(0.0, var_x - 2 * ratio * cov + ratio * ratio * var_y)
+        n_eff = w * w / w2
+        return (spread / n_eff) ** 0.5 / my
+
+
 class ReplicaPayoff:
     """What one replica's guards know of whether drafting pays there (see the module docstring). Thread-safe."""
 
@@ -126,10 +169,7 @@ class PayoffGuard:
         self.mode: GuardMode = "measuring"
         self.backoff = self.settings.first_backoff
         self._wait = 0  # fallback cycles left before the next trial
-        # exponentially weighted sums over the window's drafting cycles: weights, squared weights, tokens x, time y
-        # in plain steps, and their squares and product (the ratio's standard error)
-        self._sums = [0.0] * 7  # w, w², x, y, x², y², xy
-        self._measured = 0  # drafting cycles in the current window
+        self._window = RatioWindow(self.settings.half_life)  # tokens over plain steps of the drafting cycles
         self.fallbacks = 0
         self.returns = 0
         self._events: list[str] = []  # transitions since the controller last read them
@@ -160,15 +200,10 @@ class PayoffGuard:
         seconds = obs.draft_seconds + obs.verify_seconds + obs.wire_seconds
         if not seconds > 0 or not plain_seconds > 0:
             return
-        decay = 0.5 ** (1.0 / self.settings.half_life)
-        x = float(obs.accepted + 1)
-        y = seconds / plain_seconds  # the cycle's time in plain steps at its batch size: batch sizes mix fairly
-        w, w2, sx, sy, sxx, syy, sxy = (v * decay for v in self._sums)
-        w2 *= decay
-        self._sums = [w + 1, w2 + 1, sx + x, sy + y, sxx + x * x, syy + y * y, sxy + x * y]
-        self._measured += 1
+        # the cycle's tokens, and its time in plain steps at its batch size: batch sizes mix fairly
+        self._window.add(float(obs.accepted + 1), seconds / plain_seconds)
         needed = self.settings.trial_cycles if self.mode == "trial" else self.settings.min_cycles
-        if self._measured < needed:
+        if self._window.count < needed:
             return
         speedup = self.speedup
         assert speedup is not None
@@ -190,22 +225,11 @@ class PayoffGuard:
     @property
     def speedup(self) -> float | None:
         """The measured speedup over plain decoding of the current window (None before any drafting cycle)."""
-        sx, sy = self._sums[2], self._sums[3]
-        if self._measured == 0 or sy <= 0:
-            return None
-        return sx / sy
+        return self._window.ratio
 
     def standard_error(self) -> float:
         """The measured speedup's standard error (delta method for a ratio of means; 0 before two cycles)."""
-        w, w2, sx, sy, sxx, syy, sxy = self._sums
-        if self._measured < 2 or sy <= 0:
-            return 0.0
-        ratio = sx / sy
-        mx, my = sx / w, sy / w
-        var_x, var_y, cov = sxx / w - mx * mx, syy / w - my * my, sxy / w - mx * my
-        spread = max(0.0, var_x - 2 * ratio * cov + ratio * ratio * var_y)
-        n_eff = w * w / w2
-        return (spread / n_eff) ** 0.5 / my
+        return self._window.standard_error()
 
     def take_events(self) -> list[str]:
         """The transitions since the last call, as reasons ("fallback: ...", "trial: ...", "measuring: ...")."""
@@ -225,5 +249,4 @@ class PayoffGuard:
         self.mode = mode
         self._events.append(f"{mode}: {reason}")
         if mode != "measuring":  # a trial measures afresh; a fallback keeps nothing of the losing window
-            self._sums = [0.0] * 7
-            self._measured = 0
+            self._window.reset()

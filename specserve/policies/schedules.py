@@ -6,8 +6,9 @@
 and follows transformers' +2 / −1 schedule; ``adaptive`` chooses each cycle's γ (and, when the
 request names a tree, that tree as a further candidate) from the online estimates, behind a
 :class:`~specserve.policies.payoff.PayoffGuard` that falls back to plain decoding when the drafting it
-measures does not pay, its guards sharing one :class:`~specserve.policies.payoff.ReplicaPayoff` per factory
-(``fixed`` and ``heuristic`` are baselines: nothing guards them). Every request's
+measures does not pay, its guards sharing one :class:`~specserve.policies.payoff.ReplicaPayoff` per factory,
+and under one :class:`~specserve.policies.ceiling.ReplicaCeiling` per factory that keeps its drafts no deeper than
+the measured cycles say pays (``fixed`` and ``heuristic`` are baselines: nothing guards them). Every request's
 controller is seeded from, and feeds, one :class:`~specserve.policies.estimators.ReplicaPrior`
 per factory — one per engine or drafter actor, i.e. per replica — and learns what a batched step costs in one
 :class:`~specserve.policies.step_costs.StepCostEstimator` per factory. A static-shape engine passes its verify
@@ -28,6 +29,7 @@ from specserve.core.draft.schedule import (
     check_policy_name,
 )
 from specserve.core.model.buckets import VerifyBuckets
+from specserve.policies.ceiling import ReplicaCeiling
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController, resolve_buckets
 from specserve.policies.estimators import ReplicaPrior
 from specserve.policies.payoff import PayoffGuard, ReplicaPayoff
@@ -50,6 +52,7 @@ def schedules(
     widths = resolve_buckets(shared, buckets)
     steps = StepCostEstimator(shared.prior())  # what a (batched) step costs on this replica, shared like the prior
     payoff = ReplicaPayoff()  # whether drafting pays on this replica: its adaptive requests' guards share it
+    ceiling = ReplicaCeiling()  # how deep a draft pays on this replica, per batch size: its adaptive requests share it
 
     def make(policy: str, budget: Budget) -> Schedule:
         check_policy_name(policy)
@@ -60,9 +63,15 @@ def schedules(
             options["start_gamma"] = max(1, min(budget.gamma, max_gamma_cap))
         elif budget.tree is not None:
             options["trees"] = (budget.tree,)
-        guard = PayoffGuard(replica=payoff) if policy == "adaptive" else None
+        adaptive = policy == "adaptive"
         return SpeculationController(
-            build_policy(policy, **options), shared, max_gamma_cap, step_costs=steps, buckets=widths, guard=guard
+            build_policy(policy, **options),
+            shared,
+            max_gamma_cap,
+            step_costs=steps,
+            buckets=widths,
+            guard=PayoffGuard(replica=payoff) if adaptive else None,
+            ceiling=ceiling if adaptive else None,
         )
 
     return make

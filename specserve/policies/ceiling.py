@@ -1,0 +1,211 @@
+"""The measured ceiling: how deep a draft may be on this replica, from what its drafting cycles measured, per batch.
+
+A model-based policy (:mod:`specserve.policies.policies`) rates every γ from its estimates of acceptance per depth and
+of the costs, and a model can be wrong in the long drafts first: acceptance that is not independent across depths (an
+n-gram match either continues or breaks), a verify cost the fit does not see, a replica prior learned on easier text.
+Measured on the shipped pair: the n-gram drafter under the adaptive policy drafted 9-16 tokens a cycle on held-out code
+and committed 1.5 of them in 2-2.6 plain steps (0.7x plain decoding), where a fixed γ 3 ran 1.33x plain. The payoff
+guard (:mod:`specserve.policies.payoff`) then fell back to plain decoding altogether: right that those drafts did not
+pay, wrong that none did.
+
+:class:`ReplicaCeiling` measures drafting by the length of the drafts, in bands of drafted depth
+(:data:`BANDS`: 1, 2, 3-4, 5-8, 9+), each with the guard's measured speedup — committed tokens over the cycle's time
+in plain steps at its batch size (:class:`~specserve.policies.payoff.RatioWindow`), shared by the replica's requests —
+and keeps a **ceiling**: the bands below it are open, the ones from it up are closed, and no request drafts past it.
+
+* **Closing** — once a band has :attr:`CeilingSettings.min_cycles` cycles measured, it is closed (with every band
+  above it) when it is slower than what is open below it *with confidence*: its speedup plus
+  :attr:`CeilingSettings.confidence` standard errors is below ``(1 − margin)`` times the best measured band below it,
+  or plain decoding's 1.0 if that is better. Closing the lowest band lowers the ceiling to 0: plain decoding.
+* **Trying again** — the band just above the ceiling is opened again for a trial after ``backoff`` steps of the
+  replica at that batch size (a step of B requests counts once), its window cleared. Judged after ``min_cycles``
+  cycles, it stays open when it measures at least what is open below it (its back-off resets), and is closed again
+  with the back-off doubled, up to :attr:`CeilingSettings.max_backoff`, when not; the band above it then waits its
+  own back-off from that moment, so the ceiling rises one band at a time. So text that becomes predictable again gets
+  its long drafts back.
+* **Per batch size** — a wider step costs more per position than a narrow one, so each batch size bucket (1, 2-3,
+  4-7, 8-15, 16+) keeps its own ceiling.
+
+**Its bound.** Against the best ceiling in hindsight it loses only in trials: ``min_cycles`` cycles of one band every
+back-off, the back-off doubling to ``max_backoff`` steps. A trial cycle takes at most ``c`` plain steps and makes
+tokens at ``s`` of the rate below it, so once the back-off has reached its cap the ceiling keeps at least ``1 − m c
+(1 − s) / (max_backoff + m c)`` of the best ceiling's rate (:meth:`CeilingSettings.rate_floor`: 0.978 at c = 3, s
+= 0.5 with the defaults, 0.989 at s = 0.75); before it, the doubling back-offs add ``log2(max_backoff / first_backoff)`` = 4 trials of
+each closed band: a bounded loss once.
+
+It only ever shortens drafts: whatever it decides, every verdict is the verifier's and the output stays exact. Pure
+bookkeeping: no clock (the caller passes seconds), no randomness; thread-safe (a replica's requests share one). Not
+here: the choice of γ below the ceiling (the policy), the per-request fallback (the guard), the controller's glue.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from specserve.core.draft.schedule import CycleObservation
+from specserve.policies.payoff import RatioWindow
+
+BANDS: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9, None))
+"""Bands of drafted depth (first, last; None: unbounded) the ceiling measures and closes, shortest first."""
+
+BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
+"""Batch sizes from which on a ceiling of its own applies (1, 2-3, 4-7, 8-15, 16 and more)."""
+
+
+@dataclass(frozen=True)
+class CeilingSettings:
+    """How the ceiling measures and when it moves (see the module docstring for the bound they give)."""
+
+    half_life: float = 32.0  # cycles a band's measured speedup averages over (the replica's requests together)
+    min_cycles: int = 16  # cycles a band needs measured before it is judged (a trial's length too)
+    margin: float = 0.03  # close a band measured below (1 - margin) x what is open below it
+    confidence: float = 2.0  # ... by this many standard errors
+    first_backoff: int = 64  # replica steps before a closed band is tried again
+    max_backoff: int = 1024  # the back-off doubles after each failed trial, up to this
+
+    def __post_init__(self) -> None:
+        if not self.half_life >= 1 or self.min_cycles < 1:
+            raise ValueError(f"need half_life >= 1 and min_cycles >= 1, got {self.half_life}, {self.min_cycles}")
+        if not 0 <= self.margin < 1 or not self.confidence >= 0:
+            raise ValueError(f"need 0 <= margin < 1 and confidence >= 0, got {self.margin}, {self.confidence}")
+        if not 1 <= self.first_backoff <= self.max_backoff:
+            raise ValueError(f"need 1 <= first_backoff <= max_backoff, got {self.first_backoff}, {self.max_backoff}")
+
+    def rate_floor(self, worst_speedup: float, longest_cycle: float) -> float:
+        """The long-run share of the best ceiling's rate kept once the back-off has reached its cap: a trial cycle
+        takes at most ``longest_cycle`` plain steps and makes tokens at ``worst_speedup`` (< 1) of that rate."""
+        if not 0 <= worst_speedup <= 1 or not longest_cycle >= 1:
+            raise ValueError(f"need 0 <= worst_speedup <= 1 and longest_cycle >= 1: {worst_speedup}, {longest_cycle}")
+        trial = self.min_cycles * longest_cycle
+        return 1.0 - trial * (1.0 - worst_speedup) / (self.max_backoff + trial)
+
+
+def band_of(depth: int) -> int:
+    """The index in :data:`BANDS` of a draft ``depth`` tokens deep (>= 1)."""
+    if depth < 1:
+        raise ValueError(f"a draft is >= 1 token deep, got {depth}")
+    for index, (_, last) in enumerate(BANDS):
+        if last is None or depth <= last:
+            return index
+    raise AssertionError("the last band is unbounded")
+
+
+def bucket_of(batch_size: int) -> int:
+    """The batch size bucket (an index in :data:`BATCH_BUCKETS`) of a step of ``batch_size`` requests."""
+    return max(i for i, start in enumerate(BATCH_BUCKETS) if batch_size >= start)
+
+
+@dataclass
+class _Band:
+    window: RatioWindow
+    backoff: int
+    closed_at: float = 0.0  # the level's clock when it was last closed
+    trial: bool = False
+
+
+@dataclass
+class _Level:
+    """One batch size bucket's ceiling: ``open`` bands from the shortest are open."""
+
+    bands: list[_Band]
+    open: int = len(BANDS)
+    clock: float = 0.0  # steps of the replica at this batch size
+    events: list[str] = field(default_factory=list)
+
+
+class ReplicaCeiling:
+    """One replica's ceilings (see the module docstring). The controller asks :meth:`cap` before each decision and
+    reports every verdict to :meth:`observe`."""
+
+    def __init__(self, settings: CeilingSettings | None = None) -> None:
+        self.settings = settings if settings is not None else CeilingSettings()
+        self._lock = threading.Lock()
+        self._levels = [
+            _Level([_Band(RatioWindow(self.settings.half_life), self.settings.first_backoff) for _ in BANDS])
+            for _ in BATCH_BUCKETS
+        ]
+
+    def cap(self, batch_size: int = 1) -> int | None:
+        """The deepest draft a request in a step of ``batch_size`` may make now (0: plain decoding; None: no cap).
+        Opens the band above the ceiling for a trial when its back-off has run out."""
+        level = self._levels[bucket_of(batch_size)]
+        with self._lock:
+            below_settled = level.open == 0 or not level.bands[level.open - 1].trial  # one band on trial at a time
+            if level.open < len(BANDS) and below_settled:
+                band = level.bands[level.open]
+                if level.clock - band.closed_at >= band.backoff:
+                    band.window.reset()
+                    band.trial = True
+                    level.open += 1
+                    level.events.append(f"trial: drafts of {_describe(level.open - 1)} again")
+            return None if level.open == len(BANDS) else (BANDS[level.open - 1][1] if level.open else 0)
+
+    def observe(self, obs: CycleObservation, plain_seconds: float) -> None:
+        """A verdict, and what a plain step at its batch size costs (seconds per token of plain decoding)."""
+        batch_size = max(1, obs.batch_size)
+        level = self._levels[bucket_of(batch_size)]
+        seconds = obs.draft_seconds + obs.verify_seconds + obs.wire_seconds
+        with self._lock:
+            level.clock += 1.0 / batch_size
+            if obs.drafted == 0 or obs.depth < 1 or not seconds > 0 or not plain_seconds > 0:
+                return
+            index = band_of(obs.depth)
+            if index >= level.open:  # drafted past the ceiling (a budget decided before it moved): not judged
+                return
+            band = level.bands[index]
+            band.window.add(float(obs.accepted + 1), seconds / plain_seconds)
+            if band.window.count < self.settings.min_cycles:
+                return
+            speedup = band.window.ratio
+            assert speedup is not None
+            below = [
+                b.window.ratio
+                for b in level.bands[:index]
+                if b.window.count >= self.settings.min_cycles and b.window.ratio is not None
+            ]
+            reference = max([1.0, *below])
+            if band.trial:
+                if speedup >= reference:
+                    band.trial, band.backoff = False, self.settings.first_backoff
+                    for above in level.bands[index + 1 :]:  # one band up per back-off, not all at once
+                        above.closed_at = level.clock
+                    level.events.append(
+                        f"open: drafts of {_describe(index)} measured {speedup:.2f}x plain decoding, "
+                        f"against {reference:.2f}x below them"
+                    )
+                else:
+                    band.backoff = min(2 * band.backoff, self.settings.max_backoff)
+                    why = f"on trial measured {speedup:.2f}x plain decoding against {reference:.2f}x"
+                    self._close(level, index, why)
+            elif speedup + self.settings.confidence * band.window.standard_error() < reference * (
+                1.0 - self.settings.margin
+            ):
+                self._close(level, index, f"measured {speedup:.2f}x plain decoding against {reference:.2f}x")
+
+    def take_events(self, batch_size: int = 1) -> list[str]:
+        """The ceiling's moves at ``batch_size``'s bucket since the last call."""
+        level = self._levels[bucket_of(batch_size)]
+        with self._lock:
+            events, level.events = level.events, []
+        return events
+
+    def _close(self, level: _Level, index: int, why: str) -> None:
+        band = level.bands[index]
+        band.trial = False
+        for closed in level.bands[index:]:  # each waits its own back-off from now
+            closed.closed_at = level.clock
+        level.open = index
+        cap = BANDS[index - 1][1] if index else 0
+        level.events.append(
+            f"ceiling: drafts of {_describe(index)} {why}; at most {cap} drafted tokens for {band.backoff} steps"
+        )
+
+
+def _describe(index: int) -> str:
+    first, last = BANDS[index]
+    if last is None:
+        return f"{first} or more tokens"
+    if first == last:
+        return f"{first} token{'s' if first > 1 else ''}"
+    return f"{first}-{last} tokens"
