@@ -88,10 +88,9 @@ from specserve.core.draft.spec_strings import check_drafter_spec
 from specserve.core.errors import UserError
 from specserve.core.stats import merge_policy_reports
 from specserve.policies.base import Policy
-from specserve.policies.ceiling import ReplicaCeiling
+from specserve.policies.ceiling import ReplicaCeilings
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController
 from specserve.policies.estimators import Estimators, ReplicaPrior
-from specserve.policies.payoff import PayoffGuard, ReplicaPayoff
 from specserve.policies.policies import build_policy
 from specserve.policies.rates import cycle_seconds, expected_tokens
 from specserve.policies.simulator import WorkloadModel, acceptance_counts, simulate
@@ -235,20 +234,14 @@ def cell_schedules(spec: PolicySpec, prior: ReplicaPrior, max_gamma: int = DEFAU
     ``none``, otherwise a :class:`SpeculationController` around the cell's policy, seeded from (and
     feeding) the cell's own replica prior, so cells do not learn from each other. Replays use the same."""
     decision = spec.decision(max_gamma)
-    payoff, ceiling = ReplicaPayoff(), ReplicaCeiling()  # the cell's requests share them, as a replica's do
+    ceilings = ReplicaCeilings()  # the cell's requests share them, as a replica's do
     adaptive = spec.kind == "adaptive"
 
     def make(policy: str, budget: Budget) -> Schedule:
         if decision is None:
             return FixedSchedule(budget)
-        # as served (specserve.policies.schedules): the adaptive policy under its ceiling, behind its payoff guard
-        return SpeculationController(
-            decision,
-            prior,
-            max_gamma,
-            guard=PayoffGuard(replica=payoff) if adaptive else None,
-            ceiling=ceiling if adaptive else None,
-        )
+        # as served (specserve.policies.schedules): the adaptive policy under its drafter's measured ceiling
+        return SpeculationController(decision, prior, max_gamma, ceiling=ceilings if adaptive else None)
 
     return make
 
@@ -546,7 +539,7 @@ def summarise(
                     "mean_accepted": cell.mean_accepted,
                     "cycles": cell.cycles,
                     "mean_gamma": cell.mean_gamma,
-                    # cycles decoded plainly: the policy's own choice, or its guard's veto (live adaptive cells)
+                    # cycles decoded plainly: the policy's own choice, or its ceiling's cut (live adaptive cells)
                     "plain_share": sum(1 for g in cell.gammas if g == 0) / cell.cycles if cell.cycles else None,
                     "fallbacks": cell.report.get("fallbacks"),
                 }

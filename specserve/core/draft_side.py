@@ -37,7 +37,7 @@ from specserve.core.draft.drafter import (
     check_can_draft,
     propose,
 )
-from specserve.core.draft.schedule import BatchPlanned, Budget, CycleObservation, Schedule
+from specserve.core.draft.schedule import BatchPlanned, Budget, CycleObservation, PerDrafter, Schedule
 from specserve.core.errors import request_failure
 from specserve.core.kv.cache import KVCache
 from specserve.core.sampling.params import SamplingParams
@@ -61,6 +61,8 @@ class DraftSide:
         drafter_name: str | None = None,
     ) -> None:
         check_can_draft(drafter, budget.tree, drafter_name)
+        if drafter_name is not None and isinstance(schedule, PerDrafter):
+            schedule.use_drafter(drafter_name)
         self.drafter = drafter
         self.schedule = schedule
         self.device = torch.device(device)

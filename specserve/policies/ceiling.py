@@ -18,20 +18,21 @@ and keeps a **ceiling**: the bands below it are open, the ones from it up are cl
   :attr:`CeilingSettings.confidence` standard errors is below ``(1 − margin)`` times the best measured band below it,
   or plain decoding's 1.0 if that is better. Closing the lowest band lowers the ceiling to 0: plain decoding.
 * **Trying again** — the band just above the ceiling is opened again for a trial after ``backoff`` steps of the
-  replica at that batch size (a step of B requests counts once), its window cleared. Judged after ``min_cycles``
-  cycles, it stays open when it measures at least what is open below it (its back-off resets), and is closed again
-  with the back-off doubled, up to :attr:`CeilingSettings.max_backoff`, when not; the band above it then waits its
-  own back-off from that moment, so the ceiling rises one band at a time. So text that becomes predictable again gets
-  its long drafts back.
+  replica at that batch size (a step of B requests counts once), its window cleared. Judged after
+  :attr:`CeilingSettings.trial_cycles` cycles, it stays open when it measures at least what is open below it (its
+  back-off resets), and is closed again with the back-off doubled, up to :attr:`CeilingSettings.max_backoff`, when
+  not; the band above it then waits its own back-off from that moment, so the ceiling rises one band at a time. So
+  text that becomes predictable again gets its long drafts back.
 * **Per batch size** — a wider step costs more per position than a narrow one, so each batch size bucket (1, 2-3,
   4-7, 8-15, 16+) keeps its own ceiling.
 
-**Its bound.** Against the best ceiling in hindsight it loses only in trials: ``min_cycles`` cycles of one band every
-back-off, the back-off doubling to ``max_backoff`` steps. A trial cycle takes at most ``c`` plain steps and makes
-tokens at ``s`` of the rate below it, so once the back-off has reached its cap the ceiling keeps at least ``1 − m c
-(1 − s) / (max_backoff + m c)`` of the best ceiling's rate (:meth:`CeilingSettings.rate_floor`: 0.978 at c = 3, s
-= 0.5 with the defaults, 0.989 at s = 0.75); before it, the doubling back-offs add ``log2(max_backoff / first_backoff)`` = 4 trials of
-each closed band: a bounded loss once.
+**Its bound.** Against the best ceiling in hindsight it loses only in trials: ``trial_cycles`` cycles of one band
+every back-off, the back-off doubling to ``max_backoff`` steps. A trial cycle takes at most ``c`` plain steps and
+makes tokens at ``s`` of the rate below it, so once the back-off has reached its cap the ceiling keeps at least ``1 −
+T c (1 − s) / (max_backoff + T c)`` of the best ceiling's rate (T = ``trial_cycles``;
+:meth:`CeilingSettings.rate_floor`: 0.994 at c = 3, s = 0.5 with the defaults); before it, the doubling back-offs add
+``log2(max_backoff / first_backoff)`` = 4 trials of each closed band, and closing a band takes ``min_cycles``
+cycles: a bounded loss once, not a share.
 
 It only ever shortens drafts: whatever it decides, every verdict is the verifier's and the output stays exact. Pure
 bookkeeping: no clock (the caller passes seconds), no randomness; thread-safe (a replica's requests share one). Not
@@ -44,7 +45,6 @@ import threading
 from dataclasses import dataclass, field
 
 from specserve.core.draft.schedule import CycleObservation
-from specserve.policies.payoff import RatioWindow
 
 BANDS: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9, None))
 """Bands of drafted depth (first, last; None: unbounded) the ceiling measures and closes, shortest first."""
@@ -52,21 +52,72 @@ BANDS: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9,
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
 """Batch sizes from which on a ceiling of its own applies (1, 2-3, 4-7, 8-15, 16 and more)."""
 
+LOWERED, RAISED = "lowered to", "raised to"
+"""How the ceiling's moves begin (``"lowered to 0: ..."`` is a fallback to plain decoding, ``"raised to 1: ..."`` a
+return from it); a trial's begins with ``"trial:"``."""
+
+
+class RatioWindow:
+    """An exponentially weighted ratio of means, Σx / Σy, over the last observations (half-life ``half_life``), with
+    its standard error (the delta method for a ratio, over the weights' effective size (Σw)² / Σw²): tokens over
+    time in plain steps, i.e. a measured speedup over plain decoding. One per band of drafted depth."""
+
+    def __init__(self, half_life: float) -> None:
+        if not half_life >= 1:
+            raise ValueError(f"half_life must be >= 1 observation, got {half_life}")
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._sums = [0.0] * 7  # w, w², x, y, x², y², xy
+        self.count = 0  # observations since the last reset
+
+    def add(self, x: float, y: float) -> None:
+        w, w2, sx, sy, sxx, syy, sxy = (v * self._decay for v in self._sums)
+        w2 *= self._decay
+        self._sums = [w + 1, w2 + 1, sx + x, sy + y, sxx + x * x, syy + y * y, sxy + x * y]
+        self.count += 1
+
+    def reset(self) -> None:
+        self._sums = [0.0] * 7
+        self.count = 0
+
+    @property
+    def ratio(self) -> float | None:
+        """Σx / Σy over the window (None before any observation)."""
+        sx, sy = self._sums[2], self._sums[3]
+        if self.count == 0 or sy <= 0:
+            return None
+        return sx / sy
+
+    def standard_error(self) -> float:
+        """The ratio's standard error (0 before two observations)."""
+        w, w2, sx, sy, sxx, syy, sxy = self._sums
+        if self.count < 2 or sy <= 0:
+            return 0.0
+        ratio = sx / sy
+        mx, my = sx / w, sy / w
+        var_x, var_y, cov = sxx / w - mx * mx, syy / w - my * my, sxy / w - mx * my
+        spread = max(0.0, var_x - 2 * ratio * cov + ratio * ratio * var_y)
+        n_eff = w * w / w2
+        return (spread / n_eff) ** 0.5 / my
+
 
 @dataclass(frozen=True)
 class CeilingSettings:
     """How the ceiling measures and when it moves (see the module docstring for the bound they give)."""
 
     half_life: float = 32.0  # cycles a band's measured speedup averages over (the replica's requests together)
-    min_cycles: int = 16  # cycles a band needs measured before it is judged (a trial's length too)
+    min_cycles: int = 16  # cycles a band needs measured before it is first judged
+    trial_cycles: int = 8  # cycles a trial measures before it is judged
     margin: float = 0.03  # close a band measured below (1 - margin) x what is open below it
     confidence: float = 2.0  # ... by this many standard errors
-    first_backoff: int = 64  # replica steps before a closed band is tried again
-    max_backoff: int = 1024  # the back-off doubles after each failed trial, up to this
+    first_backoff: int = 128  # replica steps before a closed band is tried again
+    max_backoff: int = 2048  # the back-off doubles after each failed trial, up to this
 
     def __post_init__(self) -> None:
-        if not self.half_life >= 1 or self.min_cycles < 1:
-            raise ValueError(f"need half_life >= 1 and min_cycles >= 1, got {self.half_life}, {self.min_cycles}")
+        if not self.half_life >= 1 or self.min_cycles < 1 or self.trial_cycles < 1:
+            raise ValueError(
+                f"need half_life >= 1, min_cycles >= 1 and trial_cycles >= 1, got {self.half_life}, "
+                f"{self.min_cycles}, {self.trial_cycles}"
+            )
         if not 0 <= self.margin < 1 or not self.confidence >= 0:
             raise ValueError(f"need 0 <= margin < 1 and confidence >= 0, got {self.margin}, {self.confidence}")
         if not 1 <= self.first_backoff <= self.max_backoff:
@@ -77,7 +128,7 @@ class CeilingSettings:
         takes at most ``longest_cycle`` plain steps and makes tokens at ``worst_speedup`` (< 1) of that rate."""
         if not 0 <= worst_speedup <= 1 or not longest_cycle >= 1:
             raise ValueError(f"need 0 <= worst_speedup <= 1 and longest_cycle >= 1: {worst_speedup}, {longest_cycle}")
-        trial = self.min_cycles * longest_cycle
+        trial = self.trial_cycles * longest_cycle
         return 1.0 - trial * (1.0 - worst_speedup) / (self.max_backoff + trial)
 
 
@@ -155,14 +206,15 @@ class ReplicaCeiling:
                 return
             band = level.bands[index]
             band.window.add(float(obs.accepted + 1), seconds / plain_seconds)
-            if band.window.count < self.settings.min_cycles:
+            if band.window.count < (self.settings.trial_cycles if band.trial else self.settings.min_cycles):
                 return
             speedup = band.window.ratio
             assert speedup is not None
             below = [
                 b.window.ratio
                 for b in level.bands[:index]
-                if b.window.count >= self.settings.min_cycles and b.window.ratio is not None
+                if b.window.count >= min(self.settings.min_cycles, self.settings.trial_cycles)
+                and b.window.ratio is not None
             ]
             reference = max([1.0, *below])
             if band.trial:
@@ -170,9 +222,10 @@ class ReplicaCeiling:
                     band.trial, band.backoff = False, self.settings.first_backoff
                     for above in level.bands[index + 1 :]:  # one band up per back-off, not all at once
                         above.closed_at = level.clock
+                    top = BANDS[index][1]
                     level.events.append(
-                        f"open: drafts of {_describe(index)} measured {speedup:.2f}x plain decoding, "
-                        f"against {reference:.2f}x below them"
+                        f"{RAISED} {'any depth' if top is None else top}: drafts of {_describe(index)} "
+                        f"measured {speedup:.2f}x plain decoding on trial, against {reference:.2f}x below them"
                     )
                 else:
                     band.backoff = min(2 * band.backoff, self.settings.max_backoff)
@@ -182,6 +235,18 @@ class ReplicaCeiling:
                 1.0 - self.settings.margin
             ):
                 self._close(level, index, f"measured {speedup:.2f}x plain decoding against {reference:.2f}x")
+
+    def speedups(self, batch_size: int = 1) -> dict[str, float]:
+        """What each band measured at ``batch_size``'s bucket (:func:`band_name` -> speedup over plain decoding), for
+        the bands with enough cycles to be judged: the speedup the ceiling believes drafts of each depth get."""
+        level = self._levels[bucket_of(batch_size)]
+        with self._lock:
+            return {
+                band_name(index): band.window.ratio
+                for index, band in enumerate(level.bands)
+                if band.window.count >= min(self.settings.min_cycles, self.settings.trial_cycles)
+                and band.window.ratio is not None
+            }
 
     def take_events(self, batch_size: int = 1) -> list[str]:
         """The ceiling's moves at ``batch_size``'s bucket since the last call."""
@@ -198,8 +263,19 @@ class ReplicaCeiling:
         level.open = index
         cap = BANDS[index - 1][1] if index else 0
         level.events.append(
-            f"ceiling: drafts of {_describe(index)} {why}; at most {cap} drafted tokens for {band.backoff} steps"
+            f"{LOWERED} {cap}: drafts of {_describe(index)} {why}; tried again after {band.backoff} steps"
         )
+
+
+def band_name(index: int) -> str:
+    """The name of the band at ``index`` in :data:`BANDS`: ``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``, ``"9+"``."""
+    first, last = BANDS[index]
+    return f"{first}+" if last is None else str(first) if first == last else f"{first}-{last}"
+
+
+def band_label(depth: int) -> str:
+    """The name of the band holding a draft ``depth`` tokens deep."""
+    return band_name(band_of(depth))
 
 
 def _describe(index: int) -> str:
@@ -209,3 +285,20 @@ def _describe(index: int) -> str:
     if first == last:
         return f"{first} token{'s' if first > 1 else ''}"
     return f"{first}-{last} tokens"
+
+
+class ReplicaCeilings:
+    """One replica's ceilings, one per drafter a request may name (``"default"``: the configured one; the built-ins:
+    their drafts cost and pay differently). Thread-safe."""
+
+    def __init__(self, settings: CeilingSettings | None = None) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._by_drafter: dict[str, ReplicaCeiling] = {}
+
+    def get(self, drafter: str = "default") -> ReplicaCeiling:
+        """Drafter ``drafter``'s ceiling, made on first use."""
+        with self._lock:
+            if drafter not in self._by_drafter:
+                self._by_drafter[drafter] = ReplicaCeiling(self.settings)
+            return self._by_drafter[drafter]

@@ -28,8 +28,7 @@ Budgets are clipped here, never in policies: to ``max_gamma_cap`` draft depth (a
 ``remaining − 1`` (a cycle always adds one token of its own: recovered or bonus) and, given a
 :class:`~specserve.policies.ceiling.ReplicaCeiling`, to the depth its measured cycles say still pays at the step's
 batch size. A tree deeper than allowed is cut to a dynamic tree of the allowed depth, or to a chain when it is a
-static topology. Given a :class:`~specserve.policies.payoff.PayoffGuard`, the guard may then veto drafting
-altogether for the cycle.
+static topology. A ceiling of 0 is plain decoding: the fallback when no drafting pays.
 
 Not here: timing (the caller measures seconds), drafting or verification, thread-safety of one request's
 controller (one request is driven by one thread; only the shared prior is locked).
@@ -43,15 +42,14 @@ from typing import Any
 from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.core.tree.shapes import TreeSpec
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
-from specserve.policies.ceiling import ReplicaCeiling
+from specserve.policies.ceiling import LOWERED, RAISED, ReplicaCeiling, ReplicaCeilings, band_label
 from specserve.policies.estimators import Estimators, ReplicaPrior
-from specserve.policies.payoff import PayoffGuard
 from specserve.policies.prior import REQUEST_HALF_LIFE_CYCLES, VERIFY_TABLE_SIZE, EstimatorPrior
 from specserve.policies.rates import budget_depth, expected_tokens
 from specserve.policies.step_costs import StepCostEstimator
 
 DEFAULT_MAX_GAMMA_CAP = 16
-MAX_REPORTED_EVENTS = 16  # the guard's last transitions a request's report keeps
+MAX_REPORTED_EVENTS = 16  # the ceiling's last moves a request's report keeps
 
 
 def clip_budget(budget: Budget, max_depth: int) -> Budget:
@@ -97,8 +95,7 @@ class SpeculationController:
         half_life: float | None = REQUEST_HALF_LIFE_CYCLES,
         step_costs: StepCostEstimator | None = None,
         buckets: VerifyBuckets | None = None,
-        guard: PayoffGuard | None = None,
-        ceiling: ReplicaCeiling | None = None,
+        ceiling: ReplicaCeiling | ReplicaCeilings | None = None,
     ):
         if max_gamma_cap < 0:
             raise ValueError(f"max_gamma_cap must be >= 0, got {max_gamma_cap}")
@@ -122,21 +119,24 @@ class SpeculationController:
         # a probe a batched step cut to nothing (it would have widened every row for one request): asked again
         # each cycle until it goes through, which it does once enough requests probe in the same step
         self._deferred_probe: Budget | None = None
-        # measured speculation against measured plain decoding: vetoes drafting that does not pay
-        # (specserve.policies.payoff); None: the policy's budgets go through as chosen
-        self.guard = guard
-        # the replica's measured ceiling on how deep a draft may be (specserve.policies.ceiling); None: no ceiling
-        self.ceiling = ceiling
+        # the replica's measured ceiling on how deep a draft may be (specserve.policies.ceiling), per drafter when
+        # given the replica's ReplicaCeilings (the configured drafter's until use_drafter names one); None: the
+        # policy's budgets go through as chosen
+        self._ceilings = ceiling if isinstance(ceiling, ReplicaCeilings) else None
+        self.ceiling = ceiling.get() if isinstance(ceiling, ReplicaCeilings) else ceiling
         self._cap: int | None = None  # the ceiling at the last decision
+        self._batch_size = 1  # ... and its step's batch size
         self._ceiling_events: list[str] = []
 
     # What a batched engine asks to choose a step's width (specserve.core.draft.schedule.BatchPlanned)
 
+    def use_drafter(self, name: str) -> None:
+        """Measure under the ceiling of drafter ``name`` (:class:`~specserve.core.draft.schedule.PerDrafter`)."""
+        if self._ceilings is not None:
+            self.ceiling = self._ceilings.get(name)
+
     def expected_tokens(self, gamma: int) -> float:
-        """E[tokens committed] by a chain of ``gamma`` drafts under the estimates of the last decision; 1 for every
-        chain while the payoff guard holds the request to plain decoding (its drafts are not worth a wider row)."""
-        if self.guard is not None and self.guard.mode == "fallback":
-            return 1.0
+        """E[tokens committed] by a chain of ``gamma`` drafts under the estimates of the last decision."""
         state = self._state if self._state is not None else self.snapshot()
         return expected_tokens(state, Budget(gamma))
 
@@ -206,27 +206,17 @@ class SpeculationController:
         self._chosen = chosen
         sent = clip_budget(chosen, remaining - 1)
         capped = False
+        self._batch_size = batch_size
         if self.ceiling is not None:
             self._cap = self.ceiling.cap(batch_size)
             self._ceiling_events.extend(self.ceiling.take_events(batch_size))
             if self._cap is not None and budget_depth(sent) > self._cap:
                 sent, capped = clip_budget(sent, self._cap), True
-        # the guard counts every cycle (its back-off runs while the policy is off too), and may veto drafting
-        vetoed = self.guard is not None and not self.guard.allows() and sent.nodes > 0
-        if vetoed:
-            sent = Budget(0)
         entry = self._entry(chosen, sent, remaining, probe=probe, calibration=False)
         if batch_size > 1:
             entry["batch_size"] = batch_size
         if capped:
             entry["ceiling"] = self._cap
-        if self.guard is not None:
-            entry["guard"] = self.guard.mode
-            if vetoed:
-                entry["vetoed"] = True
-            events = self.guard.take_events()
-            if events:
-                entry["guard_events"] = events
         self.history.append(entry)
         return sent
 
@@ -245,33 +235,28 @@ class SpeculationController:
 
     def report(self) -> dict[str, Any]:
         """What this request's policy decided and why (:class:`~specserve.core.draft.schedule.ReportingSchedule`):
-        its decisions (the calibration cycle included), how many were plain decoding, how many of those the guard
-        vetoed, the budgets' sum, and the guard's state, measured speedup, fallbacks, returns and reasons."""
+        its decisions (the calibration cycle included), how many were plain decoding, the budgets' sum and, under a
+        ceiling, how many decisions it cut, where it stood at the last one, what each band of drafted depth measured
+        there and the ceiling's moves this request saw (``fallbacks``: down to plain decoding; ``returns``: up from
+        it), with their reasons."""
         decisions = [e for e in self.history if "sent" in e]
         report: dict[str, Any] = {
             "policy": self.policy.name,
             "decisions": len(decisions),
             "plain_decisions": sum(1 for e in decisions if e["nodes"] == 0),
-            "vetoed": sum(1 for e in decisions if e.get("vetoed")),
             "budget_sum": sum(e["nodes"] for e in decisions),
         }
         if self.ceiling is not None:
+            events = self._ceiling_events
             report.update(
                 capped=sum(1 for e in decisions if "ceiling" in e),
                 ceiling="none" if self._cap is None else f"at most {self._cap} drafted tokens",
-                ceiling_events=self._ceiling_events[-MAX_REPORTED_EVENTS:],
-            )
-        if self.guard is not None:
-            speedup = self.guard.speedup
-            report.update(
-                guard=self.guard.mode,
-                measured_speedup=None if speedup is None else round(speedup, 4),
-                fallbacks=self.guard.fallbacks,
-                returns=self.guard.returns,
-                events=[
-                    *(event for e in decisions for event in e.get("guard_events", ())),
-                    *self.guard.take_events(),  # the last verdict's, which no decision has recorded yet
-                ][-MAX_REPORTED_EVENTS:],
+                measured_speedup={band: round(v, 4) for band, v in self.ceiling.speedups(self._batch_size).items()},
+                lowered=sum(1 for e in events if e.startswith(LOWERED)),
+                raised=sum(1 for e in events if e.startswith(RAISED)),
+                fallbacks=sum(1 for e in events if e.startswith(f"{LOWERED} 0:")),
+                returns=sum(1 for e in events if e.startswith(f"{RAISED} 1:")),
+                events=events[-MAX_REPORTED_EVENTS:],
             )
         return report
 
@@ -282,19 +267,14 @@ class SpeculationController:
             self.replica_prior.observe(obs)
         self.step_costs.observe(obs.positions, obs.verify_seconds + obs.wire_seconds)
         decision = self.history[-1] if self.history and "accepted" not in self.history[-1] else None
-        if self.guard is not None or self.ceiling is not None:
-            plain_seconds = self.step_costs.t_step(max(1, obs.batch_size))
-            if self.guard is not None:
-                self.guard.observe(obs, plain_seconds)
-            if self.ceiling is not None:
-                self.ceiling.observe(obs, plain_seconds)
-        vetoed = decision is not None and decision.get("vetoed", False)
+        if self.ceiling is not None:
+            self.ceiling.observe(obs, self.step_costs.t_step(max(1, obs.batch_size)))
         if (
             decision is not None
             and decision["probe"]
             and obs.budget.nodes == 0
             and self._chosen is not None
-            and not vetoed
+            and "ceiling" not in decision  # cut by the ceiling, not by the batch: nothing to ask again
         ):
             # the batch cut this probe: nothing was learned, so it stays due (and the request stays off)
             self._deferred_probe, self._chosen = self._chosen, Budget(0)
@@ -307,8 +287,10 @@ class SpeculationController:
             "verify_seconds": obs.verify_seconds,
             "wire_seconds": obs.wire_seconds,
         }
-        if self.guard is not None and self.guard.speedup is not None:
-            record["measured_speedup"] = round(self.guard.speedup, 4)
+        if self.ceiling is not None and obs.depth > 0:  # what the drafts of this depth measure on the replica
+            speedup = self.ceiling.speedups(max(1, obs.batch_size)).get(band_label(obs.depth))
+            if speedup is not None:
+                record["measured_speedup"] = round(speedup, 4)
         if self.history and "accepted" not in self.history[-1]:
             self.history[-1].update(record)
         else:  # an observation without a decision from this controller (e.g. a replayed trace)

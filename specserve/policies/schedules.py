@@ -4,11 +4,10 @@
 :class:`~specserve.core.engine.SpeculativeEngine` and the drafter actor call once per request:
 ``fixed`` drafts the request's own γ or tree every cycle; ``heuristic`` starts at the request's γ
 and follows transformers' +2 / −1 schedule; ``adaptive`` chooses each cycle's γ (and, when the
-request names a tree, that tree as a further candidate) from the online estimates, behind a
-:class:`~specserve.policies.payoff.PayoffGuard` that falls back to plain decoding when the drafting it
-measures does not pay, its guards sharing one :class:`~specserve.policies.payoff.ReplicaPayoff` per factory,
-and under one :class:`~specserve.policies.ceiling.ReplicaCeiling` per factory that keeps its drafts no deeper than
-the measured cycles say pays (``fixed`` and ``heuristic`` are baselines: nothing guards them). Every request's
+request names a tree, that tree as a further candidate) from the online estimates, under the measured ceiling of
+its drafter on this replica (:class:`~specserve.policies.ceiling.ReplicaCeilings`, one per factory): no deeper than
+the replica's measured cycles say pays, plain decoding when none does (``fixed`` and ``heuristic`` are baselines:
+nothing caps them). Every request's
 controller is seeded from, and feeds, one :class:`~specserve.policies.estimators.ReplicaPrior`
 per factory — one per engine or drafter actor, i.e. per replica — and learns what a batched step costs in one
 :class:`~specserve.policies.step_costs.StepCostEstimator` per factory. A static-shape engine passes its verify
@@ -29,10 +28,9 @@ from specserve.core.draft.schedule import (
     check_policy_name,
 )
 from specserve.core.model.buckets import VerifyBuckets
-from specserve.policies.ceiling import ReplicaCeiling
+from specserve.policies.ceiling import ReplicaCeilings
 from specserve.policies.controller import DEFAULT_MAX_GAMMA_CAP, SpeculationController, resolve_buckets
 from specserve.policies.estimators import ReplicaPrior
-from specserve.policies.payoff import PayoffGuard, ReplicaPayoff
 from specserve.policies.policies import build_policy
 from specserve.policies.step_costs import StepCostEstimator
 
@@ -51,8 +49,7 @@ def schedules(
     shared = prior if prior is not None else ReplicaPrior(buckets=buckets)
     widths = resolve_buckets(shared, buckets)
     steps = StepCostEstimator(shared.prior())  # what a (batched) step costs on this replica, shared like the prior
-    payoff = ReplicaPayoff()  # whether drafting pays on this replica: its adaptive requests' guards share it
-    ceiling = ReplicaCeiling()  # how deep a draft pays on this replica, per batch size: its adaptive requests share it
+    ceilings = ReplicaCeilings()  # how deep a draft pays on this replica, per drafter and batch size
 
     def make(policy: str, budget: Budget) -> Schedule:
         check_policy_name(policy)
@@ -70,8 +67,7 @@ def schedules(
             max_gamma_cap,
             step_costs=steps,
             buckets=widths,
-            guard=PayoffGuard(replica=payoff) if adaptive else None,
-            ceiling=ceiling if adaptive else None,
+            ceiling=ceilings if adaptive else None,
         )
 
     return make

@@ -174,8 +174,9 @@ class ServeMetrics:
         )
         self.policy_events = Counter(
             "specserve_policy_events",
-            "the adaptive policy's payoff guard, per drafter: fallback (measured drafting did not pay: plain decoding "
-            "for a back-off) and return (a trial after the back-off paid again)",
+            "the adaptive policy's measured ceiling on draft depth, per drafter: lowered (drafts of some depth "
+            "measured slower than shorter ones or plain decoding), raised (a trial after the back-off paid), and "
+            "among them fallback (lowered to plain decoding) and return (raised from it)",
             (*TAGS, "drafter", "event"),
         )
         self._evictions = 0
@@ -232,9 +233,14 @@ class ServeMetrics:
             self.speedup.set(speedup, tags)
 
     def policy(self, drafter: str, report: dict[str, Any]) -> None:
-        """A finished request's schedule report (``stats.policy``): its guard's fallbacks and returns."""
+        """A finished request's schedule report (``stats.policy``): the ceiling's moves it saw."""
         tags = {**self.tags, "drafter": drafter}
-        for event, key in (("fallback", "fallbacks"), ("return", "returns")):
+        for event, key in (
+            ("lowered", "lowered"),
+            ("raised", "raised"),
+            ("fallback", "fallbacks"),
+            ("return", "returns"),
+        ):
             _inc(self.policy_events, int(report.get(key, 0)), {**tags, "event": event})
 
     def drift(self, drafter: str, position: int, direction: str) -> None:

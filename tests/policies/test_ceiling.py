@@ -14,13 +14,14 @@ from collections.abc import Callable, Sequence
 
 import pytest
 from conftest import REF_TOKENS, TinyPair
-from synthetic_streams import chain_observation, cpu_verify_seconds, draw_accepted
+from synthetic_streams import chain_observation, cpu_verify_seconds, draw_accepted, observe_stream
 
 from specserve.core.draft.schedule import Budget, CycleObservation
 from specserve.core.engine import SpeculativeEngine
 from specserve.core.model.causal_lm import CausalLM
 from specserve.core.request import GenerationConfig
 from specserve.core.sampling.params import SamplingParams
+from specserve.core.stats import merge_policy_reports
 from specserve.drafters.registry import build_drafter_set
 from specserve.policies.ceiling import BANDS, CeilingSettings, ReplicaCeiling, band_of, bucket_of
 from specserve.policies.controller import SpeculationController
@@ -67,8 +68,8 @@ def test_long_drafts_that_lose_are_cut_to_the_depth_that_pays() -> None:
         ceiling.observe(cycle(4, accepted, steps), PLAIN)
         assert ceiling.cap() == 4
     events = ceiling.take_events()
-    assert len(events) == 2 and all(e.startswith("ceiling: drafts of") for e in events)
-    assert "at most 4 drafted tokens" in events[1] and ceiling.take_events() == []
+    assert [e.split(":")[0] for e in events] == ["lowered to 8", "lowered to 4"]
+    assert events[1].startswith("lowered to 4: drafts of 5-8 tokens measured 0.") and ceiling.take_events() == []
 
 
 def test_a_band_is_closed_against_what_is_open_below_it_not_only_against_plain() -> None:
@@ -94,12 +95,12 @@ def test_noise_does_not_close_a_band_that_pays() -> None:
         for _ in range(2000):
             accepted = draw_accepted(rng, (0.6,), 4)  # E[tokens] = 1 + .6 + .36 + .216 + .13 = 2.31
             ceiling.observe(cycle(4, accepted, 1.75 * rng.uniform(0.95, 1.05)), PLAIN)
-        closed += any(e.startswith("ceiling:") for e in ceiling.take_events())
+        closed += any(e.startswith("lowered to") for e in ceiling.take_events())
     assert closed == 1  # seed 22 closes at its 16th cycle: 16 cycles made 1.31 tokens each where 2.31 is the mean
 
 
 def test_drafting_that_never_pays_ends_in_plain_decoding_and_is_tried_again_after_doubling_backoffs() -> None:
-    settings = CeilingSettings(min_cycles=4, first_backoff=16, max_backoff=64)
+    settings = CeilingSettings(min_cycles=4, trial_cycles=4, first_backoff=16, max_backoff=64)
     ceiling = ReplicaCeiling(settings)
     for depth in (12, 6, 4, 2, 1):  # each band in turn: 1 token in 2 steps, 0.5x plain
         assert ceiling.cap() == (None if depth == 12 else BANDS[band_of(depth)][1])
@@ -121,7 +122,7 @@ def test_drafting_that_never_pays_ends_in_plain_decoding_and_is_tried_again_afte
     for _ in range(4):  # this trial pays: the band stays open, its back-off reset
         ceiling.observe(cycle(1, 1, 1.3), PLAIN)
     assert ceiling.cap() == 1
-    assert any(e.startswith("open: drafts of 1 token measured 1.54x") for e in ceiling.take_events())
+    assert any(e.startswith("raised to 1: drafts of 1 token measured 1.54x") for e in ceiling.take_events())
     plain(ceiling, 15)  # the band above waits its own back-off from then on
     assert ceiling.cap() == 1
     plain(ceiling, 1)
@@ -144,8 +145,8 @@ def test_each_batch_size_has_its_own_ceiling_and_its_clock_counts_steps() -> Non
 
 def test_the_bound_the_ceiling_states() -> None:
     settings = CeilingSettings()
-    assert settings.rate_floor(0.5, 3.0) == pytest.approx(1 - 48 * 0.5 / (1024 + 48))
-    assert round(settings.rate_floor(0.5, 3.0), 3) == 0.978 and round(settings.rate_floor(0.75, 3.0), 3) == 0.989
+    assert settings.rate_floor(0.5, 3.0) == pytest.approx(1 - 24 * 0.5 / (2048 + 24))
+    assert round(settings.rate_floor(0.5, 3.0), 3) == 0.994
     assert settings.rate_floor(1.0, 3.0) == 1.0
     with pytest.raises(ValueError):
         settings.rate_floor(1.5, 3.0)
@@ -191,7 +192,7 @@ def test_the_adaptive_schedules_of_a_replica_share_one_ceiling_and_the_baselines
 
 
 def test_the_controller_clips_to_the_ceiling_and_reports_it() -> None:
-    ceiling = ReplicaCeiling(CeilingSettings(min_cycles=2))
+    ceiling = ReplicaCeiling(CeilingSettings(min_cycles=2, trial_cycles=2))
     controller = SpeculationController(FixedPolicy(6), ceiling=ceiling)
     rng = random.Random(0)
     for _ in range(2):  # 6 drafts, none accepted: 5-8 closed
@@ -202,7 +203,8 @@ def test_the_controller_clips_to_the_ceiling_and_reports_it() -> None:
     assert controller.history[-1]["ceiling"] == 4 and controller.max_chain == 4
     report = controller.report()
     assert report["capped"] == 1 and report["ceiling"] == "at most 4 drafted tokens"
-    assert report["ceiling_events"] and report["ceiling_events"][0].startswith("ceiling: drafts of 5-8 tokens")
+    assert report["events"] and report["events"][0].startswith("lowered to 4: drafts of 5-8 tokens")
+    assert set(report["measured_speedup"]) == {"5-8"} and report["lowered"] == 1 and report["fallbacks"] == 0
 
 
 class Swinging(ReplicaCeiling):
@@ -227,7 +229,7 @@ def test_greedy_stays_exact_while_the_ceiling_cuts_drafts(pair: TinyPair, hf_gre
     1 and 0 and raised to 8 again, and the output is transformers' greedy decoding token for token, with the
     draft model and with n-gram lookup."""
     for spec in (pair.draft, "ngram"):
-        ceiling = Swinging(CeilingSettings(min_cycles=1, first_backoff=2, max_backoff=2))
+        ceiling = Swinging(CeilingSettings(min_cycles=1, trial_cycles=1, first_backoff=2, max_backoff=2))
 
         def make(policy: str, budget: Budget, ceiling: ReplicaCeiling = ceiling) -> SpeculationController:
             return SpeculationController(FixedPolicy(8), ceiling=ceiling)
@@ -241,3 +243,141 @@ def test_greedy_stays_exact_while_the_ceiling_cuts_drafts(pair: TinyPair, hf_gre
         assert {0, 1, 2, 8} <= set(depths), depths
         assert 8 in depths[depths.index(0) :], "raised again after plain decoding"
         assert sum(o.drafted > 0 for o in result.stats.observations) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic streams through the controller: the issue's scenarios
+
+
+SEEDS = range(20)
+PLAIN_SECONDS = cpu_verify_seconds(1)
+DROP_AT = 200
+LOWERED_TO_PLAIN_WITHIN = 120  # cycles after the drop until no band is open
+
+
+def capped(settings: CeilingSettings | None = None, gamma: int = 4) -> SpeculationController:
+    """``FixedPolicy(gamma)`` under a ceiling: a policy that never adapts, so that what is tested is the ceiling."""
+    return SpeculationController(FixedPolicy(gamma), ceiling=ReplicaCeiling(settings))
+
+
+def run(controller: SpeculationController, alphas: Sequence[float], seed: int) -> list[CycleObservation]:
+    """One long request: cycle i accepts each depth with probability ``alphas[i]``."""
+    return observe_stream(controller, lambda cycle: (alphas[cycle],), len(alphas), cpu_verify_seconds, seed)
+
+
+def speedup(observations: Sequence[CycleObservation]) -> float:
+    """Tokens per second of a stretch of cycles over plain decoding's (the synthetic T_verify(1))."""
+    tokens = sum(o.accepted + 1 for o in observations)
+    seconds = sum(o.draft_seconds + o.verify_seconds for o in observations)
+    return tokens / seconds * PLAIN_SECONDS
+
+
+def first_plain(controller: SpeculationController) -> int | None:
+    return next((e["cycle"] for e in controller.history if e.get("ceiling") == 0), None)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_drafter_that_stops_paying_falls_back_within_a_stated_number_of_cycles(seed: int) -> None:
+    """α 0.8 then 0.05 at γ 4: about 1.6x plain decoding, then about 0.56x. The ceiling comes down band by band —
+    3-4 tokens, then 2, then 1 — to plain decoding within LOWERED_TO_PLAIN_WITHIN cycles of the drop, and never
+    before it: the first band waits for its 32-cycle window to turn confidently below 0.97x, each band below it needs
+    16 cycles of its own."""
+    controller = capped()
+    observations = run(controller, [0.8] * DROP_AT + [0.05] * 300, seed)
+    assert speedup(observations[:DROP_AT]) > 1.4 and speedup(observations[DROP_AT : DROP_AT + 20]) < 0.7
+    plain_at = first_plain(controller)
+    assert plain_at is not None and DROP_AT < plain_at <= DROP_AT + LOWERED_TO_PLAIN_WITHIN, plain_at
+    moves = controller.report()["events"]
+    assert [m.split(":")[0] for m in moves[:3]] == ["lowered to 2", "lowered to 1", "lowered to 0"]
+    assert controller.report()["fallbacks"] == 2  # the trial of one-token drafts 128 steps later failed too
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_drafter_that_recovers_is_tried_again_and_used_again(seed: int) -> None:
+    """α 0.05 for 1,500 cycles (every band closed, trials of one token failing, the back-off doubling), then 0.8: a
+    trial finds drafts of one token paying within one back-off, the ceiling rises one band per back-off, and the
+    request drafts faster than plain decoding from then on."""
+    controller = capped()
+    recover = 1500
+    observations = run(controller, [0.05] * recover + [0.8] * 1500, seed)
+    report = controller.report()
+    assert report["returns"] == 1
+    assert controller.ceiling is not None and (controller.ceiling.cap() or 64) >= 4  # back at γ 4, the policy's
+    returned = next(
+        e["cycle"] for e in controller.history if e["cycle"] > recover and e.get("ceiling") != 0 and e["gamma"] > 0
+    )
+    assert recover < returned <= recover + 1024 + 1  # the back-off reached 1024 after three failed trials
+    assert speedup(observations[returned + 600 :]) > 1.4
+
+
+def test_a_drafter_that_never_pays_keeps_the_rate_the_bound_states() -> None:
+    """α 0 at γ 4: drafts of every depth make one token at 0.56-0.7x plain decoding's rate. Over 8,000 cycles the
+    request keeps at least the stated floor of plain decoding's rate once the back-off is capped, and at least 0.97x
+    over the whole stream (the closings and the doubling back-offs' trials cost a little more at first)."""
+    for seed in SEEDS[:5]:
+        controller = capped()
+        observations = run(controller, [0.0] * 8000, seed)
+        drafting = [o for o in observations if o.drafted]
+        worst = speedup(drafting)
+        longest = max(o.draft_seconds + o.verify_seconds for o in drafting) / PLAIN_SECONDS
+        floor = CeilingSettings().rate_floor(min(1.0, worst), max(1.0, longest))
+        assert worst < 0.75 and floor > 0.98
+        assert speedup(observations[4000:]) >= floor - 0.005
+        assert speedup(observations) >= 0.97
+
+
+def test_a_request_reports_what_its_policy_decided(pair: TinyPair) -> None:
+    engine = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target), schedules=schedules())
+    adaptive = engine.generate(
+        pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=24, policy="adaptive")
+    )
+    report = adaptive.stats.policy
+    assert report["policy"] == "adaptive" and report["decisions"] == adaptive.stats.cycles
+    assert report["budget_sum"] == sum(adaptive.stats.budgets)
+    assert {"capped", "ceiling", "measured_speedup", "lowered", "raised", "fallbacks", "returns", "events"} <= set(
+        report
+    )
+    assert adaptive.stats.to_dict()["policy"] == report
+    fixed = engine.generate(pair.prompts[0], SamplingParams(), GenerationConfig(max_new_tokens=8))
+    assert fixed.stats.policy == {}
+
+
+def test_reports_pool_over_requests() -> None:
+    a = {"policy": "adaptive", "decisions": 10, "plain_decisions": 4, "capped": 3, "budget_sum": 18, "fallbacks": 1}
+    b = {"policy": "adaptive", "decisions": 5, "plain_decisions": 0, "capped": 0, "budget_sum": 15, "returns": 1}
+    merged = merge_policy_reports(a, b)
+    assert merged == {
+        "policy": "adaptive",
+        "decisions": 15,
+        "plain_decisions": 4,
+        "capped": 3,
+        "budget_sum": 33,
+        "fallbacks": 1,
+        "returns": 1,
+    }
+    assert merge_policy_reports({}, b) == b and merge_policy_reports(a, {}) == a
+    assert "policy" not in merge_policy_reports(a, {**b, "policy": "heuristic"})
+
+
+def test_each_drafter_of_a_replica_has_its_own_ceiling(pair: TinyPair) -> None:
+    """A replica serves its configured drafter and the built-ins a request may name: each is measured apart."""
+    make = schedules()
+    engine = SpeculativeEngine(pair.target, build_drafter_set(pair.draft, pair.target), schedules=make)
+    seen: dict[str, ReplicaCeiling] = {}
+
+    for drafter in ("default", "ngram", "default"):
+        config = GenerationConfig(max_new_tokens=8, policy="adaptive", drafter=drafter)
+        captured: list[SpeculationController] = []
+
+        def spy(policy: str, budget: Budget, captured: list[SpeculationController] = captured) -> SpeculationController:
+            schedule = make(policy, budget)
+            assert isinstance(schedule, SpeculationController)
+            captured.append(schedule)
+            return schedule
+
+        engine.schedules = spy
+        engine.generate(pair.prompts[0], SamplingParams(), config)
+        ceiling = captured[-1].ceiling
+        assert ceiling is not None
+        assert seen.setdefault(drafter, ceiling) is ceiling
+    assert seen["default"] is not seen["ngram"]

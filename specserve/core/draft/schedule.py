@@ -134,8 +134,16 @@ class ReportingSchedule(Protocol):
 
     def report(self) -> dict[str, Any]:
         """JSON-ready: the policy's name, its decisions (how many, how many plain, the mean budget) and anything of
-        its own (an adaptive schedule's guard: fallbacks, returns, the measured speedup, their reasons)."""
+        its own (an adaptive schedule's measured ceiling: where it stands, its moves and their reasons)."""
         ...
+
+
+@runtime_checkable
+class PerDrafter(Protocol):
+    """A schedule that keeps what it measures per drafter (a replica serves its configured drafter and the
+    built-ins a request may choose): told its request's drafter's name before the first cycle."""
+
+    def use_drafter(self, name: str) -> None: ...
 
 
 def schedule_report(schedule: Schedule) -> dict[str, Any]:
