@@ -172,7 +172,7 @@ class RequestStats:
 def merge_policy_reports(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Two requests' schedule reports pooled (a benchmark's totals): counts (integers) added, a key missing on one side
     counting 0; anything else kept only where both agree (the policy's name), dropped where they differ (a request's
-    own guard state, measured speedup, reasons)."""
+    own ceiling state, measured speedups, reasons)."""
     if not a or not b:
         return dict(a or b)
     merged: dict[str, Any] = {}

@@ -4,14 +4,14 @@ A model-based policy (:mod:`specserve.policies.policies`) rates every γ from it
 of the costs, and a model can be wrong in the long drafts first: acceptance that is not independent across depths (an
 n-gram match either continues or breaks), a verify cost the fit does not see, a replica prior learned on easier text.
 Measured on the shipped pair: the n-gram drafter under the adaptive policy drafted 9-16 tokens a cycle on held-out code
-and committed 1.5 of them in 2-2.6 plain steps (0.7x plain decoding), where a fixed γ 3 ran 1.33x plain. The payoff
-guard (:mod:`specserve.policies.payoff`) then fell back to plain decoding altogether: right that those drafts did not
-pay, wrong that none did.
+and committed 1.5 of them in 2-2.6 plain steps (0.7x plain decoding), where a fixed γ 3 ran 1.33x plain.
 
-:class:`ReplicaCeiling` measures drafting by the length of the drafts, in bands of drafted depth
-(:data:`BANDS`: 1, 2, 3-4, 5-8, 9+), each with the guard's measured speedup — committed tokens over the cycle's time
-in plain steps at its batch size (:class:`~specserve.policies.payoff.RatioWindow`), shared by the replica's requests —
-and keeps a **ceiling**: the bands below it are open, the ones from it up are closed, and no request drafts past it.
+:class:`ReplicaCeiling` measures drafting by the depth of the drafts, in bands (:data:`BANDS`: 1, 2, 3-4, 5-8, 9+
+tokens), each with its measured speedup — committed tokens over the cycle's time in plain steps at its batch size
+(:class:`RatioWindow`), pooled over the replica's requests — and keeps a **ceiling**: the bands below it are open, the
+ones from it up are closed, and no request drafts past it. A ceiling of 0 is plain decoding: the fallback when no
+drafting pays. (An earlier per-request "payoff guard", judged on 8 drafting cycles of one request, fell back falsely
+where drafting paid: n-gram cycles swing between 1 and 5 tokens; the replica's cycles are more evidence.)
 
 * **Closing** — once a band has :attr:`CeilingSettings.min_cycles` cycles measured, it is closed (with every band
   above it) when it is slower than what is open below it *with confidence*: its speedup plus
@@ -36,7 +36,8 @@ cycles: a bounded loss once, not a share.
 
 It only ever shortens drafts: whatever it decides, every verdict is the verifier's and the output stays exact. Pure
 bookkeeping: no clock (the caller passes seconds), no randomness; thread-safe (a replica's requests share one). Not
-here: the choice of γ below the ceiling (the policy), the per-request fallback (the guard), the controller's glue.
+here: the choice of γ below the ceiling (the policy), the controller's glue; :class:`ReplicaCeilings` keeps one
+ceiling per drafter of a replica.
 """
 
 from __future__ import annotations

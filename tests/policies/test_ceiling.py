@@ -311,9 +311,10 @@ def test_a_drafter_that_recovers_is_tried_again_and_used_again(seed: int) -> Non
 
 
 def test_a_drafter_that_never_pays_keeps_the_rate_the_bound_states() -> None:
-    """α 0 at γ 4: drafts of every depth make one token at 0.56-0.7x plain decoding's rate. Over 8,000 cycles the
-    request keeps at least the stated floor of plain decoding's rate once the back-off is capped, and at least 0.97x
-    over the whole stream (the closings and the doubling back-offs' trials cost a little more at first)."""
+    """α 0 at γ 4: drafts of every depth make one token, the drafting cycles together at 0.64x plain decoding's rate.
+    Over 8,000 cycles the request keeps at least the stated floor of plain decoding's rate once the back-off is capped
+    (0.9976; measured 0.998) and at least 0.97x over the whole stream (measured 0.993-0.994: the closings and the
+    doubling back-offs' trials cost a little more at first)."""
     for seed in SEEDS[:5]:
         controller = capped()
         observations = run(controller, [0.0] * 8000, seed)

@@ -1,4 +1,5 @@
-"""The replica's queue gauges read 0 while it is idle: on the gauge objects, and at Ray's Prometheus exporter.
+"""The replica's queue gauges read 0 while it is idle: on the gauge objects, and at Ray's Prometheus exporter; the
+adaptive policy's ceiling moves are counted per drafter.
 
 ``ServeMetrics`` sets ``specserve_queue_length`` and ``specserve_running_requests`` when it is
 created, so an idle replica exports 0 rather than nothing until its first request.
@@ -25,6 +26,17 @@ def test_idle_gauges_are_set_to_zero_when_created(monkeypatch: pytest.MonkeyPatc
     queue: Any = metrics.queue_length
     running: Any = metrics.running
     assert queue.updates == [(0, tags)] and running.updates == [(0, tags)]
+
+
+def test_the_ceilings_moves_a_request_saw_are_counted_per_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished request's ``stats.policy`` adds its ceiling's moves to ``specserve_policy_events`` (zeros skipped)."""
+    record_metrics(monkeypatch)
+    metrics = ServeMetrics("moves")
+    metrics.policy("ngram", {"policy": "adaptive", "lowered": 3, "raised": 1, "fallbacks": 1, "returns": 0})
+    metrics.policy("default", {})  # a fixed-γ request reports nothing
+    events: Any = metrics.policy_events
+    counted = {(tags["drafter"], tags["event"]): value for value, tags in events.updates if value}
+    assert counted == {("ngram", "lowered"): 3, ("ngram", "raised"): 1, ("ngram", "fallback"): 1}
 
 
 def test_idle_gauges_reach_prometheus_at_zero(ray_cluster: Any) -> None:
