@@ -6,11 +6,12 @@
 
 One request at a time in this process, 1 torch thread, the shipped pair in float32: for each drafter,
 ``specserve experiment`` (:mod:`specserve.benchmarks.experiment`) over the workloads (``code-t0``: held-out code,
-greedy; ``code-t1.5``: the same prompts at T = 1.5, high entropy, where drafting cannot pay) and the policies, rounds
-alternating the cells' order. ``adaptive`` is the policy as served: behind its payoff guard
-(:mod:`specserve.policies.payoff`). Per drafter × workload: tokens/s of plain decoding, of fixed γ 3 (the former
-default), of the best fixed γ in hindsight and of the adaptive policy; adaptive over plain and over the best fixed γ
-(the issue's targets: ≥ 0.97 both), its mean γ and its share of plain cycles (its own choice or its guard's).
+greedy; ``code-t1.5``: the same prompts at T = 1.5, high entropy, where drafting cannot pay) and the policies, every
+cell on each prompt back to back, the order alternating from prompt to prompt. ``adaptive`` is the policy as served:
+under its drafter's measured ceiling (:mod:`specserve.policies.ceiling`). Per drafter × workload: tokens/s of plain
+decoding, of fixed γ 3 (the former default), of the best fixed γ in hindsight and of the adaptive policy; adaptive
+over plain and over the best fixed γ (the issue's targets: ≥ 0.97 both), its mean γ and its share of plain cycles
+(its own choice or its ceiling's).
 Writes ``never_slower.json`` and ``never_slower.md`` under ``--out`` and each drafter's experiment report beside them.
 """
 

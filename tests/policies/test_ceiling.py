@@ -382,3 +382,20 @@ def test_each_drafter_of_a_replica_has_its_own_ceiling(pair: TinyPair) -> None:
         assert ceiling is not None
         assert seen.setdefault(drafter, ceiling) is ceiling
     assert seen["default"] is not seen["ngram"]
+
+
+def test_short_drafts_that_lose_where_deeper_ones_pay_do_not_lower_the_ceiling() -> None:
+    """The suffix drafter on held-out code: the policy drafts one token where it expects little, and those cycles
+    measured 0.86x plain while its drafts of 3-4 tokens measured 2.3x. Closing the one-token band would close the deep
+    ones with it: the ceiling stays while a deeper band pays, and comes down once it no longer does."""
+    ceiling = ReplicaCeiling()
+    for _ in range(16):
+        ceiling.observe(cycle(4, 4, 2.2), PLAIN)  # 5 tokens in 2.2 steps: 2.3x
+    for accepted, steps in [(0, 1.6), (1, 1.6)] * 16:  # one-token drafts: 1.5 tokens in 1.6 steps, 0.94x... losing
+        ceiling.observe(cycle(1, accepted, steps * 1.1), PLAIN)
+    assert ceiling.cap() is None and ceiling.take_events() == []
+    for _ in range(64):  # the deep drafts stop paying: 1 token in 2.2 steps
+        ceiling.observe(cycle(4, 0, 2.2), PLAIN)
+    assert ceiling.cap() == 2  # 3-4 closed against plain decoding ...
+    ceiling.observe(cycle(1, 0, 1.76), PLAIN)  # ... and the next one-token cycle closes the rest
+    assert ceiling.cap() == 0
