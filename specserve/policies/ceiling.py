@@ -19,7 +19,10 @@ where drafting paid: n-gram cycles swing between 1 and 5 tokens; the replica's c
   or plain decoding's 1.0 if that is better — unless a deeper open band measures at least that much. The policy
   drafts short where it expects little (the suffix drafter's one-token drafts measured 0.86x plain on held-out code
   while its drafts of 3-4 tokens measured 2.3x): a short band's cycles come from the hard contexts, and closing it
-  would close the deep drafts that pay. Closing the lowest band lowers the ceiling to 0: plain decoding.
+  would close the deep drafts that pay. Closing the lowest band lowers the ceiling to 0: plain decoding. The ceiling
+  also falls to 0 when the drafting cycles of all open bands *together* are confidently slower than plain decoding
+  while no band has enough cycles to be judged alone: a drafter that drafts rarely and at any depth (n-gram lookup on
+  high-entropy text) gives no band enough cycles of its own.
 * **Trying again** — the band just above the ceiling is opened again for a trial after ``backoff`` steps of the
   replica at that batch size (a step of B requests counts once), its window cleared. Judged after
   :attr:`CeilingSettings.trial_cycles` cycles, it stays open when it measures at least what is open below it (its
@@ -164,6 +167,7 @@ class _Level:
     """One batch size bucket's ceiling: ``open`` bands from the shortest are open."""
 
     bands: list[_Band]
+    pooled: RatioWindow  # every open band's drafting cycles together
     open: int = len(BANDS)
     clock: float = 0.0  # steps of the replica at this batch size
     events: list[str] = field(default_factory=list)
@@ -177,7 +181,10 @@ class ReplicaCeiling:
         self.settings = settings if settings is not None else CeilingSettings()
         self._lock = threading.Lock()
         self._levels = [
-            _Level([_Band(RatioWindow(self.settings.half_life), self.settings.first_backoff) for _ in BANDS])
+            _Level(
+                [_Band(RatioWindow(self.settings.half_life), self.settings.first_backoff) for _ in BANDS],
+                RatioWindow(self.settings.half_life),
+            )
             for _ in BATCH_BUCKETS
         ]
 
@@ -210,6 +217,11 @@ class ReplicaCeiling:
                 return
             band = level.bands[index]
             band.window.add(float(obs.accepted + 1), seconds / plain_seconds)
+            level.pooled.add(float(obs.accepted + 1), seconds / plain_seconds)
+            if not band.trial and self._nothing_pays(level):
+                pooled = level.pooled.ratio
+                self._close(level, 0, f"(with every depth drafted: {pooled:.2f}x plain decoding) against 1.00x")
+                return
             if band.window.count < (self.settings.trial_cycles if band.trial else self.settings.min_cycles):
                 return
             speedup = band.window.ratio
@@ -220,6 +232,7 @@ class ReplicaCeiling:
                     band.trial, band.backoff = False, self.settings.first_backoff
                     for above in level.bands[index + 1 :]:  # one band up per back-off, not all at once
                         above.closed_at = level.clock
+                    level.pooled.reset()
                     top = BANDS[index][1]
                     level.events.append(
                         f"{RAISED} {'any depth' if top is None else top}: drafts of {_describe(index)} "
@@ -248,6 +261,19 @@ class ReplicaCeiling:
                 and band.window.ratio is not None
             }
 
+    def _nothing_pays(self, level: _Level) -> bool:
+        """Whether the drafting cycles of every open band together are confidently slower than plain decoding while no
+        band has enough of its own to be judged, and none measures plain decoding's rate: the drafts of one depth may
+        be too few to judge (an n-gram drafter finds a match now and then, of any length), their pool is not."""
+        pooled, settings = level.pooled, self.settings
+        if level.open == 0 or pooled.count < settings.min_cycles or pooled.ratio is None:
+            return False
+        if any(b.window.count >= settings.min_cycles for b in level.bands[: level.open]):
+            return False  # a band that can be judged is judged on its own: shorter drafts may pay
+        if pooled.ratio + settings.confidence * pooled.standard_error() >= 1.0 - settings.margin:
+            return False
+        return not any(r is not None and r >= 1.0 for r in self._judged(level, 0, level.open))
+
     def _judged(self, level: _Level, start: int, stop: int) -> list[float | None]:
         """The measured speedups of bands ``start .. stop - 1`` with enough cycles to be judged (None: too few)."""
         enough = min(self.settings.min_cycles, self.settings.trial_cycles)
@@ -266,6 +292,7 @@ class ReplicaCeiling:
         for closed in level.bands[index:]:  # each waits its own back-off from now
             closed.closed_at = level.clock
         level.open = index
+        level.pooled.reset()  # it pools the open bands' cycles: afresh after every move
         cap = BANDS[index - 1][1] if index else 0
         level.events.append(
             f"{LOWERED} {cap}: drafts of {_describe(index)} {why}; tried again after {band.backoff} steps"

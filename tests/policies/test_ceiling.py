@@ -399,3 +399,16 @@ def test_short_drafts_that_lose_where_deeper_ones_pay_do_not_lower_the_ceiling()
     assert ceiling.cap() == 2  # 3-4 closed against plain decoding ...
     ceiling.observe(cycle(1, 0, 1.76), PLAIN)  # ... and the next one-token cycle closes the rest
     assert ceiling.cap() == 0
+
+
+def test_rare_drafts_of_every_depth_that_lose_together_end_in_plain_decoding() -> None:
+    """n-gram lookup at T = 1.5: a match now and then, of any length, never accepted. No band gets 16 cycles of its own
+    before their pool is confidently slower than plain decoding: the ceiling falls to 0 on the pool."""
+    ceiling = ReplicaCeiling()
+    depths = [1, 2, 3, 5, 9, 4, 6, 12, 2, 1, 3, 7, 10, 1, 2, 4] * 2
+    caps = []
+    for depth in depths:
+        ceiling.observe(cycle(depth, 0, 1.3 + 0.05 * depth), PLAIN)
+        caps.append(ceiling.cap())
+    assert caps.index(0) == 15 and caps[15:] == [0] * 17  # at the pool's 16th cycle, and plain from then on
+    assert ceiling.take_events()[-1].startswith("lowered to 0: drafts of 1 token (with every depth drafted: 0.")
