@@ -2,7 +2,7 @@
 
     python bench/never_slower.py [--drafters draft,eagle,medusa,layerskip,ngram,suffix] [--workloads code-t0,code-t1.5]
                                  [--policies none,fixed:1,fixed:2,fixed:3,fixed:4,adaptive] [--num-prompts 4]
-                                 [--max-new-tokens 96] [--rounds 2] [--out DIR]
+                                 [--max-new-tokens 96] [--rounds 2] [--out DIR] [--from-reports]
 
 One request at a time in this process, 1 torch thread, the shipped pair in float32: for each drafter,
 ``specserve experiment`` (:mod:`specserve.benchmarks.experiment`) over the workloads (``code-t0``: held-out code,
@@ -12,12 +12,15 @@ under its drafter's measured ceiling (:mod:`specserve.policies.ceiling`). Per dr
 decoding, of fixed γ 3 (the former default), of the best fixed γ in hindsight and of the adaptive policy; adaptive
 over plain and over the best fixed γ (the issue's targets: ≥ 0.97 both), its mean γ and its share of plain cycles
 (its own choice or its ceiling's).
-Writes ``never_slower.json`` and ``never_slower.md`` under ``--out`` and each drafter's experiment report beside them.
+Writes ``never_slower.json`` and ``never_slower.md`` under ``--out`` and each drafter's experiment report beside them;
+``--from-reports`` runs nothing and rebuilds the table from the drafters' reports already there (after some drafters
+were re-measured on their own).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs/never-slower"))
+    parser.add_argument("--from-reports", action="store_true", help="rebuild the table from the reports under --out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     unknown = sorted(set(args.drafters.split(",")) - set(DRAFTERS))
@@ -108,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown drafters {unknown}; choose from {', '.join(DRAFTERS)}")
     rows: list[dict[str, Any]] = []
     for name in args.drafters.split(","):
+        if args.from_reports:
+            report = args.out / name / "experiment.json"
+            if not report.is_file():
+                parser.error(f"{report} is missing: run without --from-reports first")
+            rows.extend(summary_rows(name, json.loads(report.read_text())))
+            continue
         print(f"==> {name}", file=sys.stderr)
         cfg = ExperimentConfig(
             target=str(defaults.DEFAULT_TARGET),
