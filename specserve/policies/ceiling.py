@@ -8,41 +8,42 @@ and committed 1.5 of them in 2-2.6 plain steps (0.7x plain decoding), where a fi
 
 :class:`ReplicaCeiling` measures drafting by the depth of the drafts, in bands (:data:`BANDS`: 1, 2, 3-4, 5-8, 9+
 tokens), each with its measured speedup — committed tokens over the cycle's time in plain steps at its batch size
-(:class:`RatioWindow`), pooled over the replica's requests — and keeps a **ceiling**: the bands below it are open, the
-ones from it up are closed, and no request drafts past it. A ceiling of 0 is plain decoding: the fallback when no
-drafting pays. (An earlier per-request "payoff guard", judged on 8 drafting cycles of one request, fell back falsely
+(:class:`RatioWindow`), pooled over the replica's requests — and **vetoes** the bands that lose, each on its own: a
+draft whose band is closed is cut to the deepest open band below it, or to plain decoding when none is open. Closing
+every band is the fallback to plain decoding. Bands are judged apart because the policy chooses the depth from what
+it expects: it drafts short where it expects little, so a short band's cycles come from the hard contexts (the
+suffix drafter's one-token drafts measured 0.86x plain on held-out code while its drafts of 3-4 tokens measured 2.3x);
+an earlier contiguous ceiling, closing every band above a losing one, held that drafter to plain decoding (0.61x the
+best fixed γ). (Before it, a per-request "payoff guard", judged on 8 drafting cycles of one request, fell back falsely
 where drafting paid: n-gram cycles swing between 1 and 5 tokens; the replica's cycles are more evidence.)
 
-* **Closing** — once a band has :attr:`CeilingSettings.min_cycles` cycles measured, it is closed (with every band
-  above it) when it is slower than what is open below it *with confidence*: its speedup plus
-  :attr:`CeilingSettings.confidence` standard errors is below ``(1 − margin)`` times the best measured band below it,
-  or plain decoding's 1.0 if that is better — unless a deeper open band measures at least that much. The policy
-  drafts short where it expects little (the suffix drafter's one-token drafts measured 0.86x plain on held-out code
-  while its drafts of 3-4 tokens measured 2.3x): a short band's cycles come from the hard contexts, and closing it
-  would close the deep drafts that pay. Closing the lowest band lowers the ceiling to 0: plain decoding. The ceiling
-  also falls to 0 when the drafting cycles of all open bands *together* are confidently slower than plain decoding
-  while no band has enough cycles to be judged alone: a drafter that drafts rarely and at any depth (n-gram lookup on
-  high-entropy text) gives no band enough cycles of its own.
-* **Trying again** — the band just above the ceiling is opened again for a trial after ``backoff`` steps of the
-  replica at that batch size (a step of B requests counts once), its window cleared. Judged after
+* **Closing** — once a band has :attr:`CeilingSettings.min_cycles` cycles measured, it is closed when it is slower
+  than what is open below it *with confidence*: its speedup plus :attr:`CeilingSettings.confidence` standard errors
+  is below ``(1 − margin)`` times the best measured open band below it, or plain decoding's 1.0 if that is better.
+  The open bands are also closed all at once when their drafting cycles *together* are confidently slower than plain
+  decoding while no band has enough cycles to be judged alone: a drafter that drafts rarely and at any depth (n-gram
+  lookup on high-entropy text) gives no band enough cycles of its own.
+* **Trying again** — a closed band is opened again for a trial, its window cleared, once the replica has run
+  ``backoff`` steps at that batch size (a step of B requests counts once) since the last closing or trial: one trial
+  at a time, the least recently tried band first, then the shortest. Judged after
   :attr:`CeilingSettings.trial_cycles` cycles, it stays open when it measures at least what is open below it (its
   back-off resets), and is closed again with the back-off doubled, up to :attr:`CeilingSettings.max_backoff`, when
-  not; the band above it then waits its own back-off from that moment, so the ceiling rises one band at a time. So
-  text that becomes predictable again gets its long drafts back.
+  not. A trial that sees too few drafts that deep within ``first_backoff`` steps (the policy did not want them) is
+  given up, nothing learned, its back-off doubled as well. So text that becomes predictable again gets its drafts back.
 * **Per batch size** — a wider step costs more per position than a narrow one, so each batch size bucket (1, 2-3,
-  4-7, 8-15, 16+) keeps its own ceiling.
+  4-7, 8-15, 16+) keeps its own bands.
 
-**Its bound.** Against the best ceiling in hindsight it loses only in trials: ``trial_cycles`` cycles of one band
-every back-off, the back-off doubling to ``max_backoff`` steps. A trial cycle takes at most ``c`` plain steps and
-makes tokens at ``s`` of the rate below it, so once the back-off has reached its cap the ceiling keeps at least ``1 −
-T c (1 − s) / (max_backoff + T c)`` of the best ceiling's rate (T = ``trial_cycles``;
-:meth:`CeilingSettings.rate_floor`: 0.994 at c = 3, s = 0.5 with the defaults); before it, the doubling back-offs add
-``log2(max_backoff / first_backoff)`` = 4 trials of each closed band, and closing a band takes ``min_cycles``
-cycles: a bounded loss once, not a share.
+**Its bound.** Against the best set of open bands in hindsight it loses only in trials: ``trial_cycles`` cycles of
+one band at a time, at most one trial per back-off, the back-off doubling to ``max_backoff`` steps. A trial cycle
+takes at most ``c`` plain steps and makes tokens at ``s`` of the rate it would have had, so once the back-offs have
+reached their cap the ceiling keeps at least ``1 − T c (1 − s) / (max_backoff + T c)`` of the best rate (T =
+``trial_cycles``; :meth:`CeilingSettings.rate_floor`: 0.994 at c = 3, s = 0.5 with the defaults); before it, the
+doubling back-offs add ``log2(max_backoff / first_backoff)`` = 4 trials of each closed band, and closing a band takes
+``min_cycles`` cycles: a bounded loss once, not a share.
 
 It only ever shortens drafts: whatever it decides, every verdict is the verifier's and the output stays exact. Pure
 bookkeeping: no clock (the caller passes seconds), no randomness; thread-safe (a replica's requests share one). Not
-here: the choice of γ below the ceiling (the policy), the controller's glue; :class:`ReplicaCeilings` keeps one
+here: the choice of γ under the ceiling (the policy), the controller's glue; :class:`ReplicaCeilings` keeps one
 ceiling per drafter of a replica.
 """
 
@@ -59,9 +60,10 @@ BANDS: tuple[tuple[int, int | None], ...] = ((1, 1), (2, 2), (3, 4), (5, 8), (9,
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
 """Batch sizes from which on a ceiling of its own applies (1, 2-3, 4-7, 8-15, 16 and more)."""
 
-LOWERED, RAISED = "lowered to", "raised to"
-"""How the ceiling's moves begin (``"lowered to 0: ..."`` is a fallback to plain decoding, ``"raised to 1: ..."`` a
-return from it); a trial's begins with ``"trial:"``."""
+CLOSED, FELL_BACK, TRIAL, REOPENED, RETURNED = "closed", "fell back", "trial", "reopened", "returned"
+"""How the ceiling's events begin (``"closed: drafts of 2 tokens measured ..."``): a band closed; a closing that left
+no band open (``fell back`` to plain decoding); a trial begun or given up; a trial that paid (``returned`` when no
+other band was open: back from plain decoding)."""
 
 
 class RatioWindow:
@@ -158,24 +160,31 @@ def bucket_of(batch_size: int) -> int:
 class _Band:
     window: RatioWindow
     backoff: int
-    closed_at: float = 0.0  # the level's clock when it was last closed
+    open: bool = True
     trial: bool = False
+    trial_since: float = 0.0  # the level's clock when its trial began
+    tried_at: float = -1.0  # ... when its last trial ended (-1: never tried)
 
 
 @dataclass
 class _Level:
-    """One batch size bucket's ceiling: ``open`` bands from the shortest are open."""
+    """One batch size bucket's bands, each open or closed on its own."""
 
     bands: list[_Band]
     pooled: RatioWindow  # every open band's drafting cycles together
-    open: int = len(BANDS)
     clock: float = 0.0  # steps of the replica at this batch size
+    quiet_since: float = 0.0  # the clock at the last closing or trial's end: closed bands wait their back-off from it
     events: list[str] = field(default_factory=list)
+
+    def top(self) -> int | None:
+        """The deepest draft allowed (None: any depth; 0: plain decoding)."""
+        deepest = max((i for i, band in enumerate(self.bands) if band.open), default=None)
+        return 0 if deepest is None else BANDS[deepest][1]
 
 
 class ReplicaCeiling:
-    """One replica's ceilings (see the module docstring). The controller asks :meth:`cap` before each decision and
-    reports every verdict to :meth:`observe`."""
+    """One replica's measured ceilings (see the module docstring). The controller asks :meth:`allowed` before each
+    decision and reports every verdict to :meth:`observe`."""
 
     def __init__(self, settings: CeilingSettings | None = None) -> None:
         self.settings = settings if settings is not None else CeilingSettings()
@@ -188,20 +197,36 @@ class ReplicaCeiling:
             for _ in BATCH_BUCKETS
         ]
 
-    def cap(self, batch_size: int = 1) -> int | None:
-        """The deepest draft a request in a step of ``batch_size`` may make now (0: plain decoding; None: no cap).
-        Opens the band above the ceiling for a trial when its back-off has run out."""
+    def allowed(self, depth: int, batch_size: int = 1) -> int:
+        """The deepest draft of at most ``depth`` tokens that a request in a step of ``batch_size`` may make now:
+        ``depth`` when its band is open, else the last depth of the deepest open band below it, else 0 (plain
+        decoding). Opens a closed band for a trial when its back-off has run out."""
         level = self._levels[bucket_of(batch_size)]
         with self._lock:
-            below_settled = level.open == 0 or not level.bands[level.open - 1].trial  # one band on trial at a time
-            if level.open < len(BANDS) and below_settled:
-                band = level.bands[level.open]
-                if level.clock - band.closed_at >= band.backoff:
-                    band.window.reset()
-                    band.trial = True
-                    level.open += 1
-                    level.events.append(f"trial: drafts of {_describe(level.open - 1)} again")
-            return None if level.open == len(BANDS) else (BANDS[level.open - 1][1] if level.open else 0)
+            self._start_trial(level)
+            if depth < 1:
+                return 0
+            index = band_of(depth)
+            if level.bands[index].open:
+                return depth
+            below = max((i for i in range(index) if level.bands[i].open), default=None)
+            last = BANDS[below][1] if below is not None else 0
+            assert last is not None  # only the deepest band is unbounded
+            return last
+
+    def cap(self, batch_size: int = 1) -> int | None:
+        """The deepest draft a request in a step of ``batch_size`` may make at all (0: plain decoding; None: no cap).
+        Bands below it may be closed: :meth:`allowed` says what a draft of a given depth becomes."""
+        level = self._levels[bucket_of(batch_size)]
+        with self._lock:
+            self._start_trial(level)
+            return level.top()
+
+    def open_bands(self, batch_size: int = 1) -> list[str]:
+        """The names of the bands open at ``batch_size``'s bucket (:func:`band_name`), shortest first."""
+        level = self._levels[bucket_of(batch_size)]
+        with self._lock:
+            return [band_name(i) for i, band in enumerate(level.bands) if band.open]
 
     def observe(self, obs: CycleObservation, plain_seconds: float) -> None:
         """A verdict, and what a plain step at its batch size costs (seconds per token of plain decoding)."""
@@ -213,14 +238,18 @@ class ReplicaCeiling:
             if obs.drafted == 0 or obs.depth < 1 or not seconds > 0 or not plain_seconds > 0:
                 return
             index = band_of(obs.depth)
-            if index >= level.open:  # drafted past the ceiling (a budget decided before it moved): not judged
-                return
             band = level.bands[index]
+            if not band.open:  # a budget decided before the band closed, or a batch's alignment: not judged
+                return
             band.window.add(float(obs.accepted + 1), seconds / plain_seconds)
             level.pooled.add(float(obs.accepted + 1), seconds / plain_seconds)
             if not band.trial and self._nothing_pays(level):
                 pooled = level.pooled.ratio
-                self._close(level, 0, f"(with every depth drafted: {pooled:.2f}x plain decoding) against 1.00x")
+                why = f"together measured {pooled:.2f}x plain decoding"
+                for i, each in enumerate(level.bands):
+                    if each.open:
+                        self._close(level, i, why, announce=False)
+                level.events.append(f"{FELL_BACK}: drafts of every depth open {why}, each too rare to judge alone")
                 return
             if band.window.count < (self.settings.trial_cycles if band.trial else self.settings.min_cycles):
                 return
@@ -229,24 +258,22 @@ class ReplicaCeiling:
             reference = max([1.0, *(r for r in self._judged(level, 0, index) if r is not None)])
             if band.trial:
                 if speedup >= reference:
-                    band.trial, band.backoff = False, self.settings.first_backoff
-                    for above in level.bands[index + 1 :]:  # one band up per back-off, not all at once
-                        above.closed_at = level.clock
+                    returned = not any(b.open for i, b in enumerate(level.bands) if i != index)
+                    band.trial, band.backoff, band.tried_at = False, self.settings.first_backoff, level.clock
+                    level.quiet_since = level.clock  # the next trial waits its back-off from now
                     level.pooled.reset()
-                    top = BANDS[index][1]
                     level.events.append(
-                        f"{RAISED} {'any depth' if top is None else top}: drafts of {_describe(index)} "
-                        f"measured {speedup:.2f}x plain decoding on trial, against {reference:.2f}x below them"
+                        f"{RETURNED if returned else REOPENED}: drafts of {_describe(index)} measured {speedup:.2f}x "
+                        f"plain decoding on trial, against {reference:.2f}x"
                     )
                 else:
                     band.backoff = min(2 * band.backoff, self.settings.max_backoff)
-                    why = f"on trial measured {speedup:.2f}x plain decoding against {reference:.2f}x"
-                    self._close(level, index, why)
+                    self._close(
+                        level, index, f"measured {speedup:.2f}x plain decoding on trial, against {reference:.2f}x"
+                    )
             elif speedup + self.settings.confidence * band.window.standard_error() < reference * (
                 1.0 - self.settings.margin
-            ) and not any(r is not None and r >= reference for r in self._judged(level, index + 1, level.open)):
-                # (deeper drafts that pay say this band's cycles came from the hard contexts, where the policy chose
-                # short drafts: the ceiling stays)
+            ):
                 self._close(level, index, f"measured {speedup:.2f}x plain decoding against {reference:.2f}x")
 
     def speedups(self, batch_size: int = 1) -> dict[str, float]:
@@ -261,24 +288,6 @@ class ReplicaCeiling:
                 and band.window.ratio is not None
             }
 
-    def _nothing_pays(self, level: _Level) -> bool:
-        """Whether the drafting cycles of every open band together are confidently slower than plain decoding while no
-        band has enough of its own to be judged, and none measures plain decoding's rate: the drafts of one depth may
-        be too few to judge (an n-gram drafter finds a match now and then, of any length), their pool is not."""
-        pooled, settings = level.pooled, self.settings
-        if level.open == 0 or pooled.count < settings.min_cycles or pooled.ratio is None:
-            return False
-        if any(b.window.count >= settings.min_cycles for b in level.bands[: level.open]):
-            return False  # a band that can be judged is judged on its own: shorter drafts may pay
-        if pooled.ratio + settings.confidence * pooled.standard_error() >= 1.0 - settings.margin:
-            return False
-        return not any(r is not None and r >= 1.0 for r in self._judged(level, 0, level.open))
-
-    def _judged(self, level: _Level, start: int, stop: int) -> list[float | None]:
-        """The measured speedups of bands ``start .. stop - 1`` with enough cycles to be judged (None: too few)."""
-        enough = min(self.settings.min_cycles, self.settings.trial_cycles)
-        return [b.window.ratio if b.window.count >= enough else None for b in level.bands[start:stop]]
-
     def take_events(self, batch_size: int = 1) -> list[str]:
         """The ceiling's moves at ``batch_size``'s bucket since the last call."""
         level = self._levels[bucket_of(batch_size)]
@@ -286,17 +295,69 @@ class ReplicaCeiling:
             events, level.events = level.events, []
         return events
 
-    def _close(self, level: _Level, index: int, why: str) -> None:
+    def _start_trial(self, level: _Level) -> None:
+        """Open a closed band for a trial when its back-off has run out (one at a time: the least recently tried,
+        then the shortest); give up a trial that saw too few drafts that deep in a first back-off (the policy did not
+        want them: nothing was learned; the band waits twice as long, and the others get their turn)."""
+        for index, band in enumerate(level.bands):
+            if band.trial:
+                waited = level.clock - band.trial_since >= self.settings.first_backoff
+                if waited and band.window.count < self.settings.trial_cycles:
+                    band.open = band.trial = False
+                    band.tried_at = level.quiet_since = level.clock
+                    band.backoff = min(2 * band.backoff, self.settings.max_backoff)  # the policy does not want them
+                    level.events.append(
+                        f"{TRIAL}: drafts of {_describe(index)} too rare on trial; "
+                        f"tried again after {band.backoff} steps"
+                    )
+                return
+        due = [
+            (band.tried_at, index)
+            for index, band in enumerate(level.bands)
+            if not band.open and level.clock - level.quiet_since >= band.backoff
+        ]
+        if not due:
+            return
+        index = min(due)[1]
         band = level.bands[index]
-        band.trial = False
-        for closed in level.bands[index:]:  # each waits its own back-off from now
-            closed.closed_at = level.clock
-        level.open = index
+        band.window.reset()
+        band.open = band.trial = True
+        band.trial_since = level.clock
+        level.events.append(f"{TRIAL}: drafts of {_describe(index)} again")
+
+    def _nothing_pays(self, level: _Level) -> bool:
+        """Whether the drafting cycles of every open band together are confidently slower than plain decoding while no
+        band has enough of its own to be judged, and none measures plain decoding's rate: the drafts of one depth may
+        be too few to judge (an n-gram drafter finds a match now and then, of any length), their pool is not."""
+        pooled, settings = level.pooled, self.settings
+        open_bands = [b for b in level.bands if b.open]
+        if not open_bands or pooled.count < settings.min_cycles or pooled.ratio is None:
+            return False
+        if any(b.window.count >= settings.min_cycles for b in open_bands):
+            return False  # a band that can be judged is judged on its own: shorter drafts may pay
+        if pooled.ratio + settings.confidence * pooled.standard_error() >= 1.0 - settings.margin:
+            return False
+        return not any(r is not None and r >= 1.0 for r in self._judged(level, 0, len(BANDS)))
+
+    def _judged(self, level: _Level, start: int, stop: int) -> list[float | None]:
+        """The measured speedups of the open bands ``start .. stop - 1`` with enough cycles to be judged (None: too
+        few, or closed)."""
+        enough = min(self.settings.min_cycles, self.settings.trial_cycles)
+        return [b.window.ratio if b.open and b.window.count >= enough else None for b in level.bands[start:stop]]
+
+    def _close(self, level: _Level, index: int, why: str, announce: bool = True) -> None:
+        band = level.bands[index]
+        if band.trial:
+            band.tried_at = level.clock
+        band.open = band.trial = False
+        level.quiet_since = level.clock
         level.pooled.reset()  # it pools the open bands' cycles: afresh after every move
-        cap = BANDS[index - 1][1] if index else 0
-        level.events.append(
-            f"{LOWERED} {cap}: drafts of {_describe(index)} {why}; tried again after {band.backoff} steps"
-        )
+        if announce:
+            plain = not any(b.open for b in level.bands)
+            level.events.append(
+                f"{FELL_BACK if plain else CLOSED}: drafts of {_describe(index)} {why}; "
+                f"tried again after {band.backoff} steps"
+            )
 
 
 def band_name(index: int) -> str:

@@ -26,9 +26,10 @@ against, it is never observed while speculating, and its cost is not on the line
 
 Budgets are clipped here, never in policies: to ``max_gamma_cap`` draft depth (a replica's limit), to
 ``remaining − 1`` (a cycle always adds one token of its own: recovered or bonus) and, given a
-:class:`~specserve.policies.ceiling.ReplicaCeiling`, to the depth its measured cycles say still pays at the step's
-batch size. A tree deeper than allowed is cut to a dynamic tree of the allowed depth, or to a chain when it is a
-static topology. A ceiling of 0 is plain decoding: the fallback when no drafting pays.
+:class:`~specserve.policies.ceiling.ReplicaCeiling`, to the deepest depth its measured cycles say still pays at the
+step's batch size (its band open, at most the budget's depth). A tree deeper than allowed is cut to a dynamic tree of
+the allowed depth, or to a chain when it is a static topology. No band open is plain decoding: the fallback when no
+drafting pays.
 
 Not here: timing (the caller measures seconds), drafting or verification, thread-safety of one request's
 controller (one request is driven by one thread; only the shared prior is locked).
@@ -42,7 +43,15 @@ from typing import Any
 from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.core.tree.shapes import TreeSpec
 from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
-from specserve.policies.ceiling import LOWERED, RAISED, ReplicaCeiling, ReplicaCeilings, band_label
+from specserve.policies.ceiling import (
+    CLOSED,
+    FELL_BACK,
+    REOPENED,
+    RETURNED,
+    ReplicaCeiling,
+    ReplicaCeilings,
+    band_label,
+)
 from specserve.policies.estimators import Estimators, ReplicaPrior
 from specserve.policies.prior import REQUEST_HALF_LIFE_CYCLES, VERIFY_TABLE_SIZE, EstimatorPrior
 from specserve.policies.rates import budget_depth, expected_tokens
@@ -124,7 +133,7 @@ class SpeculationController:
         # policy's budgets go through as chosen
         self._ceilings = ceiling if isinstance(ceiling, ReplicaCeilings) else None
         self.ceiling = ceiling.get() if isinstance(ceiling, ReplicaCeilings) else ceiling
-        self._cap: int | None = None  # the ceiling at the last decision
+        self._cap: int | None = None  # the deepest draft the ceiling allowed at the last decision (None: any)
         self._batch_size = 1  # ... and its step's batch size
         self._ceiling_events: list[str] = []
 
@@ -208,15 +217,16 @@ class SpeculationController:
         capped = False
         self._batch_size = batch_size
         if self.ceiling is not None:
+            allowed = self.ceiling.allowed(budget_depth(sent), batch_size)
             self._cap = self.ceiling.cap(batch_size)
             self._ceiling_events.extend(self.ceiling.take_events(batch_size))
-            if self._cap is not None and budget_depth(sent) > self._cap:
-                sent, capped = clip_budget(sent, self._cap), True
+            if allowed < budget_depth(sent):
+                sent, capped = clip_budget(sent, allowed), True
         entry = self._entry(chosen, sent, remaining, probe=probe, calibration=False)
         if batch_size > 1:
             entry["batch_size"] = batch_size
         if capped:
-            entry["ceiling"] = self._cap
+            entry["ceiling"] = budget_depth(sent)
         self.history.append(entry)
         return sent
 
@@ -236,9 +246,9 @@ class SpeculationController:
     def report(self) -> dict[str, Any]:
         """What this request's policy decided and why (:class:`~specserve.core.draft.schedule.ReportingSchedule`):
         its decisions (the calibration cycle included), how many were plain decoding, the budgets' sum and, under a
-        ceiling, how many decisions it cut, where it stood at the last one, what each band of drafted depth measured
-        there and the ceiling's moves this request saw (``fallbacks``: down to plain decoding; ``returns``: up from
-        it), with their reasons."""
+        ceiling, how many decisions it cut, which bands of drafted depth were open at the last one (``open_bands``),
+        what each band measured there and the ceiling's moves this request saw (``closed``, ``reopened``;
+        ``fallbacks``: closings that left no band open; ``returns``: reopenings from none), with their reasons."""
         decisions = [e for e in self.history if "sent" in e]
         report: dict[str, Any] = {
             "policy": self.policy.name,
@@ -250,12 +260,12 @@ class SpeculationController:
             events = self._ceiling_events
             report.update(
                 capped=sum(1 for e in decisions if "ceiling" in e),
-                ceiling="none" if self._cap is None else f"at most {self._cap} drafted tokens",
+                open_bands=self.ceiling.open_bands(self._batch_size),
                 measured_speedup={band: round(v, 4) for band, v in self.ceiling.speedups(self._batch_size).items()},
-                lowered=sum(1 for e in events if e.startswith(LOWERED)),
-                raised=sum(1 for e in events if e.startswith(RAISED)),
-                fallbacks=sum(1 for e in events if e.startswith(f"{LOWERED} 0:")),
-                returns=sum(1 for e in events if e.startswith(f"{RAISED} 1:")),
+                closed=sum(1 for e in events if e.startswith((CLOSED, FELL_BACK))),
+                reopened=sum(1 for e in events if e.startswith((REOPENED, RETURNED))),
+                fallbacks=sum(1 for e in events if e.startswith(FELL_BACK)),
+                returns=sum(1 for e in events if e.startswith(RETURNED)),
                 events=events[-MAX_REPORTED_EVENTS:],
             )
         return report

@@ -174,9 +174,9 @@ class ServeMetrics:
         )
         self.policy_events = Counter(
             "specserve_policy_events",
-            "the adaptive policy's measured ceiling on draft depth, per drafter: lowered (drafts of some depth "
-            "measured slower than shorter ones or plain decoding), raised (a trial after the back-off paid), and "
-            "among them fallback (lowered to plain decoding) and return (raised from it)",
+            "the adaptive policy's measured ceiling on draft depth, per drafter: closed (drafts of some depth "
+            "measured slower than shorter ones or plain decoding), reopened (a trial after the back-off paid), and "
+            "among them fallback (no depth left open: plain decoding) and return (reopened from it)",
             (*TAGS, "drafter", "event"),
         )
         self._evictions = 0
@@ -236,8 +236,8 @@ class ServeMetrics:
         """A finished request's schedule report (``stats.policy``): the ceiling's moves it saw."""
         tags = {**self.tags, "drafter": drafter}
         for event, key in (
-            ("lowered", "lowered"),
-            ("raised", "raised"),
+            ("closed", "closed"),
+            ("reopened", "reopened"),
             ("fallback", "fallbacks"),
             ("return", "returns"),
         ):

@@ -32,11 +32,11 @@ def test_the_ceilings_moves_a_request_saw_are_counted_per_drafter(monkeypatch: p
     """A finished request's ``stats.policy`` adds its ceiling's moves to ``specserve_policy_events`` (zeros skipped)."""
     record_metrics(monkeypatch)
     metrics = ServeMetrics("moves")
-    metrics.policy("ngram", {"policy": "adaptive", "lowered": 3, "raised": 1, "fallbacks": 1, "returns": 0})
+    metrics.policy("ngram", {"policy": "adaptive", "closed": 3, "reopened": 1, "fallbacks": 1, "returns": 0})
     metrics.policy("default", {})  # a fixed-γ request reports nothing
     events: Any = metrics.policy_events
     counted = {(tags["drafter"], tags["event"]): value for value, tags in events.updates if value}
-    assert counted == {("ngram", "lowered"): 3, ("ngram", "raised"): 1, ("ngram", "fallback"): 1}
+    assert counted == {("ngram", "closed"): 3, ("ngram", "reopened"): 1, ("ngram", "fallback"): 1}
 
 
 def test_idle_gauges_reach_prometheus_at_zero(ray_cluster: Any) -> None:
