@@ -21,7 +21,9 @@ so that low levels do not rest on one or two requests). Request ``j`` of a level
 ``j mod P`` (``P = --num-prompts``, default 8, so that with the default counts every prompt occurs
 equally often at every level) and seed ``seed + j``, in every mode. The batched engines get
 ``max_num_seqs = c`` and ``max_seq_len`` = the longest prompt plus ``max_new_tokens`` (their KV pools
-hold ``c`` such requests). Their drafters come from :func:`~specserve.drafters.registry.request_drafters`,
+hold ``c`` such requests). ``--rounds R`` runs every level's modes R times, back to back and in alternating order
+(a shared machine's speed drifts over minutes, and a level takes seconds): a row pools its rounds' requests and wall
+time. Their drafters come from :func:`~specserve.drafters.registry.request_drafters`,
 given ``max_num_seqs`` (a draft model pool shared by the requests).
 
 **Measures**, per (mode, temperature, concurrency):
@@ -155,6 +157,7 @@ class BatchBenchConfig:
     gammas: tuple[int, ...] = (1, 2, 3, 4)
     adaptive_gamma: int = defaults.DEFAULT_GAMMA
     requests: int | None = None  # per level; None = max(2c, MIN_REQUESTS)
+    rounds: int = 1  # each level's modes run this many times, back to back, the order alternating
     prefill_tokens: int = 256
     threads: int = 1
     families: tuple[str, ...] = tuple(FAMILIES)
@@ -381,8 +384,17 @@ def run(cfg: BatchBenchConfig) -> tuple[dict[str, Any], int]:
     torch.set_num_threads(cfg.threads)
     models, prompt_ids = load(cfg)
     chosen = modes(cfg)
-    plan = [(c, t, m) for c in cfg.concurrency for t in cfg.temperatures for m in chosen]
-    rows: list[dict[str, Any]] = []
+    # each level's modes back to back, round after round, the order alternating: a drift of a shared machine's
+    # speed (minutes long) falls on every mode of the level alike
+    plan = [
+        (c, t, m)
+        for c in cfg.concurrency
+        for t in cfg.temperatures
+        for r in range(cfg.rounds)
+        for m in (chosen if r % 2 == 0 else chosen[::-1])
+    ]
+    records_of: dict[tuple[str, float, int], list[RequestRecord]] = {}
+    wall_of: dict[tuple[str, float, int], float] = {}
     outputs: dict[tuple[str, float, int], list[list[int]]] = {}
     with tqdm(total=len(plan), desc="bench-batch", unit="level", file=sys.stderr) as progress:
         for concurrency, temperature, mode in plan:
@@ -391,15 +403,22 @@ def run(cfg: BatchBenchConfig) -> tuple[dict[str, Any], int]:
                 records, wall = run_hf(models, requests, concurrency, temperature, cfg)
             else:
                 records, wall = run_ours(mode, models, requests, concurrency, temperature, cfg)
-            row = summarise(mode, temperature, concurrency, records, wall)
-            rows.append(row)
-            outputs[(mode.name, temperature, concurrency)] = [r.output_ids for r in records]
+            key = (mode.name, temperature, concurrency)
+            records_of.setdefault(key, []).extend(records)
+            wall_of[key] = wall_of.get(key, 0.0) + wall
+            outputs.setdefault(key, [r.output_ids for r in records])  # the first round's (every round's are alike)
             progress.update(1)
             tqdm.write(
-                f"  c={concurrency} T={temperature:g} {mode.name}: {row['throughput_tok_s']:.1f} tok/s, "
-                f"{row['requests']} requests in {wall:.1f} s",
+                f"  c={concurrency} T={temperature:g} {mode.name}: {sum(len(r.output_ids) for r in records) / wall:.1f}"
+                f" tok/s, {len(records)} requests in {wall:.1f} s",
                 file=sys.stderr,
             )
+    by_name = {m.name: m for m in chosen}
+    rows = [
+        summarise(by_name[name], temperature, concurrency, records_of[key], wall_of[key])
+        for key in records_of
+        for name, temperature, concurrency in [key]
+    ]
     mismatches = compare_outputs(rows, outputs)
     report = {
         "config": {**asdict(cfg), "out": str(cfg.out), "plot": None if cfg.plot is None else str(cfg.plot)},
@@ -512,6 +531,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--adaptive-gamma", type=int, default=defaults.DEFAULT_GAMMA, help="γ the adaptive policy starts from"
     )
     parser.add_argument("--requests", type=int, help="requests per level (default: max(2 × concurrency, 8))")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each level's modes this many times, back to back, the order alternating; a row pools its rounds",
+    )
     parser.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens prefilled per batched step")
     # --threads: added by the command line (specserve.cli), torch's threads in this process
     parser.add_argument(
@@ -551,6 +576,8 @@ def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
         raise UserError("--modes must include 'sequential': it is the reference of the exactness check")
     if args.requests is not None and args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
+    if args.rounds < 1:
+        raise UserError(f"--rounds must be >= 1, got {args.rounds}")
     if args.threads < 1 or args.prefill_tokens < 1 or args.num_prompts < 1:
         raise UserError("--threads, --prefill-tokens and --num-prompts must be >= 1")
     return BatchBenchConfig(
@@ -560,6 +587,7 @@ def config_from_args(args: argparse.Namespace) -> BatchBenchConfig:
         gammas=tuple(gammas),
         adaptive_gamma=args.adaptive_gamma,
         requests=args.requests,
+        rounds=args.rounds,
         prefill_tokens=args.prefill_tokens,
         threads=args.threads,
         families=tuple(families),

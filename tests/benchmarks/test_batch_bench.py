@@ -61,6 +61,30 @@ def test_tiny_run_reports_every_mode_and_exact_greedy_outputs(
     assert (tmp_path / "out" / "batch.png").stat().st_size > 1000
 
 
+@pytest.mark.timeout(120)
+def test_rounds_pool_into_one_row_per_level(tmp_path: Path, saved_pairs: dict[str, Path]) -> None:
+    """``--rounds 2``: every level's modes run twice (the order alternating); a row pools both rounds' requests and
+    wall time, and the exactness check compares the first round's outputs."""
+    models = saved_pairs["llama"]
+    out = tmp_path / "batch.json"
+    argv = [
+        "bench-batch",
+        *("--target", str(models / "target"), "--draft", str(models / "draft"), "--dtype", "float64"),
+        *("--num-prompts", "2", "--max-new-tokens", "6", "--temperatures", "0", "--plot", ""),
+        *("--concurrency", "2", "--requests", "2", "--modes", "sequential,plain,adaptive", "--rounds", "2"),
+        *("--out", str(out)),
+    ]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["exact"] is True and report["config"]["rounds"] == 2
+    assert [r["mode"] for r in report["rows"]] == ["sequential", "batched-plain", "batched-adaptive"]
+    for row in report["rows"]:
+        assert row["requests"] == 4 and row["tokens"] == 4 * 6
+        assert row["throughput_tok_s"] == pytest.approx(row["tokens"] / row["wall_s"])
+        if row["mode"] != "sequential":
+            assert row["same_as_sequential"] == {"equal": 2, "compared": 2}
+
+
 def test_closed_loop_keeps_concurrency_in_flight_and_records_chunks() -> None:
     from specserve.core.request import GenerationConfig, GenerationResult, StreamChunk
 
@@ -141,6 +165,7 @@ def test_exactness_check_reports_a_greedy_difference() -> None:
         (["--modes", "sequential,turbo"], "--modes must name families"),
         (["--modes", "plain"], "must include 'sequential'"),
         (["--requests", "0"], "--requests must be >= 1"),
+        (["--rounds", "0"], "--rounds must be >= 1"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ],
 )
