@@ -23,7 +23,7 @@ from specserve.core.request import GenerationConfig
 from specserve.core.sampling.params import SamplingParams
 from specserve.core.stats import merge_policy_reports
 from specserve.drafters.registry import build_drafter_set
-from specserve.policies.ceiling import BANDS, CeilingSettings, ReplicaCeiling, band_of, bucket_of
+from specserve.policies.ceiling import BANDS, CeilingSettings, ReplicaCeiling, band_of, bucket_of, charged_depth
 from specserve.policies.controller import SpeculationController
 from specserve.policies.policies import FixedPolicy
 from specserve.policies.schedules import schedules
@@ -164,6 +164,37 @@ def test_each_batch_size_has_its_own_ceiling_and_its_clock_counts_steps() -> Non
     assert ceiling.cap(8) == 0
     plain(ceiling, 1, batch_size=8)
     assert ceiling.cap(8) == 1
+
+
+def test_a_batched_step_is_measured_on_every_row_it_widened() -> None:
+    """16 requests: half draft one token (1.5 tokens a cycle), half draft nothing, and every row is padded to the
+    step's 2 positions, which cost 1.5 plain steps. The drafting rows alone measure 1.0x plain decoding; with the plain
+    rows the step widened (1 token in 1.5 steps) it is 0.83x (0.82 in the window, which weighs the last rows most),
+    and one-token drafts are closed at 16 requests — only there: a request alone has its own bucket."""
+
+    def row(drafted: int, accepted: int, width: int = 2) -> CycleObservation:
+        seconds = 1.5 * PLAIN
+        draft = 0.1 * seconds if drafted else 0.0
+        return CycleObservation(
+            Budget(drafted),
+            drafted,
+            drafted,
+            accepted,
+            draft,
+            seconds - draft,
+            batch_size=16,
+            step_positions=16 * width,
+        )
+
+    assert [charged_depth(o) for o in (row(1, 0), row(0, 0), row(1, 0, width=4), row(0, 0, width=1))] == [1, 1, 3, 0]
+    assert charged_depth(cycle(3, 1, 1.0)) == 3 and charged_depth(CycleObservation(Budget(2), 0, 0, 0, 0.0, 1.0)) == 0
+    ceiling = ReplicaCeiling()
+    for _ in range(2):  # two steps of 16 rows
+        for i in range(16):
+            ceiling.observe(row(1, i % 2) if i < 8 else row(0, 0), PLAIN)
+    assert ceiling.allowed(1, batch_size=16) == 0 and ceiling.allowed(2, batch_size=16) == 2
+    assert ceiling.allowed(1, batch_size=1) == 1
+    assert ceiling.take_events(16)[0].startswith("closed: drafts of 1 token measured 0.8")
 
 
 def test_the_bound_the_ceiling_states() -> None:
