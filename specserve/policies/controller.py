@@ -165,24 +165,22 @@ class SpeculationController:
         """The state the next decision will be made from, in a step that verifies ``batch_size`` requests: beyond
         one, T_verify(k) is this request's share of such a step if all drafted alike,
         T_step(batch_size · k) / batch_size (:mod:`specserve.policies.step_costs`)."""
+        # a batched step prices verification by the step's curve (chains need k <= cap + 1; longer blocks, trees,
+        # extrapolate the table's last two entries), with no per-request bucket envelope
+        verify = None
+        if batch_size > 1:
+            verify = (self.step_costs.per_request_table(batch_size, self.max_gamma_cap + 2), frozenset[int]())
         state = self.estimators.snapshot(
             self._chosen,
             cycles_since_change=self._cycles_since_change,
             cycles_off=self._cycles_off,
             max_depth=max(1, self.max_gamma_cap),
             max_k=VERIFY_TABLE_SIZE,
+            verify=verify,
         )
         if batch_size == 1:
             return dataclasses.replace(state, batch_size_off=self._batch_off) if self._batch_off else state
-        # chains need k <= cap + 1; longer blocks (trees) extrapolate the table's last two entries
-        table = self.step_costs.per_request_table(batch_size, self.max_gamma_cap + 2)
-        return dataclasses.replace(
-            state,
-            verify_seconds=table,
-            dominated_ks=frozenset(),  # the step's own curve: no per-request bucket envelope
-            batch_size=batch_size,
-            batch_size_off=self._batch_off,
-        )
+        return dataclasses.replace(state, batch_size=batch_size, batch_size_off=self._batch_off)
 
     def next_budget(self, remaining: int, batch_size: int = 1) -> Budget:
         """The budget for the next cycle (whose target forward verifies ``batch_size`` requests): the policy's

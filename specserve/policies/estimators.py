@@ -107,10 +107,13 @@ class Estimators:
         cycles_off: int = 0,
         max_depth: int = DEFAULT_MAX_DEPTH,
         max_k: int = VERIFY_TABLE_SIZE,
+        verify: tuple[tuple[float, ...], frozenset[int]] | None = None,
     ) -> PolicyState:
-        """The state a policy decides from; ``previous`` and the decision counters come from the caller."""
+        """The state a policy decides from; ``previous`` and the decision counters come from the caller. ``verify``:
+        T_verify(k) and its dominated widths when the caller prices verification itself (a batched step's share),
+        instead of this request's own verify times."""
         fixed, per_token = self.costs.draft_fit()
-        verify_seconds, dominated = self.costs.verify_prices(max_k)
+        verify_seconds, dominated = verify if verify is not None else self.costs.verify_prices(max_k)
         return PolicyState(
             alpha=self.acceptance.alphas(max(1, max_depth)),
             alpha_weight=self.acceptance.weights(max(1, max_depth)),

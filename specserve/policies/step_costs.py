@@ -42,6 +42,9 @@ class StepCostEstimator:
         self._mean: dict[int, float] = {}
         self._count: dict[int, int] = {}
         self._curve: tuple[list[int], list[float], tuple[float, float] | None] | None = None  # cached fit
+        # per_request_table's answers since the last observation: a batched step's requests all ask for the same one
+        self._tables: dict[tuple[int, int], tuple[float, ...]] = {}
+        self._version = 0  # observations so far
 
     def observe(self, positions: int, seconds: float) -> None:
         """One step that computed ``positions`` positions in ``seconds``."""
@@ -53,6 +56,8 @@ class StepCostEstimator:
             self._mean[positions] = mean + (seconds - mean) / min(count, self.window)
             self._count[positions] = count
             self._curve = None
+            self._tables.clear()
+            self._version += 1
 
     @property
     def observed(self) -> dict[int, float]:
@@ -87,7 +92,14 @@ class StepCostEstimator:
         every one of ``batch_size`` requests verifies a block of k."""
         if batch_size < 1 or max_k < 1:
             raise ValueError(f"batch_size and max_k must be >= 1, got {batch_size} and {max_k}")
-        return tuple(self.t_step(batch_size * k) / batch_size for k in range(1, max_k + 1))
+        with self._lock:
+            table, version = self._tables.get((batch_size, max_k)), self._version
+        if table is None:
+            table = tuple(self.t_step(batch_size * k) / batch_size for k in range(1, max_k + 1))
+            with self._lock:
+                if self._version == version:  # no observation came in meanwhile: still current
+                    self._tables[(batch_size, max_k)] = table
+        return table
 
     def _fit(self) -> tuple[list[int], list[float], tuple[float, float] | None]:
         xs = sorted(self._mean)
