@@ -241,7 +241,7 @@ def choose_chains(
 
 def _fit_to_width(sides: Sequence[DraftSide]) -> None:
     """Cut or lengthen the planned chains of goodput-aware schedules to the width that pays best for the whole
-    step (:func:`choose_chains`)."""
+    step (:func:`choose_chains`), then each to the longest its schedule allows (a vetoed depth is cut below)."""
     flexible: list[tuple[DraftSide, BatchPlanned]] = [
         (side, side.schedule)
         for side in sides
@@ -264,7 +264,8 @@ def _fit_to_width(sides: Sequence[DraftSide]) -> None:
         len(sides),
         min_width,
     )
-    for (side, _), plan, chain in zip(flexible, plans, chains, strict=True):
+    for (side, schedule), plan, chain in zip(flexible, plans, chains, strict=True):
+        chain = schedule.allowed_chain(chain)  # a lengthened chain may land on a depth the schedule vetoes
         if chain != plan:
             side.budget = Budget(chain)
 

@@ -158,6 +158,10 @@ class SpeculationController:
     def max_chain(self) -> int:
         return self.max_gamma_cap if self._cap is None else min(self.max_gamma_cap, self._cap)
 
+    def allowed_chain(self, gamma: int) -> int:
+        gamma = max(0, min(gamma, self.max_chain))
+        return gamma if self.ceiling is None or gamma == 0 else self.ceiling.allowed(gamma, self._batch_size)
+
     def step_seconds(self, positions: int) -> float:
         return self.step_costs.t_step(positions)
 

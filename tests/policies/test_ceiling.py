@@ -261,6 +261,21 @@ def test_the_controller_clips_to_the_ceiling_and_reports_it() -> None:
     assert set(report["measured_speedup"]) == {"5-8"} and report["closed"] == 1 and report["fallbacks"] == 0
 
 
+def test_a_batched_engine_may_not_align_a_chain_into_a_vetoed_band() -> None:
+    """What the engine asks before it sets a row's chain to the step's width (``BatchPlanned.allowed_chain``): at 16
+    requests, with one-token drafts closed there, a chain of 1 becomes plain decoding and one of 2 stays; alone, a
+    chain of 1 is allowed."""
+    ceiling = ReplicaCeiling(CeilingSettings(min_cycles=2))
+    for _ in range(2):
+        ceiling.observe(cycle(1, 0, 2.0, batch_size=16), PLAIN)
+    controller = SpeculationController(FixedPolicy(0), ceiling=ceiling)
+    controller.next_budget(100, batch_size=16)
+    assert [controller.allowed_chain(g) for g in (0, 1, 2, 99)] == [0, 0, 2, 16]
+    controller.next_budget(100, batch_size=1)
+    assert controller.allowed_chain(1) == 1
+    assert SpeculationController(FixedPolicy(0)).allowed_chain(3) == 3  # no ceiling: only the replica's cap
+
+
 class Swinging(ReplicaCeiling):
     """A ceiling that, for six verdicts, believes plain decoding costs nothing (every band it judges loses), then for
     24 that every draft was accepted in one plain step (deeper drafts pay more), and so on: bands close and reopen on

@@ -115,6 +115,11 @@ class BatchPlanned(Protocol):
         """The longest chain the engine may give this request (its replica's cap)."""
         ...
 
+    def allowed_chain(self, gamma: int) -> int:
+        """The longest chain of at most ``gamma`` the engine may give this request now: depths below
+        :attr:`max_chain` may be vetoed too (a measured ceiling closes the depths that lose, one by one)."""
+        ...
+
     def expected_tokens(self, gamma: int) -> float:
         """E[tokens committed] by a chain of ``gamma`` drafts (1 for plain decoding) under the current estimates."""
         ...
