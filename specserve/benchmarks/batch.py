@@ -414,11 +414,7 @@ def run(cfg: BatchBenchConfig) -> tuple[dict[str, Any], int]:
                 file=sys.stderr,
             )
     by_name = {m.name: m for m in chosen}
-    rows = [
-        summarise(by_name[name], temperature, concurrency, records_of[key], wall_of[key])
-        for key in records_of
-        for name, temperature, concurrency in [key]
-    ]
+    rows = [summarise(by_name[key[0]], key[1], key[2], records, wall_of[key]) for key, records in records_of.items()]
     mismatches = compare_outputs(rows, outputs)
     report = {
         "config": {**asdict(cfg), "out": str(cfg.out), "plot": None if cfg.plot is None else str(cfg.plot)},
