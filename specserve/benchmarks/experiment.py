@@ -10,10 +10,13 @@ prompts with the same seeds:
 * **replay** — ``--replay TRACE...`` simulates every policy over recorded traces
   (:mod:`specserve.policies.simulator`; its docstring lists what a replay assumes).
 
-Workloads (``--workloads``) are named (prompts, temperature) sets: ``code-t0``, ``code-t1`` and
-``code-t1.5`` (held-out standard-library code at temperature 0, 1 and 1.5) and ``shuffled`` (the
-same prompts' token ids shuffled with the seed, temperature 1: a workload where every drafter
-fails, so speculation must switch itself off). Policies (``--policies``) are ``fixed:γ``,
+Workloads (``--workloads``) are named (prompts, temperature) sets: ``code-t0``, ``code-t1``,
+``code-t1.3`` and ``code-t1.5`` (held-out standard-library code at temperature 0, 1, 1.3 and 1.5),
+``prose-t0.7`` (held-out module docstrings cut halfway, at temperature 0.7: English prose, the nearest
+to chat text the shipped code model knows; :func:`~specserve.benchmarks.prompts.prose_prompts`) and
+``shuffled`` (the code prompts' token ids shuffled with the seed, temperature 1: a workload where every
+drafter fails, so speculation must switch itself off). ``--prompts FILE`` replaces every workload's
+prompts. Policies (``--policies``) are ``fixed:γ``,
 ``heuristic``, ``adaptive``, ``none`` (plain decoding: the ``none`` drafter, γ 0) and a
 researcher's own policy given as ``module:ClassName`` or ``path/to/file.py:ClassName``: one class
 in one file, built with no arguments, that satisfies :class:`~specserve.policies.base.Policy`, runs
@@ -119,6 +122,7 @@ class Workload:
     name: str
     temperature: float
     shuffled: bool = False  # prompt token ids shuffled (seeded): no drafter can predict the continuation
+    prose: bool = False  # prose prompts (module docstrings) instead of code openings
 
 
 WORKLOADS = {
@@ -126,7 +130,9 @@ WORKLOADS = {
     for w in (
         Workload("code-t0", 0.0),
         Workload("code-t1", 1.0),
+        Workload("code-t1.3", 1.3),
         Workload("code-t1.5", 1.5),
+        Workload("prose-t0.7", 0.7, prose=True),
         Workload("shuffled", 1.0, shuffled=True),
     )
 }
@@ -360,17 +366,20 @@ def workload_prompts(workload: Workload, prompt_ids: Sequence[Sequence[int]], se
 def _live(cfg: ExperimentConfig, specs: list[PolicySpec]) -> list[Cell]:
     import torch
 
-    from specserve.benchmarks.prompts import heldout_prompts, load_prompts
+    from specserve.benchmarks.prompts import heldout_prompts, load_prompts, prose_prompts
     from specserve.core.engine import SpeculativeEngine
     from specserve.core.request import GenerationConfig
     from specserve.core.sampling.params import SamplingParams
 
     torch.manual_seed(cfg.seed)
     target, drafters = _load_models(cfg)
-    texts = load_prompts(cfg.prompts_file)[: cfg.num_prompts] if cfg.prompts_file else heldout_prompts(cfg.num_prompts)
-    if not texts:
-        raise UserError("no prompts: the held-out corpus is empty (pass --prompts FILE)")
     workloads = [WORKLOADS[name] for name in (cfg.workloads or tuple(WORKLOADS))]
+    if cfg.prompts_file:
+        texts = {False: load_prompts(cfg.prompts_file)[: cfg.num_prompts]}
+    else:
+        texts = {prose: (prose_prompts if prose else heldout_prompts)(cfg.num_prompts) for prose in (False, True)}
+    if not all(texts.values()):
+        raise UserError("no prompts: the held-out corpus is empty (pass --prompts FILE)")
     cells = [Cell(w.name, w.temperature, spec) for w in workloads for spec in specs]
     engines = {
         (cell.workload, cell.policy.label): SpeculativeEngine(
@@ -379,20 +388,21 @@ def _live(cfg: ExperimentConfig, specs: list[PolicySpec]) -> list[Cell]:
         for cell in cells
     }
     warm = SpeculativeEngine(target, drafters)
-    encoded = [warm.encode(text) for text in texts]
-    prompts = {w.name: workload_prompts(w, encoded, cfg.seed) for w in workloads}
+    encoded = {prose: [warm.encode(text) for text in listed] for prose, listed in texts.items()}
+    prompts = {w.name: workload_prompts(w, encoded[w.prose and not cfg.prompts_file], cfg.seed) for w in workloads}
 
     def config(spec: PolicySpec, max_new_tokens: int) -> Any:
         return GenerationConfig(max_new_tokens=max_new_tokens, **spec.generation_options())
 
     for spec in specs:  # warm-up: one short request per policy (on a throwaway prior)
         engine = SpeculativeEngine(target, drafters, schedules=cell_schedules(spec, ReplicaPrior(), cfg.max_gamma))
-        engine.generate(encoded[0], SamplingParams(seed=cfg.seed), config(spec, min(8, cfg.max_new_tokens)))
+        engine.generate(encoded[False][0], SamplingParams(seed=cfg.seed), config(spec, min(8, cfg.max_new_tokens)))
     writer = TraceWriter(cfg.trace_out) if cfg.trace_out else None
     if writer is not None:
         writer.open()
     run_id = uuid.uuid4().hex[:8]  # request ids stay unique when several runs append to one trace
-    progress = tqdm(total=cfg.rounds * len(cells) * len(encoded), desc="experiment", unit="req")
+    total = cfg.rounds * sum(len(prompts[cell.workload]) for cell in cells)
+    progress = tqdm(total=total, desc="experiment", unit="req")
     try:
         for round_index in range(cfg.rounds):
             for workload in workloads:
@@ -759,7 +769,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ReplicaConfig.add_arguments(parser, ["target", "draft", "dtype", "device"])  # the models of live runs
     parser.add_argument(
         "--workloads",
-        help="comma-separated of code-t0, code-t1, code-t1.5, shuffled (default: all; replays: those in the traces)",
+        help=f"comma-separated of {', '.join(WORKLOADS)} (default: all; replays: those in the traces)",
     )
     parser.add_argument(
         "--policies",

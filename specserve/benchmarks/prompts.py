@@ -8,6 +8,8 @@ function. Two workloads whose outputs repeat earlier text are built here from th
 * **repetitive** (:func:`repetitive_prompts`): an excerpt of a held-out file (from its first top-level
   function, else class) followed by ``# The same code, with NAME renamed to new_NAME:`` — the output
   repeats the input, edited (an editing request);
+* **prose** (:func:`prose_prompts`): a held-out file's opening cut halfway through its module docstring,
+  so the continuation is English prose (the nearest to chat text the shipped code model has seen);
 * **multi-turn** (:func:`multiturn_prompts`): conversations of :data:`MULTITURN_TURNS` turns; turn k's
   prompt is turn k − 1's prompt, its output and a follow-up asking for the code above again (once
   unchanged, then with a name renamed), so later requests repeat earlier outputs.
@@ -18,6 +20,7 @@ This module reads prompt files and validates them, and builds text; it does not 
 
 from __future__ import annotations
 
+import ast
 import builtins
 import io
 import json
@@ -37,6 +40,7 @@ __all__ = [
     "heldout_prompts",
     "load_prompts",
     "multiturn_prompts",
+    "prose_prompts",
     "repetitive_prompts",
 ]
 
@@ -48,6 +52,7 @@ FOLLOW_UPS = (  # turn 2, turn 3, ... (cycled)
 MULTITURN_TURNS = 3  # turns per conversation
 _DEFINITIONS = (re.compile(r"^(?:async )?def ", re.MULTILINE), re.compile(r"^class ", re.MULTILINE))
 _NOT_RENAMED = frozenset({"self", "cls"})
+MIN_PROSE_CHARS = 400  # a module docstring shorter than this leaves too little prose to continue
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -67,6 +72,35 @@ def heldout_files(count: int) -> list[str]:
     """The whole text of the first ``count`` large held-out files (those :func:`heldout_prompts` opens)."""
     texts = [source.text for source in load_corpus("heldout") if len(source.text) >= MIN_FILE_CHARS]
     return texts[:count]
+
+
+def prose_prompts(count: int) -> list[str]:
+    """Up to ``count`` prose prompts: the opening of each held-out file with a module docstring of at least
+    :data:`MIN_PROSE_CHARS` characters, up to about halfway through the docstring (at a line end, within
+    ``PROMPT_CHARS``), in corpus order. Files Python cannot parse are passed over."""
+    prompts = []
+    for source in load_corpus("heldout"):
+        try:
+            body = ast.parse(source.text).body
+        except (SyntaxError, ValueError):
+            continue
+        first = body[0] if body else None
+        if not (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+            and len(first.value.value) >= MIN_PROSE_CHARS
+        ):
+            continue
+        lines = source.text.splitlines(keepends=True)
+        start = sum(len(line) for line in lines[: first.lineno - 1]) + first.col_offset
+        end = sum(len(line) for line in lines[: first.end_lineno or first.lineno])
+        head = source.text[: min(start + (end - start) // 2, PROMPT_CHARS)]
+        cut = head.rfind("\n", start) + 1
+        prompts.append(head[:cut] if cut > start else head)
+        if len(prompts) == count:
+            break
+    return prompts
 
 
 def excerpt(source: str, max_chars: int = PROMPT_CHARS) -> str:

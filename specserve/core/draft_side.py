@@ -192,6 +192,7 @@ def choose_chains(
     step_seconds: Callable[[int], float],
     batch_size: int,
     min_width: int = 1,
+    allowed: Sequence[Callable[[int], int]] | None = None,
 ) -> list[int]:
     """The chain each flexible request drafts in a batched step, chosen for the step's expected committed tokens
     per second.
@@ -207,6 +208,8 @@ def choose_chains(
       drafts up to min(cap_i, W − 1) when the tokens that adds pay for the drafting it adds, at the rate the step
       makes with its drafting counted;
 
+    each chain then cut to the longest its schedule allows (``allowed[i](g)`` <= g: a measured ceiling vetoes
+    depths one by one, so a chain cut or filled to a vetoed depth drafts less, and is rated at what it drafts);
     and W is rated (others + Σ E_i(g_i)) / (T_step(batch_size · W) + the fills' drafting). The best W wins, ties to
     the narrower.
     """
@@ -217,16 +220,19 @@ def choose_chains(
             tables[i][gamma] = (expected[i](gamma), draft_seconds[i](gamma) if gamma else 0.0)
         return tables[i][gamma]
 
+    def allow(i: int, gamma: int) -> int:
+        return gamma if allowed is None or gamma == 0 else allowed[i](gamma)
+
     others = batch_size - len(plans)
-    best_chains, best_rate = [min(plan, min_width - 1) for plan in plans], -1.0
+    best_chains, best_rate = [allow(i, min(plan, min_width - 1)) for i, plan in enumerate(plans)], -1.0
     for width in range(min_width, max([min_width - 1, *plans]) + 2):
-        chains = [min(plan, width - 1) for plan in plans]
+        chains = [allow(i, min(plan, width - 1)) for i, plan in enumerate(plans)]
         tokens = others + sum(value(i, g)[0] for i, g in enumerate(chains))
         step = step_seconds(batch_size * width)
         drafting = sum(value(i, g)[1] for i, g in enumerate(chains))
         filled = 0.0
         for i, cap in enumerate(caps):
-            fill = min(max(cap, plans[i]), width - 1)
+            fill = allow(i, min(max(cap, plans[i]), width - 1))
             if fill <= chains[i]:
                 continue
             gain = value(i, fill)[0] - value(i, chains[i])[0]
@@ -241,7 +247,7 @@ def choose_chains(
 
 def _fit_to_width(sides: Sequence[DraftSide]) -> None:
     """Cut or lengthen the planned chains of goodput-aware schedules to the width that pays best for the whole
-    step (:func:`choose_chains`), then each to the longest its schedule allows (a vetoed depth is cut below)."""
+    step (:func:`choose_chains`), each width rated with every chain at the longest its schedule allows there."""
     flexible: list[tuple[DraftSide, BatchPlanned]] = [
         (side, side.schedule)
         for side in sides
@@ -263,9 +269,9 @@ def _fit_to_width(sides: Sequence[DraftSide]) -> None:
         flexible[0][1].step_seconds,
         len(sides),
         min_width,
+        [schedule.allowed_chain for _, schedule in flexible],
     )
-    for (side, schedule), plan, chain in zip(flexible, plans, chains, strict=True):
-        chain = schedule.allowed_chain(chain)  # a lengthened chain may land on a depth the schedule vetoes
+    for (side, _), plan, chain in zip(flexible, plans, chains, strict=True):
         if chain != plan:
             side.budget = Budget(chain)
 

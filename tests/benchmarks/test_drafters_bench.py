@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -18,12 +19,14 @@ from specserve.benchmarks.prompts import (
     excerpt,
     heldout_files,
     multiturn_prompts,
+    prose_prompts,
     renamed_identifier,
     repetitive_prompts,
 )
 from specserve.core.draft.spec_strings import is_model_free
 from specserve.core.errors import UserError
 from specserve.drafters.layerskip import ExitHead, save_exit_head
+from specserve.training.corpus import load_corpus
 from specserve.training.datastore import build as build_datastore
 from specserve.training.medusa import heads_for
 
@@ -129,6 +132,22 @@ def test_repetitive_prompts_hold_their_source_and_ask_for_it_renamed() -> None:
         assert text.startswith(("def ", "class ", "async def ")) or source.startswith(text)
         assert prompt == f"{text}\n# The same code, with {old} renamed to {new}:\n"
         assert old in text and new == f"new_{old}"
+
+
+def test_prose_prompts_stop_inside_a_module_docstring() -> None:
+    """The prose workload's prompts: a held-out file's opening, cut at a line end inside its module docstring, so
+    the model continues English text."""
+    prompts = prose_prompts(4)
+    assert len(prompts) == 4 and len(set(prompts)) == 4
+    sources = [s.text for s in load_corpus("heldout")]
+    for prompt in prompts:
+        source = next(text for text in sources if text.startswith(prompt))
+        docstring = ast.get_docstring(ast.parse(source), clean=False)
+        assert docstring is not None and len(docstring) >= 400
+        quote = min(i for i in (prompt.find('"""'), prompt.find("'''")) if i >= 0)
+        opened = prompt[quote + 3 :]
+        assert 0 < len(opened) <= len(docstring) // 2 + 1 and docstring.startswith(opened)
+        assert prompt.endswith("\n") and len(prompt) <= 1000
 
 
 def test_renamed_identifier_is_the_most_frequent_name() -> None:

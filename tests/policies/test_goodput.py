@@ -152,3 +152,23 @@ def test_speculation_comes_back_when_the_batch_shrinks() -> None:
     assert batch.controllers[0].snapshot().previous == Budget(0)
     after = batch.run(6, size=1)  # the others left: alone again, well before the next probe
     assert after[-1][0] >= 2
+
+
+def test_a_width_is_rated_with_the_chains_the_ceiling_allows_at_it() -> None:
+    """Two rows planning 3 drafts whose ceilings veto depth 2 (a depth is cut to the deepest open one below it).
+    Width 3 would cut both plans to 2 drafts, which the ceilings cut to 1: rated at 2 drafts each it looks best
+    (4.88 tokens / 1.2 s), but what would run is 1 draft each in a 3-wide step (3.6 / 1.2). Rated as it would
+    run, width 4 (3 drafts each: 5.90 / 1.6 = 3.69) beats width 2 (1 draft each: 3.6 / 1.0)."""
+    alpha = 0.8
+
+    def expected(gamma: int) -> float:
+        return sum(alpha**j for j in range(gamma + 1))
+
+    def allowed(gamma: int) -> int:
+        return 1 if gamma == 2 else gamma
+
+    steps = {2: 0.9, 4: 1.0, 6: 1.2, 8: 1.6}
+    args = ([3, 3], [3, 3], [expected] * 2, [lambda g: 0.0] * 2, steps.__getitem__, 2)
+    assert choose_chains(*args) == [2, 2]  # no ceiling: width 3
+    assert choose_chains(*args, allowed=[allowed] * 2) == [3, 3]
+    assert choose_chains(*args, allowed=[lambda g: min(g, 1)] * 2) == [1, 1]  # only one draft open: width 2
