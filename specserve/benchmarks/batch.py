@@ -115,7 +115,7 @@ from specserve.benchmarks.tables import table_cell
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Drafter
 from specserve.core.draft.schedule import MAX_GAMMA
-from specserve.core.draft.spec_strings import is_model_free
+from specserve.core.draft.spec_strings import drafter_kind
 from specserve.core.engine import SpeculativeEngine
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM
@@ -365,7 +365,7 @@ def load(cfg: BatchBenchConfig) -> tuple[Models, list[list[int]]]:
     texts = texts[: cfg.num_prompts]
     target = CausalLM.load(cfg.target, dtype=cfg.dtype, device=cfg.device)
     draft: CausalLM | str = cfg.draft
-    if not is_model_free(cfg.draft):
+    if drafter_kind(cfg.draft) == "draft_model":  # heads and built-ins are built by request_drafters
         draft = CausalLM.load(cfg.draft, dtype=cfg.dtype, device=cfg.device)
     assert target.tokenizer is not None
     limit = target.info.max_positions - cfg.max_new_tokens

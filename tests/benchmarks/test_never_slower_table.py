@@ -50,3 +50,40 @@ def test_the_table_is_rebuilt_from_the_reports(tmp_path: Path) -> None:
 def test_a_missing_report_is_named(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         load().main(["--drafters", "eagle", "--from-reports", "--out", str(tmp_path)])
+
+
+def batch_report(rates: dict[str, float], concurrency: int, budgets: dict[str, int]) -> dict[str, object]:
+    rows = [
+        {"mode": mode, "temperature": 0.0, "concurrency": concurrency, "throughput_tok_s": rate,
+         "mean_gamma": 1.5 if mode == "batched-adaptive" else None,
+         "gamma_histogram": budgets if mode == "batched-adaptive" else None}
+        for mode, rate in rates.items()
+    ]  # fmt: skip
+    return {"rows": rows, "exact": True}
+
+
+def test_the_batched_runs_are_tabulated_per_level(tmp_path: Path) -> None:
+    """``--batch-from``: each bench-batch report (DRAFTER-WORKLOAD.json) gives one row per temperature and level:
+    adaptive over plain and over the best of the fixed γ, its share of plain rows, the cells below 0.97 named."""
+    never_slower = load()
+    (tmp_path / "ngram").mkdir()
+    (tmp_path / "ngram" / "experiment.json").write_text(json.dumps(report(50.0, 60.0, 63.0)))
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    rates = {"sequential": 40.0, "batched-plain": 100.0, "batched-gamma-2": 120.0, "batched-gamma-3": 110.0,
+             "batched-adaptive": 114.0}  # fmt: skip
+    (batch / "ngram-code.json").write_text(json.dumps(batch_report(rates, 8, {"0": 1, "2": 3})))
+    argv = ["--drafters", "ngram", "--from-reports", "--out", str(tmp_path), "--batch-from", str(batch)]
+    assert never_slower.main(argv) == 0
+    (row,) = json.loads((tmp_path / "never_slower_batch.json").read_text())["rows"]
+    assert (row["workload"], row["concurrency"], row["best_fixed"], row["fixed"]) == (
+        "code-t0",
+        8,
+        "gamma-2",
+        {"2": 120.0, "3": 110.0},
+    )
+    assert row["adaptive_over_plain"] == pytest.approx(1.14) and row["adaptive_over_best_fixed"] == pytest.approx(0.95)
+    assert row["adaptive_plain_share"] == pytest.approx(0.25)
+    table = (tmp_path / "never_slower_batch.md").read_text()
+    assert "| ngram | code-t0 | 8 | 100.0 | 120.0 | 110.0 | 114.0 |" in table
+    assert "Cells below 0.97× plain or the best fixed γ: ngram/code-t0/8." in table
