@@ -16,7 +16,7 @@ The other edges derive from it instead of declaring the settings again:
   from the fields the two share by name.
 
 Model paths are made absolute here, once (:func:`resolve_model_path`): a plain model directory
-and the directory in ``eagle:DIR``, ``medusa:DIR`` and ``layerskip:DIR``, when it exists where
+and the directory in ``eagle:DIR``, ``medusa:DIR``, ``pard:DIR`` and ``layerskip:DIR``, when it exists where
 the configuration is read, so that a replica started on another node or in another working
 directory finds it.
 
@@ -77,7 +77,8 @@ class ReplicaConfig(BaseModel):
         "ngram",
         description="who drafts: a draft model directory, 'ngram' (prompt lookup), 'suffix' (suffix decoding), "
         "'layerskip:L' (the target's first L layers) or 'layerskip:DIR' (with a trained exit head), 'eagle:DIR' or "
-        "'medusa:DIR' (trained heads), 'mtp' (the MTP layer in the target's checkpoint), 'rest:FILE' (retrieval "
+        "'medusa:DIR' (trained heads), 'pard:DIR' (a PARD draft model: a block per forward), 'mtp' (the MTP layer "
+        "in the target's checkpoint), 'rest:FILE' (retrieval "
         "from a token datastore: specserve datastore build), "
         "or 'none'; directories and datastore files are made absolute as the target's",
     )

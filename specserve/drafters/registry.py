@@ -1,5 +1,5 @@
 """Build a drafter from its name: ``none``, ``ngram``, ``suffix``, ``lookahead[:W,N,G]``, ``layerskip:L|DIR``,
-``eagle:DIR``, ``medusa:DIR``, ``mtp``, ``rest:FILE``, a model dir.
+``eagle:DIR``, ``medusa:DIR``, ``pard:DIR``, ``mtp``, ``rest:FILE``, a model dir.
 
 :func:`build_drafter_set` wraps the configured drafter in a :class:`~specserve.core.draft.drafter.DrafterSet`
 whose builder is :func:`build_drafter` with the same options, so a request can also choose
@@ -20,6 +20,7 @@ from specserve.core.draft.spec_strings import (
     LOOKAHEAD_PREFIX,
     MEDUSA_PREFIX,
     MTP_SPEC,
+    PARD_PREFIX,
     REST_PREFIX,
     TEXT_PREFIX,
 )
@@ -33,9 +34,13 @@ from specserve.drafters.medusa import MedusaDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
+from specserve.drafters.pard import PardDrafter
 from specserve.drafters.rest import RestDrafter
 from specserve.drafters.suffix import SuffixCache, SuffixDrafter
 from specserve.drafters.text import TextDrafter
+
+# Drafters loaded once per server whose fresh() gives each request its own (Prototype), by spec prefix
+PROTOTYPE_PREFIXES = (LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, PARD_PREFIX, REST_PREFIX)
 
 
 @runtime_checkable
@@ -57,7 +62,8 @@ def build_drafter(
 ) -> Drafter:
     """``spec`` is ``"none"``, ``"ngram"``, ``"suffix"``, ``"lookahead"`` / ``"lookahead:W,N,G"`` (Lookahead
     decoding), ``"layerskip:L"`` (the target's first L layers) or
-    ``"layerskip:DIR"`` (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads), ``"mtp"``
+    ``"layerskip:DIR"`` (with a trained exit head), ``"eagle:DIR"`` / ``"medusa:DIR"`` (trained heads), ``"pard:DIR"``
+    (a PARD draft model: a block per forward), ``"mtp"``
     (the MTP layer in the target's own checkpoint),
     ``"rest:FILE"`` (a token datastore), ``"text:DIR"`` (a draft model with another tokenizer, drafting through
     text), a draft model directory, or an already loaded draft model. Drafters built
@@ -99,6 +105,11 @@ def build_drafter(
         if not directory:
             raise UserError(f"Medusa drafting is 'medusa:DIR' with DIR a trained heads directory, got {spec!r}")
         return MedusaDrafter.load(directory, target, dtype=dtype, device=device)
+    if spec.startswith(PARD_PREFIX):
+        directory = spec[len(PARD_PREFIX) :]
+        if not directory:
+            raise UserError(f"PARD drafting is 'pard:DIR' with DIR a PARD draft model directory, got {spec!r}")
+        return PardDrafter.load(directory, target, dtype=dtype, device=device)
     if spec.startswith(REST_PREFIX):
         path = spec[len(REST_PREFIX) :]
         if not path:
@@ -165,8 +176,9 @@ def request_drafters(
     :data:`~specserve.core.draft.drafter.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
     requests' drafters (each keeps its own cache); ``ngram``, ``suffix`` and ``none`` are cheap to build per request
     (the ``suffix`` drafters share one global store of finished requests' outputs: ``suffix_cache``, or a new one).
-    Drafters that read the target's features or KV (EAGLE, MTP, Medusa, layer-skip) load their weights (and, given
-    only the target's description, a copy of the target) once, now; each request gets a fresh drafter over them.
+    Drafters that read the target's features or KV (EAGLE, MTP, Medusa, layer-skip), and PARD, load their weights
+    (and, given only the target's description, a copy of the target) once, now; each request gets a fresh drafter
+    over them.
     The engine says whether it can run them.
 
     With ``max_num_seqs`` (and ``max_seq_len``, by default the target's ``max_positions``) a configured draft
@@ -182,7 +194,7 @@ def request_drafters(
     if (
         isinstance(spec, str)
         and spec not in (*BUILTIN_DRAFTERS, MTP_SPEC)
-        and not spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX, LOOKAHEAD_PREFIX))
+        and not spec.startswith((*PROTOTYPE_PREFIXES, LOOKAHEAD_PREFIX))
     ):
         configured = CausalLM.load(Path(spec), dtype=dtype, device=device)  # a draft model directory: load it once
     batcher = None
@@ -192,9 +204,7 @@ def request_drafters(
     if suffix_cache is None:
         suffix_cache = SuffixCache()  # the global store every request's suffix drafter shares
     prototype: Prototype | None = None
-    if isinstance(spec, str) and (
-        spec == MTP_SPEC or spec.startswith((LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, REST_PREFIX))
-    ):
+    if isinstance(spec, str) and (spec == MTP_SPEC or spec.startswith(PROTOTYPE_PREFIXES)):
         built = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
         assert isinstance(built, Prototype)
         prototype = built  # never drafts itself: each request gets prototype.fresh()

@@ -288,6 +288,8 @@ def propose(drafter: Drafter, budget: Budget, remaining: int, device: torch.devi
     its budget is trimmed rather than trusted."""
     limit = remaining - 1
     proposal: Proposal
+    if limit <= 0:  # the request's last token: nothing drafted could be verified
+        return Draft.empty(device)
     if budget.tree is not None:
         check_can_draft(drafter, budget.tree)
         assert isinstance(drafter, TreeDrafter)
@@ -297,7 +299,7 @@ def propose(drafter: Drafter, budget: Budget, remaining: int, device: torch.devi
         if limit <= 0:
             return Draft.empty(device)
         proposal = drafter.propose(limit)
-    return proposal.truncate(max(limit, 0)).to(device)
+    return proposal.truncate(limit).to(device)
 
 
 def check_chain_call(drafters: Sequence[Drafter], budgets: Sequence[int]) -> None:

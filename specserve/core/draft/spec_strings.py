@@ -1,6 +1,6 @@
 """The drafter spec strings (``ngram``, ``suffix``, ``lookahead[:W,N,G]``, ``none``, ``layerskip:L|DIR``, ``eagle:DIR``,
-``medusa:DIR``, ``mtp``, ``rest:FILE``, ``text:DIR``, a draft model directory): their grammar, checks and paths.
-Torch-free.
+``medusa:DIR``, ``pard:DIR``, ``mtp``, ``rest:FILE``, ``text:DIR``, a draft model directory): their grammar, checks and
+paths. Torch-free.
 
 Every edge that takes a drafter (``--draft``, the Serve ``draft`` setting, Python) parses the same
 strings. :func:`check_drafter_spec` refuses a spec that names nothing here with a message listing
@@ -27,13 +27,14 @@ BUILTIN_DRAFTERS = ("none", "ngram", "suffix", "lookahead")
 LAYERSKIP_PREFIX = "layerskip:"
 EAGLE_PREFIX = "eagle:"
 MEDUSA_PREFIX = "medusa:"
+PARD_PREFIX = "pard:"  # pard:DIR, a PARD draft model (a causal LM whose config names a pard_token)
 REST_PREFIX = "rest:"  # rest:FILE, a token datastore file (specserve datastore build)
 LOOKAHEAD_PREFIX = "lookahead:"  # lookahead:W,N,G, Lookahead decoding with a window W, n-grams N, G candidates
 TEXT_PREFIX = "text:"  # text:DIR, a draft model with another tokenizer, drafting through text
 MTP_SPEC = "mtp"  # the multi-token-prediction layer the target's own checkpoint carries (DeepSeek-V3, GLM-4.5)
 LOOKAHEAD_DEFAULTS = (4, 3, 4)  # W, N, G of a bare ``lookahead``
 MAX_PROBE_NODES = 256  # W x (N - 1) at most: the window is computed in every verify forward
-DIRECTORY_PREFIXES = (EAGLE_PREFIX, MEDUSA_PREFIX, LAYERSKIP_PREFIX, TEXT_PREFIX)
+DIRECTORY_PREFIXES = (EAGLE_PREFIX, MEDUSA_PREFIX, PARD_PREFIX, LAYERSKIP_PREFIX, TEXT_PREFIX)
 
 # Every form, as the error message lists them ("DIR" alone: a draft model directory).
 FORMS = (
@@ -46,6 +47,7 @@ FORMS = (
     "layerskip:DIR",
     "eagle:DIR",
     "medusa:DIR",
+    "pard:DIR",
     "mtp",
     "rest:FILE",
     "text:DIR",
