@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import TinyPair
+from conftest import TinyPair, build_model
 from filelock import FileLock
 
 from specserve.core.model.causal_lm import CausalLM, select_features
@@ -19,6 +19,7 @@ from specserve.core.sampling.params import SamplingParams
 from specserve.core.tree.shapes import ROOT
 from specserve.drafters.eagle_head import EagleConfig, EagleHead
 from specserve.drafters.medusa import MedusaHeads
+from specserve.training import loop
 from specserve.training.eagle import EagleRecipe, train_head
 from specserve.training.medusa import heads_for
 
@@ -131,3 +132,15 @@ def check_tree_logits(
                 torch.testing.assert_close(logits[row], reference(committed, path), **tolerance)
         session.close()
     return root
+
+
+def periodic(length: int, offset: int = 0) -> torch.Tensor:
+    return (torch.arange(offset, offset + length) * 7 % 31) + 3  # tokens 3 .. 33 in a fixed order
+
+
+def trained_target() -> CausalLM:
+    """A tiny target that has learnt the periodic stream: what it says next is predictable, as in real text."""
+    model = build_model("llama", seed=2)
+    cfg = loop.TrainConfig(steps=60, batch_size=8, seq_len=32, peak_lr=1e-2, warmup_steps=4, bf16_autocast=False)
+    loop.train(model, periodic(3000), loop.next_token_loss, cfg, desc="tiny target")
+    return CausalLM(model)

@@ -1,4 +1,5 @@
-"""`specserve train eagle|medusa|exit-head`: each trains a head for a tiny saved target on a user's folder,
+"""`specserve train eagle|medusa|exit-head|pard`: each trains a head (or adapts the draft model) for a tiny saved target
+on a user's folder,
 writes a loadable HF-style directory with a card and a summary, resumes from its checkpoints, and the
 result drafts through `specserve generate --draft ...` without changing the output. An EAGLE-3 head is saved in
 both published layouts (SafeAILab's, and vLLM's speculators format)."""
@@ -13,7 +14,7 @@ from conftest import TinyPair, build_model
 
 from specserve.cli import main
 
-SPECS = {"eagle": "eagle:", "medusa": "medusa:", "exit-head": "layerskip:"}
+SPECS = {"eagle": "eagle:", "medusa": "medusa:", "exit-head": "layerskip:", "pard": "pard:"}
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -32,7 +33,7 @@ def data_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("what", ["eagle", "medusa", "exit-head"])
+@pytest.mark.parametrize("what", ["eagle", "medusa", "exit-head", "pard"])
 def test_train_a_head_then_draft_with_it(
     what: str, capsys: pytest.CaptureFixture[str], saved_pair_dirs: dict[str, Path], data_folder: Path, tmp_path: Path
 ) -> None:
@@ -40,6 +41,7 @@ def test_train_a_head_then_draft_with_it(
     argv = ["train", what, "--target", target, "--data", str(data_folder), "--out", str(out), "--steps", "4"]
     argv += ["--batch-size", "2", "--seq-len", "16", "--max-tokens", "3000"]
     argv += ["--layers", "1"] if what == "exit-head" else []
+    argv += ["--init-from", str(saved_pair_dirs["draft"])] if what == "pard" else []  # the tiny pair's draft model
     code, _, stderr = run_cli(capsys, *argv)
     assert code == 0, stderr
     assert f"--draft {SPECS[what]}{out}" in stderr

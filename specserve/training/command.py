@@ -1,8 +1,10 @@
-"""``specserve train``: the default model pair, or a drafter head (EAGLE, Medusa, exit head) for a frozen target.
+"""``specserve train``: the default model pair, a drafter head (EAGLE, Medusa, exit head) for a frozen target, or a
+PARD draft model adapted from a draft model.
 
 Arguments and the entry point only: :mod:`specserve.training.pipeline` trains the pair,
 :mod:`~specserve.training.eagle`, :mod:`~specserve.training.medusa` and
-:mod:`~specserve.training.exit_head` the heads (each imported when chosen). Options left out keep
+:mod:`~specserve.training.exit_head` the heads, :mod:`~specserve.training.pard` the PARD draft (each imported when
+chosen). Options left out keep
 each recipe's own defaults.
 """
 
@@ -15,19 +17,21 @@ import sys
 from pathlib import Path
 
 from specserve import defaults
-from specserve.core.draft.spec_strings import EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX
+from specserve.core.draft.spec_strings import EAGLE_PREFIX, LAYERSKIP_PREFIX, MEDUSA_PREFIX, PARD_PREFIX
 from specserve.core.errors import UserError
 
-TRAINABLE = ("pair", "eagle", "medusa", "exit-head")
-DRAFT_PREFIX = {"eagle": EAGLE_PREFIX, "medusa": MEDUSA_PREFIX, "exit-head": LAYERSKIP_PREFIX}  # how --draft loads each
+TRAINABLE = ("pair", "eagle", "medusa", "exit-head", "pard")
+# how --draft loads each
+DRAFT_PREFIX = {"eagle": EAGLE_PREFIX, "medusa": MEDUSA_PREFIX, "exit-head": LAYERSKIP_PREFIX, "pard": PARD_PREFIX}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "`train` / `train pair`: the default target and draft model on the Python standard library. "
         "`train eagle|medusa|exit-head --target DIR`: a drafter head for a frozen target, on the default corpus or "
-        "--data FOLDER; checkpoints under OUT/checkpoints (a rerun resumes), a held-out acceptance report, "
-        "a model card; load the result with --draft eagle:OUT, medusa:OUT or layerskip:OUT."
+        "--data FOLDER; `train pard`: the shipped draft model (or --init-from DIR) adapted to draft a block per "
+        "forward; checkpoints under OUT/checkpoints (a rerun resumes), a held-out acceptance report, "
+        "a model card; load the result with --draft eagle:OUT, medusa:OUT, layerskip:OUT or pard:OUT."
     )
     parser.add_argument("what", nargs="?", choices=TRAINABLE, default="pair", help="what to train (default: pair)")
     parser.add_argument("--out", help="output directory (default: models/ for the pair, models/<what>/ for a head)")
@@ -52,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     head.add_argument("--speculative-tokens", type=int, help="eagle3: the γ the speculators copy suggests")
     head.add_argument("--feature-layers", help="eagle: comma-separated target layers to fuse (default: low,mid,top)")
     head.add_argument("--unroll", type=int, help="eagle: training-time-test steps on the head's own outputs")
-    head.add_argument("--init-from", help="eagle: continue from this trained head (a fresh schedule over its weights)")
+    head.add_argument(
+        "--init-from",
+        help="eagle: continue from this trained head (a fresh schedule over its weights); pard: the draft model to "
+        "adapt (default: the shipped one)",
+    )
+    head.add_argument("--block-size", type=int, help="pard: drafts per forward the model learns (default 4)")
     head.add_argument("--heads", type=int, help="medusa: number of heads (tokens t+2 .. t+1+heads)")
     head.add_argument("--layers", type=int, help="exit-head: the exit layer L")
 
@@ -70,6 +79,7 @@ def run_command(args: argparse.Namespace) -> int:
         "layers",
         "draft_vocab",
         "speculative_tokens",
+        "block_size",
     ):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "unroll" else 1):
@@ -98,6 +108,12 @@ def run_command(args: argparse.Namespace) -> int:
                 ) from exc
         recipe = dataclasses.replace(EagleRecipe(), **{k: v for k, v in options.items() if v is not None})
         summary = train_eagle(args.target, out, recipe, data_folder=args.data, init_from=args.init_from)
+    elif args.what == "pard":
+        from specserve.training.pard import PardRecipe, train_pard
+
+        options = {**common, "block_size": args.block_size}
+        pard = dataclasses.replace(PardRecipe(), **{k: v for k, v in options.items() if v is not None})
+        summary = train_pard(args.target, out, pard, draft_dir=args.init_from, data_folder=args.data)
     elif args.what == "medusa":
         from specserve.training.medusa import train_medusa
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REF_TOKENS, TinyPair, build_model, char_tokenizer
-from head_helpers import random_heads
+from head_helpers import periodic, random_heads, trained_target
 from safetensors.torch import load_file
 from stats_helpers import chi2_pvalue
 
@@ -280,18 +280,6 @@ def test_two_tokens_emitted_with_a_sampled_tree_follow_the_target_joint_law() ->
 
 # ---------------------------------------------------------------------------------------------
 # Training
-
-
-def periodic(length: int, offset: int = 0) -> torch.Tensor:
-    return (torch.arange(offset, offset + length) * 7 % 31) + 3  # tokens 3 .. 33 in a fixed order
-
-
-def trained_target() -> CausalLM:
-    """A tiny target that has learnt the periodic stream: what it says next is predictable, as in real text."""
-    model = build_model("llama", seed=2)
-    cfg = loop.TrainConfig(steps=60, batch_size=8, seq_len=32, peak_lr=1e-2, warmup_steps=4, bf16_autocast=False)
-    loop.train(model, periodic(3000), loop.next_token_loss, cfg, desc="tiny target")
-    return CausalLM(model)
 
 
 def test_training_lowers_the_loss_and_raises_acceptance(tmp_path: Path) -> None:
