@@ -5,7 +5,9 @@ holds a feature head's drafts at every node of a tree against a reference forwar
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -144,3 +146,13 @@ def trained_target() -> CausalLM:
     cfg = loop.TrainConfig(steps=60, batch_size=8, seq_len=32, peak_lr=1e-2, warmup_steps=4, bf16_autocast=False)
     loop.train(model, periodic(3000), loop.next_token_loss, cfg, desc="tiny target")
     return CausalLM(model)
+
+
+def save_pard(source: Path, where: Path, **fields: object) -> Path:
+    """The draft checkpoint at ``source`` copied to ``where`` with ``fields`` added to its config (a PARD checkpoint
+    as published: ``pard_token=.., spd_type="pard"``)."""
+    shutil.copytree(source, where)
+    config = json.loads((where / "config.json").read_text())
+    config.update(fields)
+    (where / "config.json").write_text(json.dumps(config))
+    return where

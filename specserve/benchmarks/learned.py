@@ -17,6 +17,8 @@ The cells:
 * ``draft chain`` / ``draft tree`` — the small draft model (chain γ, and a dynamic tree);
 * ``eagle chain`` / ``eagle tree`` — the trained EAGLE head (chain, and EAGLE-2 dynamic trees);
 * ``medusa tree`` — the trained Medusa heads' static tree (best-first over their calibrated ranks);
+* ``pard chain`` / ``pard tree`` — the PARD draft model (``--pard``, ``specserve train pard``): a whole block in one
+  forward (chain γ, and a tree of the block's per-position top tokens);
 * ``layerskip`` — the target's first L layers, plain and with the trained exit head;
 * ``ngram`` — prompt lookup (chains of γ and 16, and a tree of several earlier matches);
 * ``suffix`` — suffix decoding (chains of γ and 16: its draft length follows the match, so 16 is only a cap;
@@ -110,6 +112,7 @@ class DrafterBenchConfig:
     eagle: str
     medusa: str
     exit_head: str
+    pard: str = str(defaults.MODELS_DIR / "pard")
     dtype: str = "float32"
     prompts_file: str | None = None
     num_prompts: int = 6
@@ -174,6 +177,8 @@ def _plan(cfg: DrafterBenchConfig) -> list[tuple[str, str, GenerationConfig, str
         ("eagle tree 8 (d5 w2 e1)", eagle, tree(5, 2, 8, 1), cfg.eagle),
         ("eagle tree 16 (d6 w3 e3)", eagle, tree(6, 3, 16, 3), cfg.eagle),
         ("medusa tree 8", medusa, tree(4, 4, 8), cfg.medusa),
+        (f"pard chain {gamma}", f"pard:{cfg.pard}", chain, cfg.pard),
+        ("pard tree 8 (d4 w2)", f"pard:{cfg.pard}", tree(4, 2, 8), cfg.pard),
         (f"layerskip:{cfg.layerskip_layers} chain 3", f"layerskip:{cfg.layerskip_layers}", short, None),
         ("layerskip + exit head chain 3", f"layerskip:{cfg.exit_head}", short, cfg.exit_head),
         (f"ngram chain {gamma}", "ngram", chain, None),
@@ -438,6 +443,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eagle", default=str(defaults.MODELS_DIR / "eagle"), help="trained EAGLE head directory")
     parser.add_argument("--medusa", default=str(defaults.MODELS_DIR / "medusa"), help="trained Medusa heads directory")
     parser.add_argument("--exit-head", default=str(defaults.MODELS_DIR / "exit-head"), help="trained exit head dir")
+    parser.add_argument("--pard", default=str(defaults.MODELS_DIR / "pard"), help="PARD draft model directory")
     add_prompt_arguments(parser, num_prompts=6)
     add_max_new_tokens_argument(parser)
     parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
@@ -470,7 +476,7 @@ def config_from_args(args: argparse.Namespace) -> DrafterBenchConfig:
             f"--tokenizer TARGET_DIR --out {args.datastore}` (or `make datastore`)"
         )
     return DrafterBenchConfig(
-        **options(args, "target", "draft", "eagle", "medusa", "exit_head", "num_prompts", "max_new_tokens"),
+        **options(args, "target", "draft", "eagle", "medusa", "exit_head", "pard", "num_prompts", "max_new_tokens"),
         **options(args, "rounds", "gamma", "workload"),
         datastore=args.datastore or str(DEFAULT_DATASTORE),
         prompts_file=args.prompts,

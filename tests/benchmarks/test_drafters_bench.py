@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TinyPair
-from head_helpers import trained_head
+from head_helpers import save_pard, trained_head
 
 from specserve import cli
 from specserve.benchmarks import batch, learned
@@ -48,6 +48,7 @@ def test_small_run_covers_every_drafter_and_writes_the_report(
     trained_head(pair).save(tmp_path / "eagle")
     heads_for(pair.target.model, num_heads=2).save(tmp_path / "medusa")
     save_exit_head(tmp_path / "exit", ExitHead(pair.target.model.config.hidden_size).double(), pair.target, 1)
+    save_pard(models / "draft", tmp_path / "pard", pard_token=0, spd_type="pard")
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS[:2]))
     cfg = learned.DrafterBenchConfig(
@@ -56,6 +57,7 @@ def test_small_run_covers_every_drafter_and_writes_the_report(
         eagle=str(tmp_path / "eagle"),
         medusa=str(tmp_path / "medusa"),
         exit_head=str(tmp_path / "exit"),
+        pard=str(tmp_path / "pard"),
         dtype="float64",
         prompts_file=str(prompts),
         num_prompts=2,
@@ -69,7 +71,7 @@ def test_small_run_covers_every_drafter_and_writes_the_report(
     for name in ("drafters.json", "drafters.md", "drafters.png"):
         assert (tmp_path / "out" / name).is_file()
     names = {row["name"] for row in report["rows"]}
-    for kind in ("plain", "draft chain", "draft tree", "eagle chain", "eagle tree", "medusa tree", "layerskip"):
+    for kind in ("plain", "draft chain", "draft tree", "eagle chain", "eagle tree", "medusa tree", "pard", "layerskip"):
         assert any(name.startswith(kind) for name in names), kind
     assert "hf assisted 4" in names and "ngram chain 4" in names and "hf prompt lookup 4" in names
     for kind in (
@@ -96,10 +98,12 @@ def test_small_run_covers_every_drafter_and_writes_the_report(
 
 def test_missing_heads_are_left_out(tmp_path: Path) -> None:
     cfg = learned.DrafterBenchConfig(
-        target="t", draft=str(tmp_path), eagle=str(tmp_path / "no"), medusa=str(tmp_path), exit_head=str(tmp_path)
-    )
+        target="t", draft=str(tmp_path), eagle=str(tmp_path / "no"), medusa=str(tmp_path), exit_head=str(tmp_path),
+        pard=str(tmp_path / "no"),
+    )  # fmt: skip
     names = {cell.name for cell in learned.cells(cfg)}
-    assert not any(name.startswith(("eagle", "medusa", "layerskip +", "draft", "hf assisted")) for name in names)
+    left_out = ("eagle", "medusa", "pard", "layerskip +", "draft", "hf assisted")
+    assert not any(name.startswith(left_out) for name in names)
     assert "plain" in names and any(name.startswith("ngram") for name in names)
 
 

@@ -11,14 +11,13 @@ one line; the batched engine gives each request its solo output.
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import PAD_ID, REF_TOKENS, TinyPair, finish_all
+from head_helpers import save_pard
 from stats_helpers import draws_over_seeds, two_token_fit
 
 from specserve.core.batch_engine import BatchedEngine
@@ -47,15 +46,6 @@ def reference_block(draft: CausalLM, context: Sequence[int], size: int) -> torch
 def started(drafter: PardDrafter, prompt: Sequence[int], params: SamplingParams = GREEDY, seed: int = 0) -> PardDrafter:
     drafter.start(list(prompt), params, torch.Generator().manual_seed(seed))
     return drafter
-
-
-def save_pard(source: Path, where: Path, **fields: object) -> Path:
-    """The draft checkpoint at ``source`` copied to ``where`` with ``fields`` added to its config."""
-    shutil.copytree(source, where)
-    config = json.loads((where / "config.json").read_text())
-    config.update(fields)
-    (where / "config.json").write_text(json.dumps(config))
-    return where
 
 
 @pytest.fixture(scope="module")
