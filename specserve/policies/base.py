@@ -49,6 +49,9 @@ class PolicyState:
     # block sizes k whose verify bucket costs more than a wider bucket: verify_seconds prices them at the wider one
     # (the lower envelope), but the engine pads them only to their own, so no chain of such a k is drafted
     dominated_ks: frozenset[int] = frozenset()
+    # draft depths the replica's measured ceiling vetoes now (specserve.policies.ceiling): a budget that deep would
+    # be cut below it, so a policy that can should choose among the others (plain decoding is never vetoed)
+    vetoed_depths: frozenset[int] = frozenset()
     extra: dict[str, float] = field(default_factory=dict)
 
     def optimistic(self, z: float) -> PolicyState:

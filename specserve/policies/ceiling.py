@@ -227,6 +227,15 @@ class ReplicaCeiling:
             assert last is not None  # only the deepest band is unbounded
             return last
 
+    def vetoed(self, max_depth: int, batch_size: int = 1) -> frozenset[int]:
+        """The draft depths 1 .. ``max_depth`` whose band is closed at ``batch_size``'s bucket now: what a policy
+        should not choose (a draft of such a depth would be cut below it). Opens a band for a trial as
+        :meth:`allowed` does."""
+        level = self._levels[bucket_of(batch_size)]
+        with self._lock:
+            self._start_trial(level)
+            return frozenset(d for d in range(1, max_depth + 1) if not level.bands[band_of(d)].open)
+
     def cap(self, batch_size: int = 1) -> int | None:
         """The deepest draft a request in a step of ``batch_size`` may make at all (0: plain decoding; None: no cap).
         Bands below it may be closed: :meth:`allowed` says what a draft of a given depth becomes."""

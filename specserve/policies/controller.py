@@ -27,9 +27,10 @@ against, it is never observed while speculating, and its cost is not on the line
 Budgets are clipped here, never in policies: to ``max_gamma_cap`` draft depth (a replica's limit), to
 ``remaining − 1`` (a cycle always adds one token of its own: recovered or bonus) and, given a
 :class:`~specserve.policies.ceiling.ReplicaCeiling`, to the deepest depth its measured cycles say still pays at the
-step's batch size (its band open, at most the budget's depth). A tree deeper than allowed is cut to a dynamic tree of
-the allowed depth, or to a chain when it is a static topology. No band open is plain decoding: the fallback when no
-drafting pays.
+step's batch size (its band open, at most the budget's depth); the depths it vetoes are given to the policy
+(``PolicyState.vetoed_depths``), so an adaptive policy chooses among the open ones. A tree deeper than allowed is
+cut to a dynamic tree of the allowed depth, or to a chain when it is a static topology. No band open is plain
+decoding: the fallback when no drafting pays.
 
 Not here: timing (the caller measures seconds), drafting or verification, thread-safety of one request's
 controller (one request is driven by one thread; only the shared prior is locked).
@@ -200,6 +201,10 @@ class SpeculationController:
                 self.history.append(self._entry(Budget(0), Budget(0), remaining, probe=False, calibration=True))
                 return Budget(0)
         state = self._state = self.snapshot(batch_size)
+        if self.ceiling is not None:  # the depths the ceiling would cut are no choice (plain decoding never is cut)
+            vetoed = self.ceiling.vetoed(max(1, self.max_gamma_cap), batch_size)
+            if vetoed:
+                state = self._state = dataclasses.replace(state, vetoed_depths=vetoed)
         chosen = clip_budget(self.policy.decide(state), self.max_gamma_cap)
         if self._deferred_probe is not None and chosen.nodes == 0:
             chosen = self._deferred_probe

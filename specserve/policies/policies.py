@@ -21,7 +21,7 @@ from specserve.core.draft.schedule import POLICY_NAMES as REQUEST_POLICY_NAMES
 from specserve.core.errors import UserError
 from specserve.core.tree.shapes import TreeSpec
 from specserve.policies.base import Budget, Policy, PolicyState
-from specserve.policies.rates import predicted_rate
+from specserve.policies.rates import budget_depth, predicted_rate
 
 # ---------------------------------------------------------------------------------------------------------
 # Fixed and heuristic baselines
@@ -135,6 +135,10 @@ class AdaptivePolicy:
       bucket, never above a wider bucket's cost (:class:`~specserve.policies.costs.CostEstimator`). A
       chain whose block would run at a bucket dearer than a wider one (``state.dominated_ks``) is no candidate:
       it would pay its own bucket, while a longer chain fills the cheaper one. Plain decoding always stays one.
+    * **Vetoed depths** — a depth the replica's measured ceiling has closed (``state.vetoed_depths``,
+      :mod:`specserve.policies.ceiling`) is no candidate: a draft that deep would be cut below it, so the policy
+      chooses among the open depths and plain decoding instead (a closed one-token band must not turn the contexts
+      where a longer draft pays into plain decoding).
     * **Trees** — optional candidates (static topologies or dynamic budgets), rated with the simple tree
       model of :mod:`specserve.policies.rates`; chains are the main case.
     """
@@ -190,12 +194,14 @@ class AdaptivePolicy:
         )
 
     def rates(self, state: PolicyState) -> dict[Budget, float]:
-        """Predicted tokens per second of every candidate (chains of a dominated block size left out)."""
-        dominated = state.dominated_ks
+        """Predicted tokens per second of every candidate (chains of a dominated block size and drafts of a depth
+        the replica's ceiling vetoes left out; plain decoding always stays)."""
+        dominated, vetoed = state.dominated_ks, state.vetoed_depths
         return {
             b: predicted_rate(state, b, self.overlap)
             for b in self.candidates
             if not (dominated and b.tree is None and b.gamma > 0 and b.gamma + 1 in dominated)
+            and not (vetoed and b.nodes > 0 and budget_depth(b) in vetoed)
         }
 
     def margin(self, cycles_since_change: int) -> float:

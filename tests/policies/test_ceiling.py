@@ -25,7 +25,7 @@ from specserve.core.stats import merge_policy_reports
 from specserve.drafters.registry import build_drafter_set
 from specserve.policies.ceiling import BANDS, CeilingSettings, ReplicaCeiling, band_of, bucket_of, charged_depth
 from specserve.policies.controller import SpeculationController
-from specserve.policies.policies import FixedPolicy
+from specserve.policies.policies import FixedPolicy, build_policy
 from specserve.policies.schedules import schedules
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
@@ -484,3 +484,21 @@ def test_rare_drafts_of_every_depth_that_lose_together_end_in_plain_decoding() -
         caps.append(ceiling.cap())
     assert caps.index(0) == 15 and caps[15:] == [0] * 17  # at the pool's 16th cycle, and plain from then on
     assert ceiling.take_events()[-1].startswith("fell back: drafts of every depth open together measured 0.")
+
+
+def test_the_adaptive_policy_chooses_among_the_depths_the_ceiling_leaves_open() -> None:
+    """Drafts of 1 and 2 tokens closed (the draft model on greedy code: γ 1 and 2 measured 0.89x and 0.98x plain,
+    γ 3 1.11x). At α 0.5 an adaptive request chooses 2 drafts (66 of 79 decisions, every one cut to plain decoding,
+    before the vetoed depths were given to the policy); now it drafts 3 where that pays: no decision is cut, and it
+    keeps drafting."""
+    ceiling = ReplicaCeiling(CeilingSettings(min_cycles=2))
+    for depth in (1, 2):
+        for _ in range(4):
+            ceiling.observe(cycle(depth, 0, 1.6), PLAIN)
+    assert ceiling.open_bands() == ["3-4", "5-8", "9+"] and ceiling.vetoed(6) == frozenset({1, 2})
+    controller = SpeculationController(build_policy("adaptive", max_gamma=6), ceiling=ceiling, max_gamma_cap=6)
+    observations = run(controller, [0.5] * 80, seed=0)
+    decisions = [e for e in controller.history if not e["calibration"]]
+    assert all(e["gamma"] == 0 or e["gamma"] >= 3 for e in decisions)
+    assert not any("ceiling" in e for e in decisions)  # chosen among the open depths: nothing to cut
+    assert sum(1 for o in observations if o.depth >= 3) > 0.8 * len(observations)
