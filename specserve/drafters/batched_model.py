@@ -140,6 +140,17 @@ class BatchedDraftModel:
     def _draft(self, rows: Sequence[_Row]) -> None:
         """Catch every row up and draft its budget: after any long catch-ups, one forward per round over the rows
         still drafting (the first round feeds each row's short catch-up, then one token per row)."""
+        active = self._prepare(rows)
+        while active:
+            blocks = [BatchBlock.chain(row.seq_id, row.take(SHORT_CATCH_UP)) for row in active]
+            logits = self.model.forward_batch(self.pool, blocks, last_only=True, graphs=self.graphs)
+            for row, row_logits in zip(active, logits, strict=True):  # [1, vocab] each
+                row.guarded(partial(row.choose, row_logits[-1]))  # draws in the order given
+            active = [row for row in active if row.pending.numel() > 0]
+
+    def _prepare(self, rows: Sequence[_Row]) -> list[_Row]:
+        """The rows that draft, each caught up but for at most ``SHORT_CATCH_UP`` tokens still pending (its
+        grammar's matcher at the end of its committed text); long catch-ups are fed here, in rows of their own."""
         for row in rows:
             if row.budget > 0 and row.drafter.grammar is not None:  # the matcher at the end of the committed text
                 row.guarded(row.sync_grammar)
@@ -156,12 +167,7 @@ class BatchedDraftModel:
             for row in long:  # the rows that needed it pay for it (catch_up_seconds)
                 self._long_seconds[id(row)] = self._long_seconds.get(id(row), 0.0) + share
             long = [row for row in long if row.pending.numel() > 1]
-        while active:
-            blocks = [BatchBlock.chain(row.seq_id, row.take(SHORT_CATCH_UP)) for row in active]
-            logits = self.model.forward_batch(self.pool, blocks, last_only=True, graphs=self.graphs)
-            for row, row_logits in zip(active, logits, strict=True):  # [1, vocab] each
-                row.guarded(partial(row.choose, row_logits[-1]))  # draws in the order given
-            active = [row for row in active if row.pending.numel() > 0]
+        return active
 
     def _catch_up(self, row: _Row) -> torch.Tensor:  # [k] int64, the committed tokens the span lacks (k >= 1)
         """Roll the span back to the longest prefix of what it caches that is still committed (never the last

@@ -47,7 +47,7 @@ from specserve.core.sampling.warps import sample, warp_probs
 from specserve.core.static.options import StaticOptions
 from specserve.core.tree.draft_tree import DraftTree
 from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
-from specserve.core.verify.grammar import mask_logits
+from specserve.core.verify.grammar import DraftGrammar, mask_logits
 from specserve.core.verify.invariant import invariant_tokens
 from specserve.drafters.medusa import DEFAULT_RANK_PROBS, tree_from_candidates
 from specserve.drafters.model import DraftModelDrafter
@@ -139,57 +139,81 @@ class PardDrafter(DraftModelDrafter):
         if budget <= 0:
             return Draft.empty(self._output_device)
         logits = self._block_logits(budget)
-        params, grammar = self._params, self._grammar
-        first = len(self._context)  # the absolute position of draft 1
-        if grammar is None and params.greedy:
-            return Draft(logits.argmax(-1).to(self._output_device), None)
-        if grammar is None and params.invariant_sampling:
-            return Draft(invariant_tokens(logits, params, range(first, first + budget)).to(self._output_device), None)
-        if grammar is not None:
-            grammar.sync(self._context)
-        tokens: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        for i in range(budget):
-            row = logits[i]
-            if grammar is not None:  # what the grammar allows after the text and the drafts before this one
-                row = mask_logits(row, grammar.allowed())
-            if params.greedy:
-                token = row.argmax(-1)
-            elif params.invariant_sampling:
-                token = invariant_tokens(row[None], params, [first + i])[0]
-            else:
-                assert self._generator is not None
-                warped = warp_probs(row, params)
-                token = sample(warped, self._generator)
-                probs.append(warped)
-            tokens.append(token)
-            if grammar is not None and not grammar.push(int(token)):
-                break  # the text ends here: nothing to draft after it
-        if grammar is not None:
-            grammar.rewind_drafts()
-        draft_probs = torch.stack(probs).to(self._output_device) if probs else None
-        return Draft(torch.stack(tokens).to(self._output_device), draft_probs)
+        return choose_block(logits, self._params, self._grammar, self._generator, self._context).to(self._output_device)
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
         """The static topology of ``spec`` (or of its dynamic budget) filled with each block position's top tokens."""
-        topology = spec.topology if spec.kind == "static" else self.topology_for(spec.budget)
-        assert topology is not None
+        topology = tree_topology(spec, self._topologies)
         depth = min(max((len(path) for path in topology.paths), default=0), self._room())
         if depth <= 0:
             return DraftTree.empty(self._output_device)
-        width = 1 + max(path[-1] for path in topology.paths if len(path) <= depth)
-        logits = self._block_logits(depth)
-        ranked = logits.topk(min(width, logits.shape[-1]), dim=-1).indices
-        tokens, parents = tree_from_candidates(ranked.tolist(), topology)
-        return DraftTree(torch.tensor(tokens, dtype=torch.long, device=self._output_device), parents)
-
-    def topology_for(self, budget: TreeBudget | None) -> TreeTopology:
-        """The static shape a dynamic budget stands for: the best-first topology of the default rank rates."""
-        assert budget is not None, "a dynamic tree spec carries a budget"
-        if budget not in self._topologies:
-            probs = DEFAULT_RANK_PROBS[: budget.width]
-            self._topologies[budget] = TreeTopology.best_first(budget.nodes, probs, budget.depth)
-        return self._topologies[budget]
+        return block_tree(self._block_logits(depth), topology, self._output_device)
 
     def _room(self) -> int:
         return self.model.info.max_positions - len(self._context)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a block's logits become (one request alone, or a row of a batched forward)
+
+
+def choose_block(
+    logits: torch.Tensor,  # [K, vocab]: drafts 1 .. K's logits
+    params: SamplingParams,
+    grammar: DraftGrammar | None,
+    generator: torch.Generator | None,
+    context: Sequence[int],  # the committed text the block continues
+) -> Draft:
+    """The block's drafts: each position's argmax (greedy), keyed-noise token (drafter-invariant) or draw from its
+    warped law, sent as q; under a grammar each position masked by what it allows after the drafts before it, and
+    the block cut where the text ends. On the logits' device."""
+    first, size = len(context), logits.shape[0]
+    if grammar is None and params.greedy:
+        return Draft(logits.argmax(-1), None)
+    if grammar is None and params.invariant_sampling:
+        return Draft(invariant_tokens(logits, params, range(first, first + size)), None)
+    if grammar is not None:
+        grammar.sync(context)
+    tokens: list[torch.Tensor] = []
+    probs: list[torch.Tensor] = []
+    for i in range(size):
+        row = logits[i]
+        if grammar is not None:  # what the grammar allows after the text and the drafts before this one
+            row = mask_logits(row, grammar.allowed())
+        if params.greedy:
+            token = row.argmax(-1)
+        elif params.invariant_sampling:
+            token = invariant_tokens(row[None], params, [first + i])[0]
+        else:
+            assert generator is not None
+            warped = warp_probs(row, params)
+            token = sample(warped, generator)
+            probs.append(warped)
+        tokens.append(token)
+        if grammar is not None and not grammar.push(int(token)):
+            break  # the text ends here: nothing to draft after it
+    if grammar is not None:
+        grammar.rewind_drafts()
+    return Draft(torch.stack(tokens), torch.stack(probs) if probs else None)
+
+
+def tree_topology(spec: TreeSpec, cache: dict[TreeBudget, TreeTopology]) -> TreeTopology:
+    """The static shape of ``spec``: its topology, or the best-first topology of the default rank rates that its
+    dynamic budget stands for (kept in ``cache``)."""
+    if spec.kind == "static":
+        assert spec.topology is not None
+        return spec.topology
+    budget = spec.budget
+    assert budget is not None, "a dynamic tree spec carries a budget"
+    if budget not in cache:
+        cache[budget] = TreeTopology.best_first(budget.nodes, DEFAULT_RANK_PROBS[: budget.width], budget.depth)
+    return cache[budget]
+
+
+def block_tree(logits: torch.Tensor, topology: TreeTopology, device: torch.device) -> DraftTree:
+    """``topology`` (cut to the block's depth) filled with each block position's top tokens."""
+    depth = logits.shape[0]
+    width = 1 + max(path[-1] for path in topology.paths if len(path) <= depth)
+    ranked = logits.topk(min(width, logits.shape[-1]), dim=-1).indices
+    tokens, parents = tree_from_candidates(ranked.tolist(), topology)
+    return DraftTree(torch.tensor(tokens, dtype=torch.long, device=device), parents)

@@ -35,6 +35,7 @@ from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
 from specserve.drafters.pard import PardDrafter
+from specserve.drafters.pard_batch import BatchedPardModel
 from specserve.drafters.rest import RestDrafter
 from specserve.drafters.suffix import SuffixCache, SuffixDrafter
 from specserve.drafters.text import TextDrafter
@@ -186,8 +187,9 @@ def request_drafters(
     :class:`~specserve.drafters.batched_model.PooledDraftModelDrafter` of one
     :class:`~specserve.drafters.batched_model.BatchedDraftModel` whose KV pool holds that many requests of that
     many positions (a drafter holds its span from ``start`` to ``release``); with ``static`` options, its forwards
-    replay as captured graphs where they fit (:mod:`specserve.core.static.batch_graphs`). Other drafters are
-    unaffected."""
+    replay as captured graphs where they fit (:mod:`specserve.core.static.batch_graphs`). A configured PARD model
+    (``pard:DIR``) is pooled alike, all requests' blocks in one forward
+    (:class:`~specserve.drafters.pard_batch.BatchedPardModel`). Other drafters are unaffected."""
     if max_seq_len is not None and max_num_seqs is None:
         raise ValueError("max_seq_len sizes the draft model's KV pool; give max_num_seqs with it")
     configured: CausalLM | str = spec
@@ -197,14 +199,18 @@ def request_drafters(
         and not spec.startswith((*PROTOTYPE_PREFIXES, LOOKAHEAD_PREFIX))
     ):
         configured = CausalLM.load(Path(spec), dtype=dtype, device=device)  # a draft model directory: load it once
-    batcher = None
+    batcher: BatchedDraftModel | None = None
+    length = target.info.max_positions if max_seq_len is None else max_seq_len
     if max_num_seqs is not None and isinstance(configured, CausalLM):
-        length = target.info.max_positions if max_seq_len is None else max_seq_len
         batcher = BatchedDraftModel(configured, target, max_num_seqs, length, static=static)
+    elif max_num_seqs is not None and isinstance(spec, str) and spec.startswith(PARD_PREFIX):
+        built = build_drafter(spec, target, dtype=dtype, device=device)  # checked as pard:DIR is, then pooled
+        assert isinstance(built, PardDrafter)
+        batcher = BatchedPardModel(built.model, built.pard_token, target, max_num_seqs, length)
     if suffix_cache is None:
         suffix_cache = SuffixCache()  # the global store every request's suffix drafter shares
     prototype: Prototype | None = None
-    if isinstance(spec, str) and (spec == MTP_SPEC or spec.startswith(PROTOTYPE_PREFIXES)):
+    if batcher is None and isinstance(spec, str) and (spec == MTP_SPEC or spec.startswith(PROTOTYPE_PREFIXES)):
         built = build_drafter(spec, target, dtype=dtype, device=device, max_ngram=max_ngram, min_ngram=min_ngram)
         assert isinstance(built, Prototype)
         prototype = built  # never drafts itself: each request gets prototype.fresh()

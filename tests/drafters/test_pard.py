@@ -29,6 +29,7 @@ from specserve.core.sampling.params import SamplingParams
 from specserve.core.sampling.warps import warp_probs
 from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
 from specserve.drafters.pard import InvalidPardCheckpoint, PardDrafter
+from specserve.drafters.pard_batch import BatchedPardModel, PooledPardDrafter
 from specserve.drafters.registry import build_drafter, build_drafter_set, request_drafters
 
 HfGreedy = Callable[[CausalLM, Sequence[int], int], list[int]]
@@ -148,7 +149,9 @@ def test_batched_requests_get_their_solo_outputs(tiny_pairs: dict[str, TinyPair]
     pair = tiny_pairs["llama"]  # the saved PARD checkpoint is the llama pair's draft
     target = pair.target
     solo = SpeculativeEngine(target, build_drafter_set(f"pard:{pard_dir}", target))
-    engine = BatchedEngine(target, request_drafters(f"pard:{pard_dir}", target), max_num_seqs=4)
+    new_drafter = request_drafters(f"pard:{pard_dir}", target, max_num_seqs=4)
+    assert isinstance(new_drafter("default"), PooledPardDrafter)  # pooled: every request's block in one forward
+    engine = BatchedEngine(target, new_drafter, max_num_seqs=4)
     configs = [
         GenerationConfig(max_new_tokens=24, gamma=gamma, drafter=name)
         for gamma, name in ((3, "default"), (2, "default"), (4, "ngram"), (0, "none"))
@@ -158,6 +161,38 @@ def test_batched_requests_get_their_solo_outputs(tiny_pairs: dict[str, TinyPair]
     results = finish_all(engine)
     for request_id, prompt, config in zip(ids, prompts, configs, strict=True):
         assert results[request_id].output_ids == solo.generate(prompt, GREEDY, config).output_ids
+
+
+def test_one_forward_drafts_every_request_s_block(pair: TinyPair) -> None:
+    """Three requests (greedy, sampled, drafter-invariant; one with a long prompt to catch up first) drafting blocks
+    of 4, 2 and 3 in one pooled forward: each block's tokens and q are what the one-request drafter gives, over two
+    cycles (the masks and the rejected drafts left no trace in the spans)."""
+    batcher = BatchedPardModel(pair.draft, MASK, pair.target, max_num_seqs=3, max_seq_len=96)
+    prompts = [list(pair.prompts[0]), [7, 8, 9] * 8, list(pair.prompts[5])]
+    params = [GREEDY, SamplingParams(temperature=0.9, top_k=10, seed=4), SamplingParams(temperature=1.0, seed=2,
+              drafter_invariant=True)]  # fmt: skip
+    pooled = [batcher.new_drafter() for _ in prompts]
+    alone = [PardDrafter(pair.draft, MASK, pair.target) for _ in prompts]
+    for drafter in (*pooled, *alone):
+        index = (pooled + alone).index(drafter) % 3
+        drafter.start(prompts[index], params[index], torch.Generator().manual_seed(index))
+    for cycle, sizes in enumerate(((4, 2, 3), (3, 4, 1))):
+        forwards = batcher.forwards
+        together = batcher.propose_chains(pooled, list(sizes))
+        assert batcher.forwards == forwards + 1
+        for i, (draft, single) in enumerate(zip(together, alone, strict=True)):
+            reference = single.propose(sizes[i])
+            assert draft.tokens.tolist() == reference.tokens.tolist(), (cycle, i)
+            assert (draft.draft_probs is None) == (reference.draft_probs is None)
+            if draft.draft_probs is not None:
+                torch.testing.assert_close(draft.draft_probs, reference.draft_probs, atol=1e-5, rtol=1e-4)
+            committed = [*draft.tokens.tolist()[: cycle + 1], 11 + i]
+            pooled[i].accept(committed)
+            single.accept(committed)
+    assert [d.request_counters() for d in pooled] == [{"pard_forwards": 2}] * 3
+    for drafter in pooled:
+        drafter.release()
+    assert batcher.pool.free_tokens == batcher.pool.capacity
 
 
 # ---------------------------------------------------------------------------------------------
