@@ -1,4 +1,5 @@
-"""The shipped default pair in float32: greedy speculative output equals transformers' greedy decoding.
+"""The shipped default pair in float32 (and the shipped PARD draft model): greedy speculative output equals
+transformers' greedy decoding.
 
 In float32 a k-token verify pass and a 1-token decode step sum in different orders, so a near-tie
 between the top two logits can flip. A divergence is therefore tolerated only at a position whose
@@ -55,12 +56,15 @@ def references(shipped: tuple[CausalLM, CausalLM]) -> list[tuple[list[int], list
     return out
 
 
-@pytest.mark.parametrize("drafter_name", ["model", "ngram"])
+@pytest.mark.parametrize("drafter_name", ["model", "ngram", "pard"])
 def test_float32_greedy_matches_generate_up_to_near_ties(
     shipped: tuple[CausalLM, CausalLM], references: list[tuple[list[int], list[int]]], drafter_name: str
 ) -> None:
     target, draft = shipped
-    drafter = build_drafter(draft if drafter_name == "model" else "ngram", target)
+    pard = f"pard:{defaults.MODELS_DIR / 'pard'}"
+    specs: dict[str, str | CausalLM] = {"model": draft, "ngram": "ngram", "pard": pard}
+    spec = specs[drafter_name]
+    drafter = build_drafter(spec, target)
     engine = SpeculativeEngine(target, drafter)
     compared = 0
     for prompt, ref in references:
