@@ -112,7 +112,7 @@ class DrafterBenchConfig:
     eagle: str
     medusa: str
     exit_head: str
-    pard: str = str(defaults.MODELS_DIR / "pard")
+    pard: str
     dtype: str = "float32"
     prompts_file: str | None = None
     num_prompts: int = 6

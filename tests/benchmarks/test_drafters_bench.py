@@ -110,8 +110,9 @@ def test_missing_heads_are_left_out(tmp_path: Path) -> None:
 def test_model_free_cells_and_the_rest_cells_need_a_datastore(tmp_path: Path) -> None:
     missing = tmp_path / "missing.rest"
     cfg = learned.DrafterBenchConfig(
-        target="t", draft="d", eagle="e", medusa="m", exit_head="x", temperatures=(0.0,), datastore=str(missing)
-    )
+        target="t", draft="d", eagle="e", medusa="m", exit_head="x", pard="p", temperatures=(0.0,),
+        datastore=str(missing),
+    )  # fmt: skip
     names = [cell.name for cell in learned.cells(cfg)]
     assert {"suffix chain 4", "suffix tree 16 (d8 w3)", "hf prompt lookup 4", "ngram tree 16 (d8 w3)"} <= set(names)
     assert not any(name.startswith("rest") for name in names)
@@ -188,6 +189,7 @@ def test_multiturn_run_feeds_earlier_outputs_into_later_prompts(saved_pairs: dic
         eagle=str(tmp_path / "no"),
         medusa=str(tmp_path / "no"),
         exit_head=str(tmp_path / "no"),
+        pard=str(tmp_path / "no"),
         dtype="float64",
         prompts_file=str(prompts),
         num_prompts=3,
@@ -224,8 +226,9 @@ def test_repetitive_workload_from_a_prompts_file(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["import os\n\ndef walk(top):\n    return top + top\n"]))
     cfg = learned.DrafterBenchConfig(
-        target="t", draft="d", eagle="e", medusa="m", exit_head="x", prompts_file=str(prompts), workload="repetitive"
-    )
+        target="t", draft="d", eagle="e", medusa="m", exit_head="x", pard="p", prompts_file=str(prompts),
+        workload="repetitive",
+    )  # fmt: skip
     [text] = learned.workload_texts(cfg, lambda prompt: pytest.fail("no outputs needed"))
     assert text == "def walk(top):\n    return top + top\n\n# The same code, with top renamed to new_top:\n"
 
@@ -236,7 +239,7 @@ def test_a_bad_workload_is_a_clear_error(bad: str, capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert err.startswith("error: ") and f"unknown workload {bad!r}" in err and "code, repetitive, multiturn" in err
     with pytest.raises(UserError, match="unknown workload"):
-        learned.DrafterBenchConfig(target="t", draft="d", eagle="e", medusa="m", exit_head="x", workload=bad)
+        learned.DrafterBenchConfig(target="t", draft="d", eagle="e", medusa="m", exit_head="x", pard="p", workload=bad)
 
 
 def test_a_missing_datastore_flag_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
