@@ -45,7 +45,8 @@ position (together, what the single engine's prefill hands over at once: every p
 last), then each cycle's root and accepted tokens' from the step's verify forward (one
 :class:`~specserve.core.model.causal_lm.FeatureCapture` per row that wants them). A layer-skip drafter
 (:class:`~specserve.core.draft.drafter.SharesTargetKV`) is not given the target's cache here: a request's KV is
-its span of the pool, so the drafter keeps a cache of its own, as it does in a drafter process.
+its span of the pool, so the drafter keeps a cache of its own, which it fills by copying its layers' keys and values
+from that span (:class:`~specserve.core.draft.drafter.ReadsTargetPool`) rather than computing them.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from specserve.core.draft.drafter import (
     FeatureDrafter,
     PrefixReusing,
     Proposal,
+    ReadsTargetPool,
     check_can_draft,
     drafter_counters,
     probe_nodes,
@@ -421,10 +423,12 @@ class BatchedEngine(GenerationFrontend):
             request.submitted,
         )
         # No target cache for a layer-skip drafter: the request's KV is a span of the pool, not a cache it can draft
-        # in, so it keeps its own (as in a drafter process). A hidden-state drafter gets the prompt's features from
-        # the prefill's chunks (_prefill), but for the cached prefix it takes from its own store.
+        # in, so it keeps its own, filled from the span (ReadsTargetPool). A hidden-state drafter gets the prompt's
+        # features from the prefill's chunks (_prefill), but for the cached prefix it takes from its own store.
         started.side.start(request.prompt_ids, params, started.generators.draft)
         drafter = request.drafter
+        if isinstance(drafter, ReadsTargetPool):
+            drafter.follow_target_pool(self.pool, seq_id)
         if isinstance(drafter, FeatureDrafter):  # it follows the cached KV only as far as it holds the features
             request.reuse_limit = 0
             if self.cache is not None and isinstance(drafter, PrefixReusing):

@@ -21,7 +21,10 @@ KV: in one process the drafter shares the target's cache for its layers
 (:class:`~specserve.core.draft.drafter.SharesTargetKV`): the target's first L cache layers already hold the
 committed text but its last token, exactly what the view would compute, so each proposal feeds
 only the last committed token and the drafts into them and rolls them back before the target
-verifies. A drafter in another process (the distributed drafter actor) keeps a cache of its own.
+verifies. In a batched engine (:class:`~specserve.core.draft.drafter.ReadsTargetPool`) it keeps a cache of its own
+but fills it by copying the target's keys and values of its layers from the request's span of the pool, so the
+tokens it did not draft after (plain cycles, a pause) cost a copy, not a forward. A drafter in another process (the
+distributed drafter actor) keeps a cache of its own and computes it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
 from specserve.core.kv.cache import KVCache
+from specserve.core.kv.pool import KVPool
 from specserve.core.model.causal_lm import CausalLM
 from specserve.core.sampling.params import SamplingParams
 from specserve.core.static.options import StaticOptions
@@ -263,6 +267,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         self.layers = layers
         self.exit_head = exit_head
         self._shared: KVCache | None = None  # this request's view of the target cache's first layers
+        self._pool: tuple[KVPool, int] | None = None  # the batched target's pool and this request's sequence in it
 
     def fresh(self) -> LayerSkipDrafter:
         """A drafter for another request over the same early-exit view of the target (its layers and exit head
@@ -272,6 +277,7 @@ class LayerSkipDrafter(DraftModelDrafter):
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         super().start(prompt_ids, params, generator)
         self._shared = None
+        self._pool = None
 
     def use_static_shapes(self, options: StaticOptions) -> None:
         """Keeps its growing cache: it drafts on a view of the target's layers (or on the target's own cache)."""
@@ -284,8 +290,34 @@ class LayerSkipDrafter(DraftModelDrafter):
         self._shared = self._cache = shared
         self._cached = self._context[: shared.length]
 
+    def follow_target_pool(self, pool: KVPool, sequence: int) -> None:
+        """Fill its own cache from ``sequence``'s span of the batched target's ``pool`` (see
+        :class:`~specserve.core.draft.drafter.ReadsTargetPool`); a pool whose first layers keep no plain keys and values
+        (a latent, a recurrent state) is not followed: the drafter then computes its cache itself."""
+        self._pool = (pool, sequence) if pool.readable_layers(self.layers) else None
+
+    @torch.inference_mode()
+    def _copy_from_pool(self) -> None:
+        """Bring its cache up to the committed text but its last token: keep the longest prefix it holds of the
+        committed text and copy the target's keys and values after it from the pool."""
+        assert self._pool is not None and isinstance(self._cache, KVCache), "start() and follow_target_pool() first"
+        pool, sequence = self._pool
+        stop = min(pool.length(sequence), len(self._context) - 1)
+        keep = 0
+        limit = min(len(self._cached), stop)
+        while keep < limit and self._cached[keep] == self._context[keep]:
+            keep += 1
+        if keep >= stop:
+            return
+        self._cache.rollback(keep)
+        for layer, (keys, values) in enumerate(pool.read(sequence, self.layers, keep, stop)):
+            self._cache.inner.update(keys, values, layer)  # appended: a copy, the span stays the target's
+        self._cached = self._context[:stop]
+
     def propose(self, budget: int) -> Draft:
         if self._shared is None:
+            if self._pool is not None:
+                self._copy_from_pool()
             return super().propose(budget)
         self._cached = self._context[: self._shared.length]  # the target's cache: the committed text but its last
         try:
@@ -295,12 +327,19 @@ class LayerSkipDrafter(DraftModelDrafter):
             self._cached = self._context[:-1]
 
     def propose_tree(self, spec: TreeSpec) -> DraftTree:
-        if self._shared is not None:
-            if self._trees is None:
-                self._trees = TreeModelDrafter(self.model)
-                self._trees.start(self._context)
-            self._trees.use_cache(self._shared)
-        return super().propose_tree(spec)
+        if self._shared is None and self._pool is None:
+            return super().propose_tree(spec)
+        if self._pool is not None:
+            self._copy_from_pool()
+        if self._trees is None:
+            self._trees = TreeModelDrafter(self.model)
+            self._trees.start(self._context)
+        cache = self._shared if self._shared is not None else self._cache
+        assert isinstance(cache, KVCache)
+        self._trees.use_cache(cache)
+        tree = super().propose_tree(spec)
+        self._cached = self._context[: cache.length]  # the session rolled it back to the committed text but its last
+        return tree
 
     @classmethod
     def from_directory(cls, target: CausalLM, directory: str | Path) -> LayerSkipDrafter:

@@ -227,16 +227,27 @@ def check_target(config: MedusaConfig, target: CausalLM) -> None:
 
 @dataclass
 class _FeatureStore:
-    """The target's features of committed positions ``0 .. known - 1`` in a buffer that grows by doubling."""
+    """The target's features of committed positions ``first .. known - 1`` in a buffer that grows by doubling.
+
+    An empty store takes features from any position: a request served from the prefix cache is handed none before
+    its cache hit (:meth:`MedusaDrafter.reuse_prefix`). Once it holds some, a later block must continue them."""
 
     dtype: torch.dtype
     device: torch.device
     width: int
-    rows: torch.Tensor = field(init=False)  # [capacity, width]
+    rows: torch.Tensor = field(init=False)  # [capacity, width]: row i is position first + i
+    first: int = 0
     known: int = 0
 
     def __post_init__(self) -> None:
         self.rows = torch.empty(0, self.width, dtype=self.dtype, device=self.device)
+
+    def clear(self) -> None:
+        self.first = self.known = 0
+
+    def forget_from(self, position: int) -> None:
+        """Drop the features of positions ``position ..``."""
+        self.known = max(min(self.known, position), self.first)
 
     def add(self, start: int, features: torch.Tensor) -> None:  # features: [k, width]
         count = int(features.shape[0])
@@ -244,18 +255,22 @@ class _FeatureStore:
             return
         if features.dim() != 2 or int(features.shape[1]) != self.width:
             raise ValueError(f"features must be [k, {self.width}], got {tuple(features.shape)}")
-        if not 0 <= start <= self.known:
-            raise ValueError(f"features from position {start} leave a gap: only positions below {self.known} are known")
-        end = start + count
+        if self.known == self.first:  # empty: start anywhere
+            self.first = self.known = start
+        if not self.first <= start <= self.known:
+            raise ValueError(
+                f"features from position {start} leave a gap: only positions {self.first} .. {self.known - 1} are known"
+            )
+        begin, end = start - self.first, start - self.first + count
         if end > self.rows.shape[0]:
             grown = torch.empty(max(end, 2 * self.rows.shape[0], 64), self.width, dtype=self.dtype, device=self.device)
-            grown[: self.known] = self.rows[: self.known]
+            grown[:begin] = self.rows[:begin]
             self.rows = grown
-        self.rows[start:end] = features.to(self.device, self.dtype)
-        self.known = max(self.known, end)
+        self.rows[begin:end] = features.to(self.device, self.dtype)
+        self.known = max(self.known, start + count)
 
     def get(self, position: int) -> torch.Tensor | None:  # [width], or None when unknown
-        return self.rows[position] if 0 <= position < self.known else None
+        return self.rows[position - self.first] if self.first <= position < self.known else None
 
 
 class MedusaDrafter:
@@ -364,7 +379,7 @@ class MedusaDrafter:
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         self._context = list(prompt_ids)
-        self._features.known = 0
+        self._features.clear()
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
         """The target's features ``[k, hidden]`` of committed positions ``start ..`` (known rows are replaced)."""
@@ -377,7 +392,17 @@ class MedusaDrafter:
         if not 0 <= length <= len(self._context):
             raise ValueError(f"cannot rewind {len(self._context)} committed tokens to {length}")
         del self._context[length:]
-        self._features.known = min(self._features.known, length)
+        self._features.forget_from(length)
+
+    def reuse_prefix(self, namespace: str, tokens: Sequence[int]) -> int:
+        """How much of the prompt's cacheable positions ``tokens`` a request may take from the target's prefix cache:
+        all but the last, whose feature the heads read first (the feature of the token before the last committed
+        one). Medusa keeps nothing across requests, so the target's cache is all it needs
+        (:class:`~specserve.core.draft.drafter.PrefixReusing`)."""
+        return max(len(tokens) - 1, 0)
+
+    def keep_prefix(self) -> None:
+        """Nothing to keep: the heads read one feature, which the target computes for each request."""
 
     def propose(self, budget: int) -> Draft:
         """Heads 1 .. min(K, budget)'s top-1 tokens; empty while the feature they read is unknown."""

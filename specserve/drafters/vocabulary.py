@@ -7,8 +7,15 @@ so that neither has to import the other for it. Only compares vocabularies; draf
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 from specserve.core.errors import UserError
 from specserve.core.model.causal_lm import CausalLM, TargetDescription
+
+# target tokenizer -> draft tokenizers already found to match it (each per-request drafter checks again: comparing two
+# vocabularies of 50k entries cost 8 ms a request)
+_MATCHED: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
 
 
 class VocabularyMismatch(UserError):
@@ -23,7 +30,10 @@ def check_same_vocabulary(target: CausalLM | TargetDescription, draft: CausalLM)
             f"{target.info.path} has {target.info.vocab_size}; a draft model must share the target's tokenizer, "
             f"or draft through text: --draft text:{draft.info.path}"
         )
-    if target.tokenizer is None or draft.tokenizer is None:
+    if target.tokenizer is None or draft.tokenizer is None or target.tokenizer is draft.tokenizer:
+        return
+    matched = _MATCHED.setdefault(target.tokenizer, weakref.WeakSet())
+    if draft.tokenizer in matched:
         return
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise VocabularyMismatch(
@@ -31,3 +41,4 @@ def check_same_vocabulary(target: CausalLM | TargetDescription, draft: CausalLM)
             "(same size, different token ids); a draft model must share the target's tokenizer, or draft through "
             f"text: --draft text:{draft.info.path}"
         )
+    matched.add(draft.tokenizer)

@@ -359,3 +359,73 @@ def test_drafting_on_the_target_cache_proposes_the_same_and_gives_it_back_untouc
         assert sequence.length == len(prompt) - 1
         for (k0, v0), (k1, v1) in zip(before, sequence.cache.snapshot(), strict=True):
             assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+@pytest.mark.parametrize("with_head", [False, True])
+def test_following_the_pool_proposes_the_same_and_catches_up_by_copying(with_head: bool) -> None:
+    """In a batched engine the drafter fills its own cache from the request's span of the target's pool: the same
+    proposals (chains and trees) as a drafter computing its cache, the copied keys and values equal to what the view
+    computes, and after tokens it did not draft after (plain cycles) its catch-up forward feeds only the last
+    committed token; the span is left as it was."""
+    from specserve.core.batch_step import LocalPool
+    from specserve.core.kv.pool import KVPool
+    from specserve.core.target import PooledSequence
+
+    target = greedy_target("llama")
+    head = random_exit_head(seed=2) if with_head else None
+    context = [5, 17, 23, 8, 30, 41, 9]
+    pool = KVPool(target.model, capacity=64)
+    ops = LocalPool(target, pool)
+    sequence = PooledSequence(ops, pool.allocate(32))
+    sequence.forward(torch.tensor(context[:-1]), last_only=True)  # what the engine's prefill leaves
+    following, own = LayerSkipDrafter(target, 2, head), LayerSkipDrafter(target, 2, head)
+    for drafter in (following, own):
+        drafter.start(context, SamplingParams(), torch.Generator())
+    following.follow_target_pool(pool, sequence.seq_id)
+    fed: list[int] = []
+    forward = following.model.forward
+
+    def counting(cache, input_ids, **kwargs):  # type: ignore[no-untyped-def]
+        fed.append(len(input_ids))
+        return forward(cache, input_ids, **kwargs)
+
+    following.model.forward = counting  # type: ignore[method-assign]
+    spec = TreeSpec("dynamic", budget=TreeBudget(3, 2, 5))
+    for plain_cycles in (0, 3):
+        for _ in range(plain_cycles):  # the target commits a token; the drafter does not draft after it
+            token = int(target.forward(target.new_cache(), torch.tensor(context), last_only=True)[-1].argmax())
+            sequence.forward(torch.tensor(context[-1:]), last_only=True)
+            context.append(token)
+            for drafter in (following, own):
+                drafter.accept([token])
+        fed.clear()
+        assert following.propose(4).tokens.tolist() == own.propose(4).tokens.tolist()
+        assert fed[0] == 1  # the last committed token only: the rest was copied
+        assert following.propose_tree(spec).tokens.tolist() == own.propose_tree(spec).tokens.tolist()
+        assert sequence.length == len(context) - 1
+    (keys, values), *_ = pool.read(sequence.seq_id, 2, 0, len(context) - 1)
+    computed = following.model.new_cache()
+    forward(computed, torch.tensor(context[:-1]), last_only=True)
+    own_keys, own_values = computed.snapshot()[0]
+    torch.testing.assert_close(following._cache.snapshot()[0][0][:, :, : len(context) - 1], own_keys)
+    torch.testing.assert_close(keys, own_keys)
+    torch.testing.assert_close(values, own_values)
+
+
+def test_a_pool_it_cannot_read_is_not_followed() -> None:
+    """A pool whose first layers keep latents (multi-head latent attention) cannot be copied from: the drafter
+    computes its own cache, and reading it is refused in one line."""
+    from specserve.core.kv.pool import KVPool
+
+    target = greedy_target("llama")
+    pool = KVPool(target.model, capacity=16)
+    sequence = pool.allocate(8)
+    with pytest.raises(ValueError, match=r"cannot read positions 0\.\.3"):
+        pool.read(sequence, 1, 0, 3)
+    pool.gathers = True
+    drafter = LayerSkipDrafter(target, 2)
+    drafter.start([1, 2, 3], SamplingParams(), torch.Generator())
+    drafter.follow_target_pool(pool, sequence)
+    assert drafter._pool is None
+    with pytest.raises(ValueError, match="do not all keep plain keys and values"):
+        pool.read(sequence, 1, 0, 0)

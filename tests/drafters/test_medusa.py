@@ -201,6 +201,27 @@ def test_features_follow_accept_and_rewind(pair: TinyPair) -> None:
         drafter.rewind(9)
 
 
+def test_a_request_served_from_the_prefix_cache_needs_only_the_next_to_last_feature(pair: TinyPair) -> None:
+    """A prefix-cache hit leaves the drafter no features before it: it takes the cached KV of all the prompt's
+    cacheable positions but the last (``reuse_prefix``), its store starts where the prefill's features start, and it
+    proposes what a drafter given every feature proposes; a later block must still continue the ones it holds."""
+    target, prompt = pair.target, [5, 17, 23, 8, 30, 41]
+    heads = random_heads(target, seed=2)
+    drafter = MedusaDrafter.for_target(heads, target)
+    drafter.start(prompt, GREEDY, torch.Generator())
+    assert drafter.reuse_prefix("ns", prompt[:-1]) == len(prompt) - 2 and drafter.reuse_prefix("ns", []) == 0
+    features = features_of(target, prompt)
+    drafter.add_features(len(prompt) - 2, features[len(prompt) - 2 : len(prompt) - 1])  # what the prefill computes
+    want = [row[0] for row in ranked_by_heads(heads, target, prompt, 1)]
+    assert drafter.propose(3).tokens.tolist() == want
+    drafter.accept([int(want[0])])
+    with pytest.raises(ValueError, match="only positions 4 .. 4 are known"):
+        drafter.add_features(6, features[:1])
+    drafter.rewind(2)  # before the first feature it holds: none left, and none read
+    assert drafter.propose(3).gamma == 0
+    drafter.keep_prefix()  # nothing to keep
+
+
 def test_tree_from_candidates_fills_paths_by_depth_and_rank() -> None:
     candidates = [[10, 11, 12], [20, 21]]  # head 1's three best, head 2's two best
     tokens, parents = tree_from_candidates(candidates, TOPOLOGY)

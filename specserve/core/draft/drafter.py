@@ -29,6 +29,7 @@ import torch
 from specserve.core.draft.schedule import Budget
 from specserve.core.errors import InvalidRequest
 from specserve.core.kv.cache import KVCache
+from specserve.core.kv.pool import KVPool
 from specserve.core.sampling.params import SamplingParams
 from specserve.core.tree.draft_tree import (
     ChildSampling,
@@ -234,6 +235,20 @@ class SharesTargetKV(Protocol):
     """
 
     def share_target_cache(self, cache: KVCache) -> None: ...
+
+
+@runtime_checkable
+class ReadsTargetPool(Protocol):
+    """A drafter made of the target's own first layers (layer-skip) in a batched engine of this process.
+
+    After ``start`` the engine hands it the pool and the request's sequence. Before each proposal the request's span
+    holds the committed text but its last token, as the target's own layers computed it — what the drafter's layers
+    would compute — so the drafter copies the keys and values its cache lacks from there instead of computing them: a
+    catch-up after cycles it did not draft (the adaptive policy's plain cycles, a probe after a pause) is a copy, not a
+    forward over every token it missed. Its drafts' keys stay in its own cache; the span is the target's alone.
+    """
+
+    def follow_target_pool(self, pool: KVPool, sequence: int) -> None: ...
 
 
 @runtime_checkable

@@ -294,6 +294,23 @@ class KVPool:
             raise ValueError(f"sequence {sequence} of length {span.length} cannot reserve {reserved} positions")
         span.reserved = reserved
 
+    def readable_layers(self, layers: int) -> bool:
+        """Whether :meth:`read` can hand out the first ``layers`` model layers: each keeps plain keys and values here
+        (not a latent, not a recurrent state)."""
+        return not self.gathers and all(layer in self.arena_of for layer in range(layers))
+
+    def read(self, sequence: int, layers: int, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of ``sequence``'s cached keys and values at positions ``start .. stop - 1`` for the first ``layers``
+        model layers (``[1, heads, stop - start, head_dim]`` each; valid until the pool next changes)."""
+        span = self._span(sequence)
+        if not self.readable_layers(layers):
+            raise ValueError(f"the first {layers} layers of this pool do not all keep plain keys and values")
+        if not 0 <= start <= stop <= span.length:
+            raise ValueError(f"cannot read positions {start}..{stop} of sequence {sequence} (length {span.length})")
+        first, last = span.start + start, span.start + stop
+        arenas = [self.arena_of[layer] for layer in range(layers)]
+        return [(self.keys[a][None, :, first:last], self.values[a][None, :, first:last]) for a in arenas]
+
     def snapshot(self, sequence: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of the sequence's cached keys and values, per layer (``[1, heads, length, head_dim]`` each)."""
         span = self._span(sequence)

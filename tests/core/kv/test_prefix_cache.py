@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import TinyPair, assert_pool_empty, finish_all, hf_greedy_ids
-from head_helpers import trained_head
+from head_helpers import random_heads, trained_head
 
 from specserve.core.batch_engine import BatchedEngine
 from specserve.core.draft.drafter import Drafter
@@ -31,6 +31,7 @@ from specserve.core.request import GenerationConfig, GenerationResult
 from specserve.core.sampling.params import GrammarSpec, SamplingParams
 from specserve.core.tree.shapes import TreeBudget, TreeSpec
 from specserve.drafters.eagle import EagleDrafter
+from specserve.drafters.medusa import MedusaDrafter
 from specserve.drafters.model import DraftModelDrafter
 from specserve.drafters.ngram import NgramDrafter
 from specserve.drafters.none import NoDrafter
@@ -92,15 +93,18 @@ def test_common_prefix(a: tuple[int, ...], b: tuple[int, ...], n: int) -> None:
 class Drafters:
     """``new_drafter`` for the mix: the registry's (a draft model drafting for every request in shared forwards,
     ``ngram``, ``suffix``, ``none``), or, for a ``default`` request submitted while :attr:`eagle` is set, an EAGLE
-    drafter over one trained head."""
+    drafter over one trained head (Medusa heads while :attr:`medusa` is set)."""
 
     def __init__(self, pair: TinyPair) -> None:
         self.registry = request_drafters(pair.draft, pair.target, max_num_seqs=8, max_seq_len=MAX_SEQ_LEN)
         self.head = EagleDrafter.for_target(trained_head(pair), pair.target)
-        self.eagle = False
+        self.medusa_heads = MedusaDrafter.for_target(random_heads(pair.target), pair.target)
+        self.eagle = self.medusa = False
 
     def __call__(self, name: str) -> Drafter:
-        return self.head.fresh() if self.eagle and name == "default" else self.registry(name)
+        if name == "default" and (self.eagle or self.medusa):
+            return self.head.fresh() if self.eagle else self.medusa_heads.fresh()
+        return self.registry(name)
 
 
 def alone(pair: TinyPair, kind: str, prompt: list[int], params: SamplingParams, config: GenerationConfig) -> Any:
@@ -111,6 +115,7 @@ def alone(pair: TinyPair, kind: str, prompt: list[int], params: SamplingParams, 
         "suffix": lambda: SuffixDrafter(device=pair.target.device),
         "none": NoDrafter,
         "eagle": lambda: EagleDrafter.for_target(trained_head(pair), pair.target),
+        "medusa": lambda: MedusaDrafter.for_target(random_heads(pair.target), pair.target),
     }
     engine = SpeculativeEngine(pair.target, build[kind]())
     return engine.generate(prompt, params, GenerationConfig(**{**config.__dict__, "drafter": "default"}))
@@ -146,6 +151,8 @@ def test_requests_served_from_the_cache_equal_themselves_cold(pair: TinyPair) ->
         ("model", [*system, *tokens(7, 4)], GRAMMAR, chain, None),
         ("eagle", [*system, *tokens(8, 7)], GREEDY, chain, 0),  # a feature reader: no request before had an EAGLE head
         ("eagle", [*system, *tokens(11, 5)], SAMPLED, tree, None),  # the features of the one before, mid-prefill
+        ("medusa", list(a), GREEDY, chain, len(a) - 2),  # all but the two whose features its heads read first
+        ("medusa", [*system, *tokens(12, 6)], SAMPLED, tree, None),
     ]  # fmt: skip
     results = run_waves(engine, drafters, [first_wave])
     answer = results[0].output_ids
@@ -189,9 +196,9 @@ def run_waves(
         ids = []
         finished: dict[int, GenerationResult] = {}
         for kind, prompt, params, config, _ in wave:
-            drafters.eagle = kind == "eagle"
+            drafters.eagle, drafters.medusa = kind == "eagle", kind == "medusa"
             ids.append(engine.submit(prompt, params, config))
-            drafters.eagle = False
+            drafters.eagle = drafters.medusa = False
             for request_id, chunk in engine.step():
                 assert not isinstance(chunk, Exception), chunk
                 if chunk.result is not None:
