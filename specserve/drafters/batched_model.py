@@ -116,7 +116,7 @@ class BatchedDraftModel:
         self.catch_up_seconds = [self._long_seconds.get(id(row), 0.0) for row in rows]
         return [row.finish(self.output_device) for row in rows]
 
-    def _check(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[_Row]:
+    def _check(self, drafters: Sequence[Drafter], budgets: Sequence[int]) -> list[DraftRow]:
         """The rows that draft (budget cut to the draft's positions), refusing bad input before any forward."""
         check_chain_call(drafters, budgets)
         rows = []
@@ -134,10 +134,10 @@ class BatchedDraftModel:
                     f"more than the {self.max_seq_len} a request holds in the draft model's KV pool; draft fewer "
                     "tokens or configure a longer max_seq_len"
                 )
-            rows.append(_Row(drafter, seq_id, max(budget, 0)))
+            rows.append(DraftRow(drafter, seq_id, max(budget, 0)))
         return rows
 
-    def _draft(self, rows: Sequence[_Row]) -> None:
+    def _draft(self, rows: Sequence[DraftRow]) -> None:
         """Catch every row up and draft its budget: after any long catch-ups, one forward per round over the rows
         still drafting (the first round feeds each row's short catch-up, then one token per row)."""
         active = self._prepare(rows)
@@ -148,7 +148,7 @@ class BatchedDraftModel:
                 row.guarded(partial(row.choose, row_logits[-1]))  # draws in the order given
             active = [row for row in active if row.pending.numel() > 0]
 
-    def _prepare(self, rows: Sequence[_Row]) -> list[_Row]:
+    def _prepare(self, rows: Sequence[DraftRow]) -> list[DraftRow]:
         """The rows that draft, each caught up but for at most ``SHORT_CATCH_UP`` tokens still pending (its
         grammar's matcher at the end of its committed text); long catch-ups are fed here, in rows of their own."""
         for row in rows:
@@ -169,7 +169,7 @@ class BatchedDraftModel:
             long = [row for row in long if row.pending.numel() > 1]
         return active
 
-    def _catch_up(self, row: _Row) -> torch.Tensor:  # [k] int64, the committed tokens the span lacks (k >= 1)
+    def _catch_up(self, row: DraftRow) -> torch.Tensor:  # [k] int64, the committed tokens the span lacks (k >= 1)
         """Roll the span back to the longest prefix of what it caches that is still committed (never the last
         committed token, whose logits are needed); the rest of the committed text is still to feed."""
         drafter = row.drafter
@@ -184,7 +184,7 @@ class BatchedDraftModel:
 
 
 @dataclass
-class _Row:
+class DraftRow:
     """One request's chain while it is drafted."""
 
     drafter: PooledDraftModelDrafter

@@ -28,7 +28,7 @@ from specserve.core.model.causal_lm import BatchBlock, CausalLM, TargetDescripti
 from specserve.core.sampling.params import SamplingParams
 from specserve.core.tree.draft_tree import DraftTree
 from specserve.core.tree.shapes import TreeBudget, TreeSpec, TreeTopology
-from specserve.drafters.batched_model import BatchedDraftModel, PooledDraftModelDrafter, _Row
+from specserve.drafters.batched_model import BatchedDraftModel, DraftRow, PooledDraftModelDrafter
 from specserve.drafters.pard import InvalidPardCheckpoint, block_tree, choose_block, tree_topology
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class BatchedPardModel(BatchedDraftModel):
         blocks = self._blocks(self._check([drafter], [size]))
         return blocks[0][2] if blocks else None
 
-    def _blocks(self, rows: Sequence[_Row]) -> list[tuple[int, _Row, torch.Tensor]]:
+    def _blocks(self, rows: Sequence[DraftRow]) -> list[tuple[int, DraftRow, torch.Tensor]]:
         """Each drafting row's index, row and block logits ``[budget, vocab]``, from one forward of all of them; every
         span is then rolled back to its committed text."""
         active = self._prepare(rows)

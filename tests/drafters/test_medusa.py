@@ -215,7 +215,7 @@ def test_a_request_served_from_the_prefix_cache_needs_only_the_next_to_last_feat
     want = [row[0] for row in ranked_by_heads(heads, target, prompt, 1)]
     assert drafter.propose(3).tokens.tolist() == want
     drafter.accept([int(want[0])])
-    with pytest.raises(ValueError, match="only positions 4 .. 4 are known"):
+    with pytest.raises(ValueError, match=r"only positions 4 \.\. 4 are known"):
         drafter.add_features(6, features[:1])
     drafter.rewind(2)  # before the first feature it holds: none left, and none read
     assert drafter.propose(3).gamma == 0
