@@ -86,3 +86,16 @@ class Policy(Protocol):
     name: str
 
     def decide(self, state: PolicyState) -> Budget: ...
+
+
+@runtime_checkable
+class DecidesOffCheaply(Protocol):
+    """A policy whose decision while off needs no estimates (most cycles of a request it has turned off): the
+    controller asks :meth:`decide_off` first and builds a :class:`PolicyState` only when it answers ``None``."""
+
+    def decide_off(
+        self, previous: Budget | None, cycles_off: int, batch_size: int, batch_size_off: int
+    ) -> Budget | None:
+        """What :meth:`Policy.decide` would return for a state with these fields, when it can tell from them alone;
+        ``None`` otherwise."""
+        ...

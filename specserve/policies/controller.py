@@ -43,7 +43,7 @@ from typing import Any
 
 from specserve.core.model.buckets import NO_BUCKETS, VerifyBuckets
 from specserve.core.tree.shapes import TreeSpec
-from specserve.policies.base import Budget, CycleObservation, Policy, PolicyState
+from specserve.policies.base import Budget, CycleObservation, DecidesOffCheaply, Policy, PolicyState
 from specserve.policies.ceiling import (
     CLOSED,
     FELL_BACK,
@@ -147,13 +147,17 @@ class SpeculationController:
 
     def expected_tokens(self, gamma: int) -> float:
         """E[tokens committed] by a chain of ``gamma`` drafts under the estimates of the last decision."""
-        state = self._state if self._state is not None else self.snapshot()
-        return expected_tokens(state, Budget(gamma))
+        return expected_tokens(self._decision_state(), Budget(gamma))
 
     def draft_seconds(self, gamma: int) -> float:
         """T_draft(γ) under the estimates of the last decision (0 for plain decoding)."""
-        state = self._state if self._state is not None else self.snapshot()
-        return state.t_draft(gamma)
+        return self._decision_state().t_draft(gamma)
+
+    def _decision_state(self) -> PolicyState:
+        """The estimates of the last decision (snapshotted now if it was made without them, before any verdict)."""
+        if self._state is None:
+            self._state = self.snapshot(max(1, self._batch_size))
+        return self._state
 
     @property
     def max_chain(self) -> int:
@@ -200,12 +204,7 @@ class SpeculationController:
             if not self.estimators.plain_measured:
                 self.history.append(self._entry(Budget(0), Budget(0), remaining, probe=False, calibration=True))
                 return Budget(0)
-        state = self._state = self.snapshot(batch_size)
-        if self.ceiling is not None:  # the depths the ceiling would cut are no choice (plain decoding never is cut)
-            vetoed = self.ceiling.vetoed(max(1, self.max_gamma_cap), batch_size)
-            if vetoed:
-                state = self._state = dataclasses.replace(state, vetoed_depths=vetoed)
-        chosen = clip_budget(self.policy.decide(state), self.max_gamma_cap)
+        chosen = clip_budget(self._decide(batch_size), self.max_gamma_cap)
         if self._deferred_probe is not None and chosen.nodes == 0:
             chosen = self._deferred_probe
         self._deferred_probe = None
@@ -236,6 +235,23 @@ class SpeculationController:
             entry["ceiling"] = budget_depth(sent)
         self.history.append(entry)
         return sent
+
+    def _decide(self, batch_size: int) -> Budget:
+        """The policy's choice for a step of ``batch_size`` requests. While off it is usually plain decoding or a due
+        probe, told without estimates (:class:`~specserve.policies.base.DecidesOffCheaply`): the state is then
+        snapshotted only if asked for (:meth:`expected_tokens`), which saved a batched replica ~0.3 ms per plain row
+        and step."""
+        self._state = None
+        if isinstance(self.policy, DecidesOffCheaply):
+            off = self.policy.decide_off(self._chosen, self._cycles_off, batch_size, self._batch_off)
+            if off is not None:
+                return off
+        state = self._state = self.snapshot(batch_size)
+        if self.ceiling is not None:  # the depths the ceiling would cut are no choice (plain decoding never is cut)
+            vetoed = self.ceiling.vetoed(max(1, self.max_gamma_cap), batch_size)
+            if vetoed:
+                state = self._state = dataclasses.replace(state, vetoed_depths=vetoed)
+        return self.policy.decide(state)
 
     def _entry(self, chosen: Budget, sent: Budget, remaining: int, probe: bool, calibration: bool) -> dict[str, Any]:
         return {

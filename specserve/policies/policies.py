@@ -214,17 +214,30 @@ class AdaptivePolicy:
         hopeful = self.rates(state.optimistic(self.optimism))
         return max(hopeful[b] for b in drafting) > hopeful[Budget(0)] * (1.0 + margin)
 
+    def decide_off(
+        self, previous: Budget | None, cycles_off: int, batch_size: int, batch_size_off: int
+    ) -> Budget | None:
+        """Off: a probe when one is due, otherwise plain decoding, unless the batch shrank since speculation was
+        judged not to pay (then the rates decide: ``None``). ``None`` too when not off."""
+        if cycles_off <= 0 or previous is None or previous.nodes != 0:
+            return None
+        if probe_due(cycles_off, self.probe_interval, self.max_probe_interval):
+            return Budget(self.probe_gamma)
+        if 0 < batch_size < batch_size_off:  # a smaller batch: a larger share of a step
+            return None
+        return Budget(0)
+
     def decide(self, state: PolicyState) -> Budget:
         previous = state.previous
+        off = self.decide_off(previous, state.cycles_off, state.batch_size, state.batch_size_off)
+        if off is not None:
+            return off
         if state.cycles_off > 0 and previous is not None:
-            if previous.nodes == 0:  # off: nothing new to learn but from a probe, unless the batch shrank
-                if probe_due(state.cycles_off, self.probe_interval, self.max_probe_interval):
-                    return Budget(self.probe_gamma)
-                if 0 < state.batch_size < state.batch_size_off:  # a smaller batch: a larger share of a step
-                    rates = self.rates(state)
-                    best = max(rates, key=lambda b: rates[b])
-                    if best.nodes > 0 and rates[best] > rates[Budget(0)] * (1.0 + self.hysteresis):
-                        return best
+            if previous.nodes == 0:  # off, in a smaller batch than the one it turned off in: drafting may pay now
+                rates = self.rates(state)
+                best = max(rates, key=lambda b: rates[b])
+                if best.nodes > 0 and rates[best] > rates[Budget(0)] * (1.0 + self.hysteresis):
+                    return best
                 return Budget(0)
             if state.last_accepted == 0:  # a probe that got nothing accepted
                 return Budget(0)

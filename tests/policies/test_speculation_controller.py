@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -15,6 +16,7 @@ from specserve.policies import (
     CycleObservation,
     FixedPolicy,
     HeuristicPolicy,
+    PolicyState,
     ReplicaPrior,
     SpeculationController,
 )
@@ -95,3 +97,42 @@ def test_adaptive_requests_measure_plain_decoding_once_per_replica() -> None:
     second = SpeculationController(AdaptivePolicy(), prior=replica)
     assert second.next_budget(100).gamma > 0  # the replica already measured it
     assert SpeculationController(FixedPolicy(3), prior=ReplicaPrior()).next_budget(100) == Budget(3)
+
+
+class _WithoutTheOffShortcut:
+    """An adaptive policy that always decides from the full state (no ``decide_off``)."""
+
+    def __init__(self, policy: AdaptivePolicy) -> None:
+        self.policy, self.name, self.calibrates_plain = policy, policy.name, policy.calibrates_plain
+
+    def decide(self, state: PolicyState) -> Budget:
+        return self.policy.decide(state)
+
+
+def test_deciding_off_without_estimates_changes_no_decision() -> None:
+    """The adaptive policy's off decisions told without a state (a due probe, else plain decoding, unless the batch
+    shrank) are the decisions it makes from the full state: a stream whose acceptance drops from 0.8 to 0.05 and
+    recovers, in batches that grow and shrink, gives the same budgets, probes and fill estimates either way."""
+
+    def drive(policy: AdaptivePolicy | _WithoutTheOffShortcut) -> list[tuple[object, ...]]:
+        controller = SpeculationController(policy, prior=None)
+        rng = random.Random(5)
+        trace: list[tuple[object, ...]] = []
+        for cycle in range(400):
+            alpha = 0.8 if cycle < 120 or cycle >= 300 else 0.05
+            batch = (1, 8, 16, 4)[(cycle // 50) % 4]
+            budget = controller.next_budget(1_000_000, batch_size=batch)
+            trace.append((budget, controller.history[-1]["probe"], round(controller.expected_tokens(2), 9)))
+            accepted = 0
+            while accepted < budget.gamma and rng.random() < alpha:
+                accepted += 1
+            obs = chain_observation(budget, accepted, cpu_verify_seconds, rng)
+            controller.observe(dataclasses.replace(obs, batch_size=batch, step_positions=batch * (budget.gamma + 1)))
+        return trace
+
+    policy = AdaptivePolicy(probe_interval=4, max_probe_interval=16)
+    fast, full = drive(policy), drive(_WithoutTheOffShortcut(policy))
+    assert fast == full
+    budgets = [budget for budget, _, _ in fast]
+    assert any(b.gamma > 0 for b in budgets[:120]) and budgets[200:300].count(Budget(0)) > 50  # it went off
+    assert any(probe for _, probe, _ in fast[120:300])  # and probed while off
