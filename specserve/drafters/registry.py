@@ -41,7 +41,7 @@ from specserve.drafters.suffix import SuffixCache, SuffixDrafter
 from specserve.drafters.text import TextDrafter
 
 # Drafters loaded once per server whose fresh() gives each request its own (Prototype), by spec prefix
-PROTOTYPE_PREFIXES = (LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, PARD_PREFIX, REST_PREFIX)
+PROTOTYPE_PREFIXES = (LAYERSKIP_PREFIX, EAGLE_PREFIX, MEDUSA_PREFIX, PARD_PREFIX, REST_PREFIX, TEXT_PREFIX)
 
 
 @runtime_checkable
@@ -177,9 +177,9 @@ def request_drafters(
     :data:`~specserve.core.draft.drafter.REQUEST_DRAFTERS`). A draft model is loaded once, now, and shared by all
     requests' drafters (each keeps its own cache); ``ngram``, ``suffix`` and ``none`` are cheap to build per request
     (the ``suffix`` drafters share one global store of finished requests' outputs: ``suffix_cache``, or a new one).
-    Drafters that read the target's features or KV (EAGLE, MTP, Medusa, layer-skip), and PARD, load their weights
-    (and, given only the target's description, a copy of the target) once, now; each request gets a fresh drafter
-    over them.
+    Drafters that read the target's features or KV (EAGLE, MTP, Medusa, layer-skip), PARD and ``text:DIR`` load
+    their weights (and, given only the target's description, a copy of the target) once, now; each request gets a
+    fresh drafter over them.
     The engine says whether it can run them.
 
     With ``max_num_seqs`` (and ``max_seq_len``, by default the target's ``max_positions``) a configured draft

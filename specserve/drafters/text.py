@@ -49,8 +49,14 @@ class TextDrafter(CommittedHistory):
         self.target_tokenizer = target.tokenizer
         self.window = window
         self.inner = DraftModelDrafter(draft)  # drafts in the draft's own vocabulary
+        self.target = target
         self._output_device = target.device
         self.history: list[int] = []  # the target's committed tokens
+
+    def fresh(self) -> TextDrafter:
+        """A drafter for another request over the same draft model (shared, not copied), with none of this one's
+        per-request state (a batched engine gives each request one)."""
+        return type(self)(self.inner.model, self.target, self.window)
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, generator: torch.Generator) -> None:
         super().start(prompt_ids, params, generator)

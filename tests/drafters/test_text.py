@@ -101,3 +101,30 @@ def test_text_dir_builds_it_and_a_plain_dir_says_to(
     assert isinstance(build_drafter(f"text:{tmp_path}", pair.target, dtype="float64"), TextDrafter)
     with pytest.raises(VocabularyMismatch, match=f"or draft through text: --draft text:{tmp_path}"):
         build_drafter(str(tmp_path), pair.target, dtype="float64")
+
+
+def test_a_batched_engine_gives_each_request_its_own_text_drafter_over_one_model(
+    tiny_pairs: dict[str, TinyPair], drafts: dict[str, CausalLM], tmp_path: Path
+) -> None:
+    """``text:DIR`` configured for a batched engine: the draft model is loaded once, each request drafts with its
+    own fresh drafter over it, and greedy outputs equal transformers' (before, the spec was read as a draft model
+    directory named ``text:DIR``, which does not exist)."""
+    from conftest import hf_greedy_ids
+
+    from specserve.drafters.registry import request_drafters
+
+    pair = tiny_pairs["llama"]
+    draft = drafts["llama"]
+    draft.model.save_pretrained(tmp_path)
+    draft.tokenizer.save_pretrained(tmp_path)
+    new_drafter = request_drafters(f"text:{tmp_path}", pair.target, max_num_seqs=2, max_seq_len=64)
+    first, second = new_drafter("default"), new_drafter("default")
+    assert isinstance(first, TextDrafter) and isinstance(second, TextDrafter) and first is not second
+    assert first.inner.model is second.inner.model
+    engine = BatchedEngine(pair.target, new_drafter, max_num_seqs=2, max_seq_len=64)
+    config = GenerationConfig(max_new_tokens=10, gamma=3)
+    prompts = [list(pair.prompts[0]), list(pair.prompts[1])]
+    results = [engine.generate(prompt, SamplingParams(), config) for prompt in prompts]
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.output_ids == hf_greedy_ids(pair.target.model, prompt, 10)
+    assert sum(r.stats.accepted_tokens for r in results) > 0
