@@ -247,10 +247,8 @@ class Models:
 
 
 def drafters_for(models: Models, cfg: BatchBenchConfig, max_num_seqs: int) -> Callable[[str], Drafter]:
-    """``request_drafters`` for an engine of ``max_num_seqs`` requests (a draft model's pool sized alike)."""
-    options: dict[str, Any] = {}
-    if isinstance(models.draft, CausalLM):
-        options = {"max_num_seqs": max_num_seqs, "max_seq_len": models.max_seq_len}
+    """``request_drafters`` for an engine of ``max_num_seqs`` requests, as a server's (a draft model's pool sized
+    alike; a PARD model and layer-skip drafting all requests' chains together)."""
     return request_drafters(
         models.draft,
         models.target,
@@ -258,7 +256,8 @@ def drafters_for(models: Models, cfg: BatchBenchConfig, max_num_seqs: int) -> Ca
         device=cfg.device,
         max_ngram=cfg.max_ngram,
         min_ngram=cfg.min_ngram,
-        **options,
+        max_num_seqs=max_num_seqs,
+        max_seq_len=models.max_seq_len,
     )
 
 

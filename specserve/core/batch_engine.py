@@ -45,8 +45,10 @@ position (together, what the single engine's prefill hands over at once: every p
 last), then each cycle's root and accepted tokens' from the step's verify forward (one
 :class:`~specserve.core.model.causal_lm.FeatureCapture` per row that wants them). A layer-skip drafter
 (:class:`~specserve.core.draft.drafter.SharesTargetKV`) is not given the target's cache here: a request's KV is
-its span of the pool, so the drafter keeps a cache of its own, which it fills by copying its layers' keys and values
-from that span (:class:`~specserve.core.draft.drafter.ReadsTargetPool`) rather than computing them.
+its span of the pool, which the engine hands over instead (:class:`~specserve.core.draft.drafter.ReadsTargetPool`):
+a server's layer-skip drafters draft all requests' chains in that pool
+(:class:`~specserve.drafters.layerskip_batch.BatchedLayerSkip`), and a lone one fills a cache of its own by copying
+its layers' keys and values from the span rather than computing them.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from specserve.core.model.causal_lm import CausalLM, TargetDescription
 from specserve.core.static.options import StaticOptions
 from specserve.drafters.batched_model import BatchedDraftModel
 from specserve.drafters.layerskip import LayerSkipDrafter
+from specserve.drafters.layerskip_batch import BatchedLayerSkip
 from specserve.drafters.lookahead import LookaheadDrafter
 from specserve.drafters.medusa import MedusaDrafter
 from specserve.drafters.model import DraftModelDrafter
@@ -189,7 +190,9 @@ def request_drafters(
     many positions (a drafter holds its span from ``start`` to ``release``); with ``static`` options, its forwards
     replay as captured graphs where they fit (:mod:`specserve.core.static.batch_graphs`). A configured PARD model
     (``pard:DIR``) is pooled alike, all requests' blocks in one forward
-    (:class:`~specserve.drafters.pard_batch.BatchedPardModel`). Other drafters are unaffected."""
+    (:class:`~specserve.drafters.pard_batch.BatchedPardModel`), and a layer-skip drafter drafts all requests'
+    chains in shared forwards over the batched engine's own KV pool
+    (:class:`~specserve.drafters.layerskip_batch.BatchedLayerSkip`). Other drafters are unaffected."""
     if max_seq_len is not None and max_num_seqs is None:
         raise ValueError("max_seq_len sizes the draft model's KV pool; give max_num_seqs with it")
     configured: CausalLM | str = spec
@@ -203,6 +206,10 @@ def request_drafters(
     length = target.info.max_positions if max_seq_len is None else max_seq_len
     if max_num_seqs is not None and isinstance(configured, CausalLM):
         batcher = BatchedDraftModel(configured, target, max_num_seqs, length, static=static)
+    elif max_num_seqs is not None and isinstance(spec, str) and spec.startswith(LAYERSKIP_PREFIX):
+        built = build_drafter(spec, target, dtype=dtype, device=device)  # the early-exit view, checked
+        assert isinstance(built, LayerSkipDrafter)
+        batcher = BatchedLayerSkip(built.model, built.layers, target)
     elif max_num_seqs is not None and isinstance(spec, str) and spec.startswith(PARD_PREFIX):
         built = build_drafter(spec, target, dtype=dtype, device=device)  # checked as pard:DIR is, then pooled
         assert isinstance(built, PardDrafter)

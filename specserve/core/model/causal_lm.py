@@ -377,10 +377,12 @@ class CausalLM:
             for row_capture, skip in zip(captures, reread, strict=True):
                 if row_capture is not None and skip and row_capture.value is not None:
                     row_capture.value = row_capture.value[skip:]
-        if ragged.calls != len(pool.keys):
+        # the pool's attention layers this model runs (all of them, or the first few for a layer-skip view)
+        attending = sum(1 for layer in pool.arena_of if layer < self.model.config.get_text_config().num_hidden_layers)
+        if ragged.calls != attending:
             raise RuntimeError(
                 f"{self.info.architecture} attended through specserve's ragged attention in {ragged.calls} of its "
-                f"{len(pool.keys)} layers; batched forwards need a model whose attention goes through transformers' "
+                f"{attending} layers; batched forwards need a model whose attention goes through transformers' "
                 f"AttentionInterface, loaded with attn_implementation='sdpa'"
             )
         if last_only:
