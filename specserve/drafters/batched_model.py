@@ -42,6 +42,7 @@ import torch
 
 from specserve.core.draft.drafter import ChainBatcher, Draft, Drafter, check_chain_call
 from specserve.core.kv.pool import KVPool, PoolFull
+from specserve.core.kv.prefix_index import common_prefix
 from specserve.core.model.causal_lm import BatchBlock, CausalLM, TargetDescription
 from specserve.core.sampling.params import SamplingParams
 from specserve.core.sampling.warps import sample, warp_probs
@@ -174,10 +175,7 @@ class BatchedDraftModel:
         committed token, whose logits are needed); the rest of the committed text is still to feed."""
         drafter = row.drafter
         cached, context = drafter.cached, drafter.context
-        keep = 0
-        limit = min(len(cached), len(context) - 1)
-        while keep < limit and cached[keep] == context[keep]:
-            keep += 1
+        keep = max(0, min(common_prefix(cached, context), len(context) - 1))
         self.pool.rollback(row.seq_id, keep)
         drafter.cached = context[:]
         return torch.tensor(context[keep:], dtype=torch.long)

@@ -44,6 +44,7 @@ from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
 from specserve.core.kv.cache import KVCache
 from specserve.core.kv.pool import KVPool
+from specserve.core.kv.prefix_index import common_prefix
 from specserve.core.model.causal_lm import CausalLM
 from specserve.core.sampling.params import SamplingParams
 from specserve.core.static.options import StaticOptions
@@ -303,10 +304,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         assert self._pool is not None and isinstance(self._cache, KVCache), "start() and follow_target_pool() first"
         pool, sequence = self._pool
         stop = min(pool.length(sequence), len(self._context) - 1)
-        keep = 0
-        limit = min(len(self._cached), stop)
-        while keep < limit and self._cached[keep] == self._context[keep]:
-            keep += 1
+        keep = min(common_prefix(self._cached, self._context), stop)
         if keep >= stop:
             return
         self._cache.rollback(keep)

@@ -29,6 +29,7 @@ import torch
 
 from specserve.core.draft.drafter import Draft
 from specserve.core.kv.cache import KVCache
+from specserve.core.kv.prefix_index import common_prefix
 from specserve.core.model.causal_lm import CausalLM, TargetDescription
 from specserve.core.sampling.params import SamplingParams
 from specserve.core.sampling.warps import sample, warp_probs
@@ -101,10 +102,7 @@ class DraftModelDrafter:
 
     def _catch_up(self) -> torch.Tensor:  # [vocab] logits for the token after the context
         assert self._cache is not None, "start() must be called before propose()"
-        keep = 0
-        limit = min(len(self._cached), len(self._context) - 1)
-        while keep < limit and self._cached[keep] == self._context[keep]:
-            keep += 1
+        keep = max(0, min(common_prefix(self._cached, self._context), len(self._context) - 1))
         self._cache.rollback(keep)
         new = self._context[keep:]
         logits = self.model.forward(self._cache, torch.tensor(new, dtype=torch.long), last_only=True)[-1]

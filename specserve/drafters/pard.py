@@ -41,6 +41,7 @@ import torch
 
 from specserve.core.draft.drafter import Draft
 from specserve.core.errors import UserError
+from specserve.core.kv.prefix_index import common_prefix
 from specserve.core.model.causal_lm import CausalLM, TargetDescription
 from specserve.core.sampling.params import SamplingParams
 from specserve.core.sampling.warps import sample, warp_probs
@@ -122,10 +123,9 @@ class PardDrafter(DraftModelDrafter):
     def _block_logits(self, size: int) -> torch.Tensor:  # [size, vocab]: drafts 1 .. size's logits
         """Feed what the cache lacks, then ``size - 1`` mask tokens, in one forward; cut the masks from the cache."""
         assert self._cache is not None, "start() must be called before propose()"
-        keep = 0
-        limit = min(len(self._cached), len(self._context) - 1)  # feed at least the last committed token
-        while keep < limit and self._cached[keep] == self._context[keep]:
-            keep += 1
+        keep = max(
+            0, min(common_prefix(self._cached, self._context), len(self._context) - 1)
+        )  # feed the last one at least
         self._cache.rollback(keep)
         block = [*self._context[keep:], *[self.pard_token] * (size - 1)]
         logits = self.model.forward(self._cache, torch.tensor(block, dtype=torch.long))[-size:]
