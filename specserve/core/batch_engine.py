@@ -37,7 +37,9 @@ do not depend on who shares its batch (a fixed budget stays fixed; an adaptive o
 much is proposed, never the output's law). Each request gets its own drafter from
 ``new_drafter(name)`` (a draft model's weights are shared; its cache, or its span of a shared pool,
 is the request's), given back when the request ends. Each step's observation carries the batch size,
-the positions the forward computed and the step's time, which the policies' step-cost estimate learns.
+the positions the forward computed and the forward's time, which the policies' step-cost estimate learns, and the
+whole decoding step's time (planning, every row's drafting, the forward, the verdicts: what each row waited), which
+the adaptive policy's measured ceiling charges every row of the step against plain steps measured alike.
 
 Hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.drafter.FeatureDrafter`) get the target's
 features from the batched forwards themselves: each prefill chunk's, in order, from the chunk's first
@@ -252,6 +254,7 @@ class BatchedEngine(GenerationFrontend):
         running = [r for r in self._running.values() if r.verifier is not None and not r.verifier.unprefilled]
         if not running:
             return failed
+        started = time.perf_counter()  # the decoding step: planning, drafting, the forward, every verdict
         proposals = propose_batch([request.parts()[1] for request in running])
         drafted = []
         for request, proposal in zip(running, proposals, strict=True):
@@ -262,28 +265,43 @@ class BatchedEngine(GenerationFrontend):
         if not drafted:
             return failed
         step = verify_batch(self.ops, [(r.parts()[0], proposal, r.seq_id) for r, proposal in drafted])
+        step_seconds = time.perf_counter() - started
         chunks: list[tuple[int, StreamChunk | Exception]] = []
         for (request, proposal), outcome in zip(drafted, step.outcomes, strict=True):
             if isinstance(outcome, Exception):
                 self._fail(request, outcome, chunks)
                 continue
             try:
-                chunks.append((request.request_id, self._commit(request, proposal, outcome, len(drafted), step)))
+                chunks.append(
+                    (request.request_id, self._commit(request, proposal, outcome, len(drafted), step, step_seconds))
+                )
             except Exception as exc:
                 self._fail(request, request_failure(exc, "committing the verdict"), chunks)
         return failed + chunks
 
     def _commit(
-        self, request: _Request, proposal: Proposal, outcome: CycleOutcome, batch_size: int, step: StepResult
+        self,
+        request: _Request,
+        proposal: Proposal,
+        outcome: CycleOutcome,
+        batch_size: int,
+        step: StepResult,
+        step_seconds: float,
     ) -> StreamChunk:
-        """One request's verdict turned into its chunk: stop checks, the draft side's observation, and its end."""
+        """One request's verdict turned into its chunk: stop checks, the draft side's observation (with the whole
+        step's time, which its row waited), and its end."""
         verifier, side, out = request.parts()
         chunk = out.push(outcome.new_tokens, outcome.finish, outcome.logprobs)
         if out.finish == "stop":
             verifier.stop_at(len(out.tokens))
         stopped = out.finish == "stop"
         observation = side.on_verdict(
-            proposal, outcome, stopped=stopped, batch_size=batch_size, step_positions=step.positions
+            proposal,
+            outcome,
+            stopped=stopped,
+            batch_size=batch_size,
+            step_positions=step.positions,
+            step_seconds=step_seconds,
         )
         out.stats.record(observation)
         if out.finish is not None:

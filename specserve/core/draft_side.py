@@ -149,9 +149,11 @@ class DraftSide:
         stopped: bool = False,
         batch_size: int | None = None,
         step_positions: int | None = None,
+        step_seconds: float = 0.0,
     ) -> CycleObservation:
         """Record the verdict on ``proposal`` (verified among ``batch_size`` requests, in a forward of
-        ``step_positions`` positions — by default the outcome's own); unless the request ended (``outcome.finish``,
+        ``step_positions`` positions — by default the outcome's own — in a batched step of ``step_seconds`` from
+        planning to verdicts, 0 for a cycle of its own); unless the request ended (``outcome.finish``,
         or ``stopped`` by a stop string), tell the drafter what was committed and hand it the cycle's features."""
         drafted = proposal.size > 0
         observation = CycleObservation(
@@ -165,6 +167,7 @@ class DraftSide:
             wire_seconds=wire_seconds,
             batch_size=outcome.batch_size if batch_size is None else batch_size,
             step_positions=outcome.step_positions if step_positions is None else step_positions,
+            step_seconds=step_seconds,
         )
         self.schedule.observe(observation)
         self._since_draft = 0 if drafted else (self._since_draft + 1 if self._since_draft >= 0 else -1)

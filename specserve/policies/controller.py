@@ -299,9 +299,14 @@ class SpeculationController:
         if self.replica_prior is not None:
             self.replica_prior.observe(obs)
         self.step_costs.observe(obs.positions, obs.verify_seconds + obs.wire_seconds)
+        batch_size = max(1, obs.batch_size)
+        if obs.step_seconds > 0 and obs.positions == batch_size:  # a whole plain step: every row one position
+            self.step_costs.observe_plain_step(batch_size, obs.step_seconds, 1.0 / batch_size)
         decision = self.history[-1] if self.history and "accepted" not in self.history[-1] else None
         if self.ceiling is not None:
-            self.ceiling.observe(obs, self.step_costs.t_step(max(1, obs.batch_size)))
+            # a batched row waited its whole step: against a whole plain step; a cycle of its own against T_step(1)
+            costs = self.step_costs
+            self.ceiling.observe(obs, costs.t_plain_step(batch_size) if obs.step_seconds else costs.t_step(batch_size))
         if (
             decision is not None
             and decision["probe"]

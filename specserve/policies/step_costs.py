@@ -14,7 +14,17 @@ longer block costs more of the step, so speculation shrinks and switches off whe
 The curve: per observed N an exponentially weighted mean over its last :data:`STEP_WINDOW` observations;
 between observed N a linear interpolation; past the largest a weighted least-squares line over the
 observed N >= 2 (slope clamped at >= 0); below the smallest, and before anything is seen, the prior's
-T_verify curve scaled to the nearest observation. Thread-safe (one estimator is shared by a replica's
+T_verify curve scaled to the nearest observation.
+
+**Whole plain steps.** T_step is the forward's time, what a wider block adds. What a row of a batched step waits is
+more: the step's planning, every row's drafting and the verdicts too. The measured ceiling
+(:mod:`specserve.policies.ceiling`) charges each row of a step its whole time, and compares it with what a whole
+*plain* step — every row one position, nothing drafted — takes at the same batch size, measured alike
+(:meth:`StepCostEstimator.observe_plain_step`, :meth:`StepCostEstimator.t_plain_step`): a plain step's overheads
+are then on both sides. At a batch size without plain steps measured yet, the nearest one's measurement is scaled
+along the T_step curve; before any, T_step itself (overheads on the drafting side only: a draft must pay for them).
+
+Thread-safe (one estimator is shared by a replica's
 requests). Does not choose budgets (:mod:`specserve.policies.policies`) or time anything.
 """
 
@@ -45,6 +55,8 @@ class StepCostEstimator:
         # per_request_table's answers since the last observation: a batched step's requests all ask for the same one
         self._tables: dict[tuple[int, int], tuple[float, ...]] = {}
         self._version = 0  # observations so far
+        # whole plain steps by batch size: (mean seconds, weight in steps, at most `window`)
+        self._plain: dict[int, tuple[float, float]] = {}
 
     def observe(self, positions: int, seconds: float) -> None:
         """One step that computed ``positions`` positions in ``seconds``."""
@@ -58,6 +70,31 @@ class StepCostEstimator:
             self._curve = None
             self._tables.clear()
             self._version += 1
+
+    def observe_plain_step(self, batch_size: int, seconds: float, weight: float = 1.0) -> None:
+        """A whole plain step of ``batch_size`` rows (planning to verdicts) that took ``seconds``; ``weight``: the
+        share of the step this observation stands for (each of a step's rows reports it: 1 / ``batch_size`` each)."""
+        if batch_size < 1 or not 0 < weight <= 1:
+            raise ValueError(f"need batch_size >= 1 and 0 < weight <= 1, got {batch_size} and {weight}")
+        with self._lock:
+            mean, total = self._plain.get(batch_size, (0.0, 0.0))
+            total = min(total + weight, self.window)
+            self._plain[batch_size] = (mean + (seconds - mean) * weight / total, total)
+
+    def t_plain_step(self, batch_size: int) -> float:
+        """Predicted seconds of a whole plain step of ``batch_size`` rows: measured at that size, else the nearest
+        measured size's scaled along T_step, else T_step(``batch_size``) (see the module docstring)."""
+        if batch_size < 1:
+            raise ValueError(f"a step has >= 1 row, got {batch_size}")
+        with self._lock:
+            measured = {size: mean for size, (mean, _) in self._plain.items()}
+        if batch_size in measured:
+            return measured[batch_size]
+        fit = self.t_step(batch_size)
+        if not measured:
+            return fit
+        nearest = min(measured, key=lambda size: (abs(size - batch_size), size))
+        return measured[nearest] * fit / self.t_step(nearest)
 
     @property
     def observed(self) -> dict[int, float]:

@@ -247,6 +247,9 @@ def test_goodput_aware_adaptive_requests_in_a_batch_stay_exact(pair: TinyPair) -
         observations = result.stats.observations
         assert max(o.batch_size for o in observations) == 4
         assert all(o.step_positions >= o.batch_size * (o.drafted + 1) for o in observations)
+        # each row waited its whole step (planning, drafting, the forward, verdicts): the ceiling charges it that
+        assert all(o.step_seconds >= o.verify_seconds > 0 and o.cycle_seconds == o.step_seconds for o in observations)
+        assert all(o.step_seconds >= o.draft_seconds for o in observations)
     assert_pool_empty(engine)
 
 

@@ -197,6 +197,56 @@ def test_a_batched_step_is_measured_on_every_row_it_widened() -> None:
     assert ceiling.take_events(16)[0].startswith("closed: drafts of 1 token measured 0.8")
 
 
+def test_a_batched_row_is_charged_its_whole_step_against_a_whole_plain_step() -> None:
+    """EAGLE-3 at 16 requests, in the shape measured on the shipped pair: a plain step took 54 ms whole (its forward
+    45 ms here); a step in which 14 rows drafted one token took 120 ms whole (its forward 60 ms, head forwards 36 ms
+    shared by the 14, the rest planning and verdicts) and committed 1.7 tokens a row. Charged its share of the drafting
+    against a plain step's forward, a row measures 1.2x plain decoding; charged the step it waited against a whole
+    plain step, 0.76x: one-token drafts are closed at 16 requests, and the replica decodes plainly. The controller
+    learns the whole plain step from the replica's plain steps."""
+    forward_plain, whole_plain, forward, whole, heads = 0.045, 0.054, 0.060, 0.120, 0.036
+
+    def rows(drafting: bool) -> list[CycleObservation]:
+        out = []
+        for i in range(16):
+            drafted = 1 if drafting and i < 14 else 0
+            accepted = drafted if i % 10 < 7 else 0  # 1.7 tokens a row on the drafting rows
+            out.append(
+                CycleObservation(
+                    Budget(drafted),
+                    drafted,
+                    drafted,
+                    accepted,
+                    heads / 14 if drafted else 0.0,
+                    forward if drafting else forward_plain,
+                    batch_size=16,
+                    step_positions=16 * (2 if drafting else 1),
+                    step_seconds=whole if drafting else whole_plain,
+                )
+            )
+        return out
+
+    shared = schedules()
+    controllers = [shared("adaptive", Budget(3)) for _ in range(16)]
+    for step in (False, True, True):  # a plain step, then two drafting steps
+        for controller, observation in zip(controllers, rows(step), strict=True):
+            assert isinstance(controller, SpeculationController)
+            controller.observe(observation)
+    first = controllers[0]
+    assert isinstance(first, SpeculationController) and first.ceiling is not None
+    assert first.step_costs.t_plain_step(16) == pytest.approx(whole_plain)
+    assert first.ceiling.allowed(1, batch_size=16) == 0
+    (event,) = first.ceiling.take_events(16)
+    measured = float(event.split("measured ")[1].split("x")[0])
+    assert measured == pytest.approx(sum(o.accepted + 1 for o in rows(True)) / 16 * whole_plain / whole, abs=0.01)
+    # charged a share of the drafting, against the plain forward, the same rows measured 1.2x plain decoding
+    tokens = sum(o.accepted + 1 for o in rows(True))
+    assert tokens / sum((o.draft_seconds + o.verify_seconds) / forward_plain for o in rows(True)) > 1.15
+    # a cycle of its own (no step_seconds) is charged its draft, verify and transit, against T_step
+    alone = cycle(2, 2, 1.5)
+    assert alone.cycle_seconds == pytest.approx(alone.draft_seconds + alone.verify_seconds)
+
+
 def test_the_bound_the_ceiling_states() -> None:
     settings = CeilingSettings()
     assert settings.rate_floor(0.5, 3.0) == pytest.approx(1 - 24 * 0.5 / (2048 + 24))

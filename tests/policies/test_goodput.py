@@ -118,6 +118,28 @@ def test_the_step_cost_curve_interpolates_extrapolates_and_scales_the_prior() ->
         steps.observe(0, 1.0)
 
 
+def test_whole_plain_steps_are_measured_per_batch_size_and_scaled_along_the_curve_between() -> None:
+    """A whole plain step (planning to verdicts) costs more than its forward: measured at a batch size, that is the
+    answer there; at another, the nearest measured size's, scaled along T_step; before any, T_step itself."""
+    steps = StepCostEstimator(EstimatorPrior())
+    for positions, ms in STEP_POINTS_MS[1:]:
+        steps.observe(positions, ms * MS)
+    assert steps.t_plain_step(16) == pytest.approx(steps.t_step(16))  # nothing measured whole: the forward's
+    for _ in range(16):  # one step of 16 rows, each row reporting a sixteenth of it
+        steps.observe_plain_step(16, 30.0 * MS, 1 / 16)
+    assert steps.t_plain_step(16) == pytest.approx(30.0 * MS)
+    assert steps.t_plain_step(80) == pytest.approx(30.0 * MS * steps.t_step(80) / steps.t_step(16))
+    steps.observe_plain_step(16, 40.0 * MS)  # a whole step more: the mean weighs steps, not rows
+    assert steps.t_plain_step(16) == pytest.approx(35.0 * MS)
+    for _ in range(200):  # a window of at most STEP_WINDOW steps: a slower machine is followed
+        steps.observe_plain_step(16, 50.0 * MS)
+    assert steps.t_plain_step(16) == pytest.approx(50.0 * MS, rel=1e-3)
+    with pytest.raises(ValueError, match="batch_size"):
+        steps.observe_plain_step(0, 1.0)
+    with pytest.raises(ValueError, match="weight"):
+        steps.observe_plain_step(4, 1.0, weight=2.0)
+
+
 def test_a_single_request_drafts_and_a_large_batch_switches_off() -> None:
     alone = Batch([0.75]).run(200)
     assert statistics.mean(g[0] for g in alone[-100:]) >= 2

@@ -67,6 +67,16 @@ class CycleObservation:
     # the first draft of the request, or the first after cycles without one: the drafter first caught up on the
     # text it had not seen (a draft model's prompt), a one-time cost that draft_seconds includes
     resumed: bool = False
+    # a batched engine's whole decoding step, from planning to every verdict (every row's drafting, the forward,
+    # the bookkeeping): what each of its rows waited, the same for all; 0 = a cycle of its own (draft + verify + wire)
+    step_seconds: float = 0.0
+
+    @property
+    def cycle_seconds(self) -> float:
+        """What this cycle took from the request's point of view: its batched step's whole time, or its own drafting,
+        verification and transit. (A row's ``draft_seconds`` in a batched step is its share of shared drafting; every
+        row waited for all of it.)"""
+        return self.step_seconds or self.draft_seconds + self.verify_seconds + self.wire_seconds
 
     @property
     def positions(self) -> int:
