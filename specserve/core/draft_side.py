@@ -264,9 +264,12 @@ def _fit_to_width(sides: Sequence[DraftSide]) -> None:
         [0, *(side.chain_limit if side.chain_limit is not None else side.budget.nodes for side in others)]
     )
     plans = [side.chain_limit or 0 for side, _ in flexible]
+    caps = [max(0, min(schedule.max_chain, side.remaining - 1)) for side, schedule in flexible]
+    if not any(plans) and not any(caps):
+        return  # nobody drafts and nobody may: every width is plain decoding's
     chains = choose_chains(
         plans,
-        [max(0, min(schedule.max_chain, side.remaining - 1)) for side, schedule in flexible],
+        caps,
         [schedule.expected_tokens for _, schedule in flexible],
         [schedule.draft_seconds for _, schedule in flexible],
         flexible[0][1].step_seconds,

@@ -97,6 +97,9 @@ class EagleDrafter(TreeModelDrafter):
         )
         self._head_cache: StaticKVCache | None = None
         self._features: list[torch.Tensor] = []  # the head's input feature of each committed position, fused
+        # the target's features of the positions after those, not fused yet: fused together when the head needs them
+        # (a request that decodes plainly for a while is not charged a small fc product per position and step)
+        self._raw: list[torch.Tensor] = []
         self._head_cached = 0  # head positions whose keys/values are in the cache (real inputs)
         self.store = store if store is not None else PrefixStore[StoredPosition](FEATURE_STORE_POSITIONS)
         self._namespace = ""  # the current request's prefix-cache namespace
@@ -152,19 +155,37 @@ class EagleDrafter(TreeModelDrafter):
         if self._head_cache is not None:
             self._head_cache.release()
         self._head_cache = self.slots.new_cache()
-        self._features = []
+        self._features, self._raw = [], []
         self._head_cached = 0
 
     def add_features(self, start: int, features: torch.Tensor) -> None:
         if features.numel() == 0:
             return
-        if not 0 <= start <= len(self._features):
-            raise ValueError(f"features from position {start} leave a gap after the {len(self._features)} known")
-        with torch.inference_mode():
-            fused = self.head.fuse_features(features.to(self._device))
-        del self._features[start:]
-        self._features.extend(fused.unbind(0))
+        if not 0 <= start <= self._known:
+            raise ValueError(f"features from position {start} leave a gap after the {self._known} known")
+        self._forget_from(start)
+        self._raw.extend(features.unbind(0))
         self._head_cached = min(self._head_cached, start)  # a position whose input changed must be fed again
+
+    @property
+    def _known(self) -> int:
+        """Positions whose features this request holds, fused or not."""
+        return len(self._features) + len(self._raw)
+
+    def _forget_from(self, position: int) -> None:
+        if position < len(self._features):
+            del self._features[position:]
+            self._raw.clear()
+        else:
+            del self._raw[position - len(self._features) :]
+
+    def _fuse(self) -> None:
+        """Fuse the features not fused yet, in one product (each position's fusion is its own row's)."""
+        if self._raw:
+            with torch.inference_mode():
+                fused = self.head.fuse_features(torch.stack(self._raw).to(self._device))
+            self._features.extend(fused.unbind(0))
+            self._raw.clear()
 
     def reuse_prefix(self, namespace: str, tokens: Sequence[int]) -> int:
         """Take the stored features of the longest prefix of ``tokens`` when they reach further than the features
@@ -172,11 +193,11 @@ class EagleDrafter(TreeModelDrafter):
         them where stored; how many positions it knows now."""
         self._namespace = namespace
         stored = self.store.get(namespace, tokens)
-        if len(stored) > len(self._features):
-            self._head_cached = min(self._head_cached, len(self._features))
-            self._features = [feature for feature, _ in stored]
+        if len(stored) > self._known:
+            self._head_cached = min(self._head_cached, self._known)
+            self._features, self._raw = [feature for feature, _ in stored], []
             self._reuse_head_cache(stored)
-        return len(self._features)
+        return self._known
 
     def _reuse_head_cache(self, stored: Sequence[StoredPosition]) -> None:
         """Load the stored keys and values of the head's positions that match: position t reads token t + 1, so of
@@ -193,6 +214,7 @@ class EagleDrafter(TreeModelDrafter):
     def keep_prefix(self) -> None:
         """Store this request's features (every committed position's it was given so far) and the head's keys and
         values over those it ran on, for other requests: while it prefills, and when it ends."""
+        self._fuse()
         cache = self._head_cache
         ran = min(self._head_cached, cache.length, len(self._features)) if cache is not None else 0
         rows = cache.rows(ran) if cache is not None and ran else None
@@ -205,7 +227,7 @@ class EagleDrafter(TreeModelDrafter):
         if not 0 <= length <= len(self.context):
             raise ValueError(f"cannot rewind {len(self.context)} committed tokens to {length}")
         del self.context[length:]
-        del self._features[length:]
+        self._forget_from(length)
         self._head_cached = min(self._head_cached, max(length - 1, 0))
 
     def propose(self, budget: int) -> Draft:
@@ -219,7 +241,7 @@ class EagleDrafter(TreeModelDrafter):
     @property
     def can_draft(self) -> bool:
         """The head needs the features of every committed position but the last (none for a 1-token prompt)."""
-        return len(self.context) >= 2 and len(self._features) >= len(self.context) - 1
+        return len(self.context) >= 2 and self._known >= len(self.context) - 1
 
     # -----------------------------------------------------------------------------------------
     # The head's forwards (a session's, or a batcher's for many requests: specserve.drafters.eagle_batch)
@@ -229,6 +251,7 @@ class EagleDrafter(TreeModelDrafter):
         tokens ``[k]`` and fused features ``[k, hidden]`` of the head positions still to feed before drafting."""
         if self._head_cache is None:
             raise RuntimeError("call start() before proposing")
+        self._fuse()
         committed = len(self.context) - 1
         keep = min(self._head_cached, committed - 1, self._head_cache.length)
         self._head_cache.rollback(keep)
