@@ -38,10 +38,8 @@ much is proposed, never the output's law). Each request gets its own drafter fro
 ``new_drafter(name)`` (a draft model's weights are shared; its cache, or its span of a shared pool,
 is the request's), given back when the request ends. Each step's observation carries the batch size,
 the positions the forward computed and the forward's time, which the policies' step-cost estimate learns, and the
-whole decoding step's time, which the adaptive policy's measured ceiling charges every row of the step against plain
-steps measured alike, and prices each step's fixed share with: what each row waited for from the previous step's
-verdicts to this one's — the previous step's commits, the caller's work in between (a server handing the chunks on),
-this step's planning, every row's drafting, the forward and the verdicts — less this step's admission and prefill.
+whole decoding step's time (planning, every row's drafting, the forward, the verdicts: what each row waited), which
+the adaptive policy's measured ceiling charges every row of the step against plain steps measured alike.
 
 Hidden-state drafters (EAGLE, Medusa: :class:`~specserve.core.draft.drafter.FeatureDrafter`) get the target's
 features from the batched forwards themselves: each prefill chunk's, in order, from the chunk's first
@@ -169,9 +167,6 @@ class BatchedEngine(GenerationFrontend):
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}
-        # when the last decoding step's verdicts were in (None: no decoding since the engine last ran dry): the time
-        # from then to the next step is its rows' too (their commits, the caller handing their chunks on)
-        self._decoded_at: float | None = None
 
     # -----------------------------------------------------------------------------------------
     # Requests
@@ -253,14 +248,11 @@ class BatchedEngine(GenerationFrontend):
         error in place of a chunk (the caller's :class:`~specserve.core.errors.UserError`, or
         :class:`~specserve.core.errors.RequestFailed`), its KV is freed, and every other request's chunk is what it
         would have been without it. Only a shared forward's failure raises."""
-        entered = time.perf_counter()
-        between = 0.0 if self._decoded_at is None else entered - self._decoded_at
         failed: list[tuple[int, StreamChunk | Exception]] = []
         self._admit(failed)
         self._prefill(failed)
         running = [r for r in self._running.values() if r.verifier is not None and not r.verifier.unprefilled]
         if not running:
-            self._decoded_at = None
             return failed
         started = time.perf_counter()  # the decoding step: planning, drafting, the forward, every verdict
         proposals = propose_batch([request.parts()[1] for request in running])
@@ -271,13 +263,9 @@ class BatchedEngine(GenerationFrontend):
             else:
                 drafted.append((request, proposal))
         if not drafted:
-            self._decoded_at = None
             return failed
         step = verify_batch(self.ops, [(r.parts()[0], proposal, r.seq_id) for r, proposal in drafted])
-        self._decoded_at = time.perf_counter()
-        # what each row waited for: this step's decoding, and the time since the last step's verdicts outside this
-        # step's admission and prefill (the last step's commits and the caller's work between steps)
-        step_seconds = between + self._decoded_at - started
+        step_seconds = time.perf_counter() - started
         chunks: list[tuple[int, StreamChunk | Exception]] = []
         for (request, proposal), outcome in zip(drafted, step.outcomes, strict=True):
             if isinstance(outcome, Exception):

@@ -168,8 +168,7 @@ class SpeculationController:
         return gamma if self.ceiling is None or gamma == 0 else self.ceiling.allowed(gamma, self._batch_size)
 
     def step_seconds(self, positions: int) -> float:
-        """A step of ``positions`` positions in this request's batch: its forward and the batch's fixed overhead."""
-        return self.step_costs.t_step(positions) + self.step_costs.overhead(self._batch_size)
+        return self.step_costs.t_step(positions)
 
     def snapshot(self, batch_size: int = 1) -> PolicyState:
         """The state the next decision will be made from, in a step that verifies ``batch_size`` requests: beyond

@@ -23,9 +23,6 @@ more: the step's planning, every row's drafting and the verdicts too. The measur
 (:meth:`StepCostEstimator.observe_plain_step`, :meth:`StepCostEstimator.t_plain_step`): a plain step's overheads
 are then on both sides. At a batch size without plain steps measured yet, the nearest one's measurement is scaled
 along the T_step curve; before any, T_step itself (overheads on the drafting side only: a draft must pay for them).
-What a whole plain step costs beyond its forward is the step's fixed share (:meth:`StepCostEstimator.overhead`), which
-the per-request table adds to every width: a step's tokens pay for it whatever its width, so where it is large (a
-server handing each row's chunk on between steps) a wider step that commits more tokens is worth more.
 
 Thread-safe (one estimator is shared by a replica's
 requests). Does not choose budgets (:mod:`specserve.policies.policies`) or time anything.
@@ -83,13 +80,6 @@ class StepCostEstimator:
             mean, total = self._plain.get(batch_size, (0.0, 0.0))
             total = min(total + weight, self.window)
             self._plain[batch_size] = (mean + (seconds - mean) * weight / total, total)
-            self._tables.clear()
-            self._version += 1
-
-    def overhead(self, batch_size: int) -> float:
-        """What a whole step of ``batch_size`` rows costs beyond its forward (planning, verdicts, bookkeeping, the
-        caller's work between steps): a whole plain step less T_step(``batch_size``), measured; 0 before any."""
-        return max(0.0, self.t_plain_step(batch_size) - self.t_step(batch_size))
 
     def t_plain_step(self, batch_size: int) -> float:
         """Predicted seconds of a whole plain step of ``batch_size`` rows: measured at that size, else the nearest
@@ -135,15 +125,14 @@ class StepCostEstimator:
         return y0 + (y1 - y0) * (positions - x0) / (x1 - x0)
 
     def per_request_table(self, batch_size: int, max_k: int) -> tuple[float, ...]:
-        """(T_step(batch_size · k) + the step's :meth:`overhead`) / batch_size for k = 1 .. ``max_k``: one request's
-        share of a step in which every one of ``batch_size`` requests verifies a block of k."""
+        """T_step(batch_size · k) / batch_size for k = 1 .. ``max_k``: one request's share of a step in which
+        every one of ``batch_size`` requests verifies a block of k."""
         if batch_size < 1 or max_k < 1:
             raise ValueError(f"batch_size and max_k must be >= 1, got {batch_size} and {max_k}")
         with self._lock:
             table, version = self._tables.get((batch_size, max_k)), self._version
         if table is None:
-            fixed = self.overhead(batch_size)
-            table = tuple((self.t_step(batch_size * k) + fixed) / batch_size for k in range(1, max_k + 1))
+            table = tuple(self.t_step(batch_size * k) / batch_size for k in range(1, max_k + 1))
             with self._lock:
                 if self._version == version:  # no observation came in meanwhile: still current
                     self._tables[(batch_size, max_k)] = table

@@ -120,8 +120,7 @@ def test_the_step_cost_curve_interpolates_extrapolates_and_scales_the_prior() ->
 
 def test_whole_plain_steps_are_measured_per_batch_size_and_scaled_along_the_curve_between() -> None:
     """A whole plain step (planning to verdicts) costs more than its forward: measured at a batch size, that is the
-    answer there; at another, the nearest measured size's, scaled along T_step; before any, T_step itself. What it
-    costs beyond the forward is a fixed share of every step, whatever its width."""
+    answer there; at another, the nearest measured size's, scaled along T_step; before any, T_step itself."""
     steps = StepCostEstimator(EstimatorPrior())
     for positions, ms in STEP_POINTS_MS[1:]:
         steps.observe(positions, ms * MS)
@@ -132,12 +131,6 @@ def test_whole_plain_steps_are_measured_per_batch_size_and_scaled_along_the_curv
     assert steps.t_plain_step(80) == pytest.approx(30.0 * MS * steps.t_step(80) / steps.t_step(16))
     steps.observe_plain_step(16, 40.0 * MS)  # a whole step more: the mean weighs steps, not rows
     assert steps.t_plain_step(16) == pytest.approx(35.0 * MS)
-    # its overhead beyond the forward is every width's fixed share: the per-request table adds it
-    overhead = 35.0 * MS - steps.t_step(16)
-    assert steps.overhead(16) == pytest.approx(overhead) and steps.overhead(16) > 0
-    table = steps.per_request_table(16, 3)
-    assert table == pytest.approx([(steps.t_step(16 * k) + overhead) / 16 for k in (1, 2, 3)])
-    assert StepCostEstimator(EstimatorPrior()).overhead(16) == 0.0  # nothing measured whole: none assumed
     for _ in range(200):  # a window of at most STEP_WINDOW steps: a slower machine is followed
         steps.observe_plain_step(16, 50.0 * MS)
     assert steps.t_plain_step(16) == pytest.approx(50.0 * MS, rel=1e-3)

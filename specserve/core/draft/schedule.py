@@ -139,8 +139,7 @@ class BatchPlanned(Protocol):
         ...
 
     def step_seconds(self, positions: int) -> float:
-        """Predicted seconds of a batched step whose forward computes ``positions`` positions (its forward and the
-        step's fixed overhead)."""
+        """Predicted seconds of a batched step whose forward computes ``positions`` positions."""
         ...
 
 
